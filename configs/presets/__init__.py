@@ -1,0 +1,1 @@
+"""Experiment presets reproducing the papers' setups: `python -m specjax.eval --preset NAME`."""

@@ -1,0 +1,138 @@
+"""The public Python API: `load_model(...)` returns a `Model` with logits, loglikelihood and greedy generate."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import paths
+from specjax.checkpoint import load_model_dir
+from specjax.config import ModelConfig, from_hf_config, load_config
+from specjax.configs.models import MODEL_SHAPES
+from specjax.errors import SpecjaxError
+from specjax.models import inference
+from specjax.models.params import init_params
+from specjax.tokenizer import Tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+class Model:
+    """A loaded model: static config, params on the default device, tokenizer, and where weights came from.
+
+    `weights` is "pretrained" or "random"; results computed with random weights carry that label,
+    and their accuracy means nothing.
+    """
+
+    def __init__(self, name: str, config: ModelConfig, params: dict, weights: str,
+                 tokenizer: Tokenizer | None = None, path: pathlib.Path | None = None):
+        self.name = name
+        self.config = config
+        self.params = params
+        self.weights = weights
+        self.path = path
+        self._tokenizer = tokenizer
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise SpecjaxError(
+                f"model {self.name!r} has no tokenizer ({'random weights' if self.weights == 'random' else 'none was converted'}); "
+                "pass token ids instead of text"
+            )
+        return self._tokenizer
+
+    def logits(self, ids) -> np.ndarray:
+        """Plain causal forward without a cache: fp32 logits [len(ids), vocab]."""
+        return inference.forward_logits(self.config, self.params, ids)
+
+    def loglikelihood(self, context_ids, continuation_ids) -> tuple[float, bool]:
+        """(sum of log p(continuation | context), whether greedy decoding would produce it).
+
+        An empty context is preceded by the BOS token (or EOS when there is none), as
+        lm-evaluation-harness does.
+        """
+        context, cont = [int(t) for t in context_ids], [int(t) for t in continuation_ids]
+        if not cont:
+            raise SpecjaxError("loglikelihood needs a non-empty continuation")
+        if not context:
+            start = self.config.bos_token_id if self.config.bos_token_id is not None else self.config.eos_token_id
+            if start is None:
+                raise SpecjaxError("empty context and the model has no BOS/EOS token to start from")
+            context = [start]
+        ids = context + cont
+        rows = np.arange(len(context) - 1, len(ids) - 1)
+        logits = inference.logits_at(self.config, self.params, ids[:-1], rows)
+        logprobs = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+        target = np.asarray(cont)
+        total = float(np.asarray(logprobs)[np.arange(len(cont)), target].sum())
+        greedy = bool((np.argmax(logits, axis=-1) == target).all())
+        return total, greedy
+
+    def generate(self, prompt: str, max_new_tokens: int = 32) -> str:
+        """Greedy continuation of `prompt` (stops at EOS)."""
+        ids = self.tokenizer.encode(prompt)
+        stop = () if self.config.eos_token_id is None else (self.config.eos_token_id,)
+        out = inference.greedy_generate(self.config, self.params, ids, max_new_tokens, stop)
+        return self.tokenizer.decode(out)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model({self.name!r}, {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, "
+                f"{self.weights} weights, {jnp.dtype(self.dtype).name})")
+
+
+def _resolve_dtype(dtype):
+    if dtype is None or not isinstance(dtype, str):
+        return dtype
+    if dtype not in _DTYPES:
+        raise SpecjaxError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _random_config(name_or_path: str) -> ModelConfig:
+    if name_or_path in MODEL_SHAPES:
+        return from_hf_config(MODEL_SHAPES[name_or_path])
+    path = pathlib.Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return load_config(path / "config.json")
+    raise SpecjaxError(
+        f"unknown model {name_or_path!r} for random init; known shapes: {', '.join(paths.known_names())}"
+    )
+
+
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pretrained", seed: int = 0,
+               verify_checksums: bool = True) -> Model:
+    """Load a converted model by registered name or directory, or build random weights of a registered shape.
+
+    dtype: None keeps the stored dtype (random weights: float32 on CPU, bfloat16 on accelerators).
+    init: "pretrained" loads weights (smollm2-135m is fetched and converted on first use);
+          "random" builds random weights of the named shape, for timing runs only.
+    """
+    dtype = _resolve_dtype(dtype)
+    if init == "random":
+        cfg = _random_config(name_or_path)
+        if dtype is None:
+            dtype = jnp.float32 if _on_cpu() else jnp.bfloat16
+        params = init_params(cfg, seed=seed, dtype=dtype)
+        return Model(pathlib.Path(name_or_path).name, cfg, params, "random")
+    if init != "pretrained":
+        raise SpecjaxError(f"unknown init {init!r}; use 'pretrained' or 'random'")
+    model_dir = paths.resolve_model_dir(name_or_path)
+    cfg, params, manifest = load_model_dir(model_dir, checksums=verify_checksums)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    tok_path = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tok_path, cfg.bos_token_id, cfg.eos_token_id) if tok_path.is_file() else None
+    name = name_or_path if name_or_path in MODEL_SHAPES else model_dir.name
+    return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir)

@@ -1,0 +1,130 @@
+"""Converted-model directories: an orbax checkpoint of the params, config.json, tokenizer.json and a
+checksum manifest so that a truncated or corrupt file is reported instead of loaded.
+
+Layout of a model directory:
+    config.json          specjax ModelConfig
+    params/              orbax StandardCheckpointer tree (the param_specs tree of the config)
+    tokenizer.json       Hugging Face tokenizers file (optional)
+    specjax_model.json   {"format": 1, "weights": "pretrained", "source": ..., "dtype": ..., "files": {relpath: [size, sha256]}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+
+from specjax.config import ModelConfig, load_config, save_config
+from specjax.errors import CheckpointError
+from specjax.models.params import Params, check_params, param_specs
+
+MANIFEST = "specjax_model.json"
+FORMAT = 1
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _data_files(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def save_model_dir(
+    out: pathlib.Path,
+    cfg: ModelConfig,
+    params: Params,
+    *,
+    tokenizer_json: str | None,
+    source: str,
+    weights: str = "pretrained",
+) -> None:
+    """Write a model directory atomically: everything goes to a temp dir that is renamed at the end."""
+    import orbax.checkpoint as ocp
+
+    out = pathlib.Path(out).expanduser().resolve()
+    check_params(cfg, params, source)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_config(cfg, tmp / "config.json")
+    if tokenizer_json is not None:
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp / "params", jax.tree.map(np.asarray, params))
+    dtype = str(np.asarray(params["embed"]).dtype)
+    files = {str(p.relative_to(tmp)): [p.stat().st_size, _sha256(p)] for p in _data_files(tmp)}
+    manifest = {"format": FORMAT, "weights": weights, "source": source, "dtype": dtype, "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def read_manifest(model_dir: pathlib.Path) -> dict:
+    path = model_dir / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"{model_dir} is not a converted specjax model (no {MANIFEST}); convert it with "
+            f"`python -m specjax.convert --hf_dir DIR --out {model_dir}`"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is corrupt ({e}); convert the model again") from e
+
+
+def verify_files(model_dir: pathlib.Path, manifest: dict, *, checksums: bool = True) -> None:
+    """Check every file the manifest names: present, same size and (optionally) same sha256."""
+    for rel, (size, digest) in manifest["files"].items():
+        path = model_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: file {rel} is missing; convert the model again")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{model_dir}: file {rel} is truncated or altered ({actual} bytes, expected {size}); "
+                "convert the model again"
+            )
+        if checksums and _sha256(path) != digest:
+            raise CheckpointError(f"{model_dir}: file {rel} is corrupt (sha256 mismatch); convert the model again")
+
+
+def load_model_dir(model_dir: pathlib.Path, *, checksums: bool = True) -> tuple[ModelConfig, Params, dict]:
+    """Load (config, params as numpy, manifest) from a converted model directory, verified first."""
+    import orbax.checkpoint as ocp
+
+    model_dir = pathlib.Path(model_dir)
+    manifest = read_manifest(model_dir)
+    verify_files(model_dir, manifest, checksums=checksums)
+    cfg = load_config(model_dir / "config.json")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore((model_dir / "params").resolve())
+    except Exception as e:  # orbax raises many types; any of them means the same to the user
+        raise CheckpointError(f"{model_dir}: cannot read params ({type(e).__name__}: {e})") from e
+    params = _restore_lists(params, param_specs(cfg))
+    check_params(cfg, params, str(model_dir))
+    return cfg, params, manifest
+
+
+def _restore_lists(tree, like):
+    """Orbax may give back lists as {'0': ..} dicts; rebuild the declared structure (check_params
+    then reports any difference by tensor name)."""
+    if isinstance(like, list):
+        items = tree if isinstance(tree, list) else [tree[k] for k in sorted(tree, key=int)]
+        if len(items) != len(like):
+            return items
+        return [_restore_lists(t, l) for t, l in zip(items, like)]
+    if isinstance(like, dict) and isinstance(tree, dict):
+        return {k: _restore_lists(v, like[k]) if k in like else v for k, v in tree.items()}
+    return tree

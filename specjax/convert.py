@@ -1,0 +1,316 @@
+"""Convert Hugging Face checkpoints (safetensors, sharded or not; pytorch_model*.bin) and llama-architecture
+GGUF files into specjax model directories (orbax params + config + tokenizer).
+
+    python -m specjax.convert --hf_dir /ckpt/opt-6.7b --out ~/.cache/specjax/models/opt-6.7b
+    python -m specjax.convert --gguf model.gguf --out DIR [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable
+
+import numpy as np
+from absl import flags
+
+from specjax.config import ModelConfig, from_hf_config
+from specjax.cli import run
+from specjax.errors import CheckpointError, SpecjaxError
+from specjax.models.params import Params
+from specjax.tokenizer import tokenizer_json_from_gguf, tokenizer_json_from_hf_dir
+
+DTYPES = {"bfloat16": "bfloat16", "float32": np.float32, "float16": np.float16}
+
+Getter = Callable[[str], np.ndarray]  # tensor name -> float32 array in PyTorch layout
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    if name not in DTYPES:
+        raise SpecjaxError(f"unknown --dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return ml_dtypes.bfloat16 if name == "bfloat16" else DTYPES[name]
+
+
+# ---- Hugging Face layout -> specjax layout ----------------------------------------------------
+
+
+def _linear_in_heads(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Linear weight [heads*head_dim, D] -> [D, heads, head_dim]."""
+    return w.T.reshape(w.shape[1], heads, head_dim)
+
+
+def _hf_layer(cfg: ModelConfig, get: Getter, p: str) -> dict:
+    H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if cfg.arch == "opt":
+        a, names = f"{p}.self_attn", {"o": "out_proj", "ln1": "self_attn_layer_norm", "ln2": "final_layer_norm"}
+        layer = {
+            "attn_norm": get(f"{p}.{names['ln1']}.weight"),
+            "attn_norm_bias": get(f"{p}.{names['ln1']}.bias"),
+            "mlp_norm": get(f"{p}.{names['ln2']}.weight"),
+            "mlp_norm_bias": get(f"{p}.{names['ln2']}.bias"),
+            "w_up": get(f"{p}.fc1.weight").T,
+            "b_up": get(f"{p}.fc1.bias"),
+            "w_down": get(f"{p}.fc2.weight").T,
+            "b_down": get(f"{p}.fc2.bias"),
+            "bo": get(f"{a}.out_proj.bias"),
+        }
+    else:
+        a, names = f"{p}.self_attn", {"o": "o_proj"}
+        layer = {
+            "attn_norm": get(f"{p}.input_layernorm.weight"),
+            "mlp_norm": get(f"{p}.post_attention_layernorm.weight"),
+            "w_gate": get(f"{p}.mlp.gate_proj.weight").T,
+            "w_up": get(f"{p}.mlp.up_proj.weight").T,
+            "w_down": get(f"{p}.mlp.down_proj.weight").T,
+        }
+    layer["wq"] = _linear_in_heads(get(f"{a}.q_proj.weight"), H, d)
+    layer["wk"] = _linear_in_heads(get(f"{a}.k_proj.weight"), K, d)
+    layer["wv"] = _linear_in_heads(get(f"{a}.v_proj.weight"), K, d)
+    wo = get(f"{a}.{names['o']}.weight")  # [D, H*d]
+    layer["wo"] = wo.T.reshape(H, d, wo.shape[0])
+    if cfg.arch == "opt" or cfg.qkv_bias:
+        layer["bq"] = get(f"{a}.q_proj.bias").reshape(H, d)
+        layer["bk"] = get(f"{a}.k_proj.bias").reshape(K, d)
+        layer["bv"] = get(f"{a}.v_proj.bias").reshape(K, d)
+    return layer
+
+
+def hf_params(cfg: ModelConfig, get: Getter) -> Params:
+    """Params tree from Hugging Face tensor names (prefix 'model.' already stripped)."""
+    if cfg.arch == "opt":
+        params = {
+            "embed": get("decoder.embed_tokens.weight"),
+            "pos_embed": get("decoder.embed_positions.weight"),
+        }
+        if cfg.has_projections:
+            params["project_in"] = get("decoder.project_in.weight").T
+            params["project_out"] = get("decoder.project_out.weight").T
+        if cfg.final_layer_norm:
+            params["final_norm"] = get("decoder.final_layer_norm.weight")
+            params["final_norm_bias"] = get("decoder.final_layer_norm.bias")
+        layer_prefix = "decoder.layers"
+    else:
+        params = {"embed": get("embed_tokens.weight"), "final_norm": get("norm.weight")}
+        layer_prefix = "layers"
+    if not cfg.tie_embeddings:
+        params["lm_head"] = get("lm_head.weight").T
+    params["layers"] = [_hf_layer(cfg, get, f"{layer_prefix}.{i}") for i in range(cfg.num_layers)]
+    return params
+
+
+class _HFTensors:
+    """Lazy access to the tensors of a Hugging Face checkpoint directory, by name without 'model.'."""
+
+    def __init__(self, hf_dir: pathlib.Path):
+        self.hf_dir = hf_dir
+        self._torch: dict[pathlib.Path, dict] = {}
+        self._where: dict[str, tuple[pathlib.Path, str]] = {}
+        for path in self._weight_files():
+            for name in self._names(path):
+                self._where[name.removeprefix("model.")] = (path, name)
+
+    def _weight_files(self) -> list[pathlib.Path]:
+        d = self.hf_dir
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = d / index_name
+            if index.is_file():
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                missing = [s for s in shards if not (d / s).is_file()]
+                if missing:
+                    raise CheckpointError(f"{d}: shard(s) {missing} named in {index_name} are missing")
+                return [d / s for s in shards]
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (d / name).is_file():
+                return [d / name]
+        raise CheckpointError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin found")
+
+    def _names(self, path: pathlib.Path) -> list[str]:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(path, framework="flax") as f:
+                    return list(f.keys())
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from e
+        return list(self._torch_state(path))
+
+    def _torch_state(self, path: pathlib.Path) -> dict:
+        if path not in self._torch:
+            try:
+                import torch
+            except ImportError as e:
+                raise SpecjaxError(f"{path} is a PyTorch .bin checkpoint: install torch to convert it") from e
+            try:
+                self._torch[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable PyTorch checkpoint ({e})") from e
+        return self._torch[path]
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            if name == "lm_head.weight":
+                raise CheckpointError(f"{self.hf_dir}: lm_head.weight is missing and embeddings are not tied")
+            raise CheckpointError(f"{self.hf_dir}: tensor {name!r} not found in the checkpoint")
+        path, full = self._where[name]
+        if path.suffix != ".safetensors":
+            return self._torch_state(path)[full].float().numpy()
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="flax") as f:
+                return np.asarray(f.get_tensor(full), np.float32)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {full} ({e})") from e
+
+
+def convert_hf_dir(hf_dir: pathlib.Path, out: pathlib.Path, dtype: str = "bfloat16") -> ModelConfig:
+    from specjax.checkpoint import save_model_dir
+
+    hf_dir = pathlib.Path(hf_dir).expanduser()
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face checkpoint directory?")
+    cfg = from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    params = hf_params(cfg, _HFTensors(hf_dir))
+    target = _np_dtype(dtype)
+    params = _cast_tree(params, target)
+    tok = tokenizer_json_from_hf_dir(hf_dir)
+    if tok is None:
+        print(f"note: {hf_dir} has no tokenizer files; the converted model will accept token ids only")
+    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"hf:{hf_dir.resolve()}")
+    return cfg
+
+
+def _cast_tree(params: Params, dtype) -> Params:
+    import jax
+
+    return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype)), params)
+
+
+# ---- GGUF (llama architecture) ---------------------------------------------------------------
+
+
+def _gguf_field(field):
+    """Decode a GGUF metadata field to a Python value (str, number, or list of them)."""
+    from gguf import GGUFValueType
+
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if field.types and field.types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K weights (its RoPE pairs adjacent dims)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict]:
+    """(config, float32 params, metadata fields) from a llama-architecture GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    fields = {k: _gguf_field(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise SpecjaxError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tensors = {t.name: t for t in reader.tensors}
+    hf = {
+        "model_type": "llama",
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": fields["llama.embedding_length"],
+        "num_hidden_layers": fields["llama.block_count"],
+        "num_attention_heads": fields["llama.attention.head_count"],
+        "num_key_value_heads": fields.get("llama.attention.head_count_kv", fields["llama.attention.head_count"]),
+        "intermediate_size": fields["llama.feed_forward_length"],
+        "max_position_embeddings": fields.get("llama.context_length", 4096),
+        "rms_norm_eps": fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": fields.get("llama.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }
+    cfg = from_hf_config(hf)
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{path}: tensor {name} is missing")
+        t = tensors[name]
+        try:
+            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError as e:
+            raise CheckpointError(f"{path}: cannot dequantize {name} of type {t.tensor_type.name}: {e}") from e
+
+    H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def layer(i: int) -> dict:
+        b = f"blk.{i}"
+        wo = get(f"{b}.attn_output.weight")
+        return {
+            "attn_norm": get(f"{b}.attn_norm.weight"),
+            "wq": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_q.weight"), H), H, d),
+            "wk": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_k.weight"), K), K, d),
+            "wv": _linear_in_heads(get(f"{b}.attn_v.weight"), K, d),
+            "wo": wo.T.reshape(H, d, wo.shape[0]),
+            "mlp_norm": get(f"{b}.ffn_norm.weight"),
+            "w_gate": get(f"{b}.ffn_gate.weight").T,
+            "w_up": get(f"{b}.ffn_up.weight").T,
+            "w_down": get(f"{b}.ffn_down.weight").T,
+        }
+
+    params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = get("output.weight").T
+    params["layers"] = [layer(i) for i in range(cfg.num_layers)]
+    return cfg, params, fields
+
+
+def convert_gguf(path: pathlib.Path, out: pathlib.Path, dtype: str = "bfloat16", tokenizer: pathlib.Path | None = None) -> ModelConfig:
+    from specjax.checkpoint import save_model_dir
+
+    path = pathlib.Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    cfg, params, fields = read_gguf(path)
+    tok = pathlib.Path(tokenizer).read_text() if tokenizer else tokenizer_json_from_gguf(fields)
+    save_model_dir(out, cfg, _cast_tree(params, _np_dtype(dtype)), tokenizer_json=tok, source=f"gguf:{path.name}")
+    return cfg
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors or .bin).")
+flags.DEFINE_string("gguf", None, "llama-architecture GGUF file to convert instead of --hf_dir.")
+flags.DEFINE_string("out", None, "Output model directory (e.g. ~/.cache/specjax/models/NAME).")
+flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Stored parameter dtype.")
+flags.DEFINE_string("tokenizer", None, "tokenizer.json to use instead of the GGUF's embedded vocabulary.")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.out:
+        raise SpecjaxError("--out DIR is required")
+    if bool(FLAGS.hf_dir) == bool(FLAGS.gguf):
+        raise SpecjaxError("give exactly one of --hf_dir DIR or --gguf FILE")
+    out = pathlib.Path(FLAGS.out).expanduser()
+    if FLAGS.hf_dir:
+        cfg = convert_hf_dir(pathlib.Path(FLAGS.hf_dir), out, FLAGS.dtype)
+    else:
+        cfg = convert_gguf(pathlib.Path(FLAGS.gguf), out, FLAGS.dtype, FLAGS.tokenizer)
+    print(f"converted {cfg.arch} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {FLAGS.dtype}) -> {out}")
+
+
+if __name__ == "__main__":
+    run(main)

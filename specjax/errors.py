@@ -1,0 +1,32 @@
+"""Errors a user can cause, and the one-line reporting that command-line entry points use for them."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+
+class SpecjaxError(Exception):
+    """An error with a message that tells the user what to do; printed without a traceback."""
+
+
+class ModelNotFoundError(SpecjaxError):
+    pass
+
+
+class CheckpointError(SpecjaxError):
+    pass
+
+
+def exit_on_error(main):
+    """Wrap a CLI main so a SpecjaxError ends in one clear line and exit status 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except SpecjaxError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

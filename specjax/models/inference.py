@@ -1,0 +1,119 @@
+"""Plain inference over the layer steps: full forward, prefill into a KV cache, token-by-token decode.
+
+Sequences are padded at the end to a small set of bucket lengths so each shape compiles once;
+padding never changes real tokens' results because attention is causal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
+from specjax.models import transformer as T
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Round n up with at most 25% waste: multiples of a quarter of the enclosing power of two."""
+    n = max(n, minimum)
+    step = max(minimum, 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // step) * step
+
+
+def _check_length(cfg: ModelConfig, n: int) -> None:
+    if n > cfg.max_positions:
+        raise SpecjaxError(f"sequence of {n} tokens exceeds the model's {cfg.max_positions} positions")
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, ids) -> tuple[jnp.ndarray, int]:
+    """Last hidden states [bucket(T), D] of a plain causal forward, and the real length T."""
+    ids = np.asarray(ids, np.int32)
+    n = len(ids)
+    if n == 0:
+        raise SpecjaxError("cannot run the model on an empty token sequence")
+    _check_length(cfg, n)
+    padded = np.zeros(bucket(n), np.int32)
+    padded[:n] = ids
+    positions = jnp.arange(len(padded), dtype=jnp.int32)
+    valid = positions < n
+    h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
+    for lp in params["layers"]:
+        h, _, _ = T.self_attention_layer(cfg, lp, h, positions, valid)
+    return h, n
+
+
+def forward_logits(cfg: ModelConfig, params: dict, ids) -> np.ndarray:
+    h, n = forward_hidden(cfg, params, ids)
+    return np.asarray(T.head_step(cfg, params, h)[:n])
+
+
+def logits_at(cfg: ModelConfig, params: dict, ids, rows) -> np.ndarray:
+    """Logits only at the given row indices (saves the vocab projection of every other row)."""
+    h, _ = forward_hidden(cfg, params, ids)
+    rows = np.asarray(rows, np.int32)
+    padded = np.zeros(bucket(len(rows), minimum=4), np.int32)
+    padded[: len(rows)] = rows
+    return np.asarray(T.head_rows(cfg, params, h, jnp.asarray(padded))[: len(rows)])
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys and values [H_kv, capacity, d] and how many positions are filled."""
+
+    k: list
+    v: list
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+
+def empty_cache(cfg: ModelConfig, capacity: int, dtype) -> KVCache:
+    shape = (cfg.num_kv_heads, capacity, cfg.head_dim)
+    return KVCache(
+        k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        length=0,
+    )
+
+
+def extend(cfg: ModelConfig, params: dict, cache: KVCache, ids) -> np.ndarray:
+    """Run new tokens through the model on top of `cache` (updated in place); fp32 logits [n, vocab]."""
+    ids = np.asarray(ids, np.int32)
+    n = len(ids)
+    start = cache.length
+    if start + n > cache.capacity:
+        raise SpecjaxError(f"KV cache of {cache.capacity} positions cannot hold {start + n} tokens")
+    _check_length(cfg, start + n)
+    width = min(bucket(n, minimum=1 if n == 1 else 16), cache.capacity - start)
+    padded = np.zeros(width, np.int32)
+    padded[:n] = ids
+    positions = jnp.arange(start, start + width, dtype=jnp.int32)
+    h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
+    for i, lp in enumerate(params["layers"]):
+        h, cache.k[i], cache.v[i] = T.cached_layer(
+            cfg, lp, h, positions, cache.k[i], cache.v[i], start, start + n
+        )
+    cache.length = start + n
+    return np.asarray(T.head_step(cfg, params, h[:n]))
+
+
+def greedy_generate(cfg: ModelConfig, params: dict, prompt_ids, max_new_tokens: int, stop_ids=()) -> list[int]:
+    """Greedy decoding with a KV cache: prefill the prompt, then one token per step."""
+    capacity = min(cfg.max_positions, bucket(len(prompt_ids) + max_new_tokens))
+    cache = empty_cache(cfg, capacity, params["embed"].dtype)
+    logits = extend(cfg, params, cache, prompt_ids)[-1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(np.argmax(logits))
+        if token in stop_ids:
+            break
+        out.append(token)
+        if cache.length >= capacity:
+            break
+        logits = extend(cfg, params, cache, [token])[-1]
+    return out

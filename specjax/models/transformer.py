@@ -1,0 +1,173 @@
+"""OPT / Llama / Qwen2 as pure functions over (config, params, hidden states).
+
+Each layer is split so the prefill engine can act between projection and attention:
+`project` gives position-encoded q, k, v; `attention` is the plain masked reference (the engine
+substitutes gathered attention over selected prefix KV); `output_and_mlp` finishes the layer.
+Shapes are per sequence: hidden `[T, D]`, heads-major q `[H, T, d]`, k/v `[H_kv, T, d]`.
+Queries are returned unscaled; attention applies `head_dim ** -0.5`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+
+NEG_INF = -1e30  # finite, so fully masked padded rows stay NaN-free
+
+
+def layer_norm(x, scale, bias, eps):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm(x, scale, eps):
+    # As transformers: normalise in fp32, cast back, then scale in the input dtype.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
+    return scale * y.astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x, lp: dict, name: str):
+    if cfg.arch == "opt":
+        return layer_norm(x, lp[name], lp[name + "_bias"], cfg.norm_eps)
+    return rms_norm(x, lp[name], cfg.norm_eps)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding in transformers' rotate-half layout. x: [heads, T, d], positions: [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [T, d]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def embed(cfg: ModelConfig, params: dict, ids, positions):
+    """Token ids [T] at absolute positions [T] -> hidden states [T, D]."""
+    x = params["embed"][ids]
+    if cfg.arch == "opt":
+        if cfg.has_projections:
+            x = x @ params["project_in"]
+        x = x + params["pos_embed"][positions + 2]
+    return x
+
+
+def project(cfg: ModelConfig, lp: dict, h, positions):
+    """Hidden [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d]; keys position-encoded."""
+    x = norm(cfg, h, lp, "attn_norm") if cfg.pre_layer_norm else h
+    q = jnp.einsum("tD,Dhd->htd", x, lp["wq"])
+    k = jnp.einsum("tD,Dhd->htd", x, lp["wk"])
+    v = jnp.einsum("tD,Dhd->htd", x, lp["wv"])
+    if "bq" in lp:
+        q, k, v = q + lp["bq"][:, None], k + lp["bk"][:, None], v + lp["bv"][:, None]
+    if cfg.uses_rope:
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    return q, k, v
+
+
+def attention(q, k, v, q_positions, kv_positions, kv_valid=None):
+    """Reference masked attention with grouped-query heads; causal by absolute position.
+
+    q [H, Tq, d]; k, v [H_kv, Tk, d]; a key is visible to a query when its position is not later
+    and `kv_valid` (bool [Tk]) allows it. Softmax in fp32.
+    """
+    H, Tq, d = q.shape
+    H_kv = k.shape[0]
+    qg = q.reshape(H_kv, H // H_kv, Tq, d)
+    scores = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    mask = kv_positions[None, :] <= q_positions[:, None]
+    if kv_valid is not None:
+        mask = mask & kv_valid[None, :]
+    scores = jnp.where(mask, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("kgqs,ksd->kgqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(H, Tq, d).astype(q.dtype)
+
+
+def _mlp(cfg: ModelConfig, lp: dict, x):
+    if cfg.arch == "opt":
+        up = x @ lp["w_up"] + lp["b_up"]
+        act = jax.nn.relu(up) if cfg.activation == "relu" else jax.nn.gelu(up, approximate=False)
+        return act @ lp["w_down"] + lp["b_down"]
+    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def output_and_mlp(cfg: ModelConfig, lp: dict, h, attn):
+    """Attention output [H, T, d] -> out projection, residuals, norms, MLP -> next hidden [T, D]."""
+    o = jnp.einsum("htd,hdD->tD", attn, lp["wo"])
+    if "bo" in lp:
+        o = o + lp["bo"]
+    if cfg.pre_layer_norm:
+        h = h + o
+        return h + _mlp(cfg, lp, norm(cfg, h, lp, "mlp_norm"))
+    h = norm(cfg, h + o, lp, "attn_norm")  # OPT post-LN (opt-350m)
+    return norm(cfg, h + _mlp(cfg, lp, h), lp, "mlp_norm")
+
+
+def attend_and_mlp(cfg: ModelConfig, lp: dict, h, q, k, v, q_positions, kv_positions, kv_valid=None):
+    """The rest of a layer after `project`, given the keys/values the queries may see."""
+    return output_and_mlp(cfg, lp, h, attention(q, k, v, q_positions, kv_positions, kv_valid))
+
+
+def final_hidden(cfg: ModelConfig, params: dict, h):
+    if cfg.final_layer_norm:
+        if cfg.arch == "opt":
+            h = layer_norm(h, params["final_norm"], params["final_norm_bias"], cfg.norm_eps)
+        else:
+            h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    if cfg.has_projections:
+        h = h @ params["project_out"]
+    return h
+
+
+def head(cfg: ModelConfig, params: dict, h):
+    """Hidden [T, D] -> fp32 logits [T, vocab]."""
+    x = final_hidden(cfg, params, h)
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return jnp.einsum("tE,EV->tV", x, w, preferred_element_type=jnp.float32)
+
+
+# ---- jitted steps used by the Model API and the engine --------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def embed_step(cfg: ModelConfig, params: dict, ids, positions):
+    return embed(cfg, params, ids, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def self_attention_layer(cfg: ModelConfig, lp: dict, h, positions, valid):
+    """One full layer over the sequence itself (plain prefill). Returns next hidden and (k, v)."""
+    q, k, v = project(cfg, lp, h, positions)
+    return attend_and_mlp(cfg, lp, h, q, k, v, positions, positions, valid), k, v
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(4, 5))
+def cached_layer(cfg: ModelConfig, lp: dict, h, positions, cache_k, cache_v, start, cache_len):
+    """Layer over new tokens at positions start.. with a KV cache [H_kv, S, d] updated in place."""
+    q, k, v = project(cfg, lp, h, positions)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0))
+    slots = jnp.arange(cache_k.shape[1])
+    h = attend_and_mlp(cfg, lp, h, q, cache_k, cache_v, positions, slots, slots < cache_len)
+    return h, cache_k, cache_v
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def head_step(cfg: ModelConfig, params: dict, h):
+    return head(cfg, params, h)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def head_rows(cfg: ModelConfig, params: dict, h, rows):
+    return head(cfg, params, h[rows])

@@ -1,0 +1,146 @@
+"""Registered shapes, random init, model resolution and the clear errors users get for bad input."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax import paths
+from specjax.checkpoint import save_model_dir
+from specjax.config import from_hf_config
+from specjax.configs.models import MODEL_SHAPES
+from specjax.errors import CheckpointError, ModelNotFoundError, SpecjaxError
+from specjax.models.params import init_params, num_params
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [("opt-125m", 0.125), ("opt-1.3b", 1.3), ("opt-6.7b", 6.7), ("opt-13b", 13), ("opt-30b", 30), ("opt-66b", 66),
+     ("llama2-7b", 6.7), ("llama2-13b", 13), ("qwen2.5-7b", 7.6), ("qwen2.5-14b", 14.7), ("qwen2.5-32b", 32.5),
+     ("smollm2-135m", 0.135)],
+)
+def test_registered_shapes_have_published_sizes(name, billions):
+    assert num_params(from_hf_config(MODEL_SHAPES[name])) / 1e9 == pytest.approx(billions, rel=0.04)
+
+
+def test_opt350m_shape_is_post_ln_with_projections():
+    cfg = from_hf_config(MODEL_SHAPES["opt-350m"])
+    assert not cfg.pre_layer_norm and cfg.has_projections and not cfg.final_layer_norm
+
+
+def test_random_init_is_labelled_and_runs():
+    model = specjax.load_model("tiny-llama", init="random", seed=3)
+    assert model.weights == "random"
+    logits = model.logits([1, 2, 3])
+    assert logits.shape == (3, model.config.vocab_size) and np.isfinite(logits).all()
+    other = specjax.load_model("tiny-llama", init="random", seed=4)
+    assert not np.allclose(other.logits([1, 2, 3]), logits)
+    with pytest.raises(SpecjaxError, match="no tokenizer"):
+        model.generate("hello")
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(ModelNotFoundError, match="known names: .*opt-6.7b"):
+        specjax.load_model("gpt-5")
+
+
+def test_unconverted_model_says_how_to_convert(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_HOME", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match=r"python -m specjax.convert --hf_dir .* --out"):
+        specjax.load_model("opt-6.7b")
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        specjax.load_model(str(tmp_path / "nowhere" / "model"))
+
+
+def test_bad_init_and_dtype():
+    with pytest.raises(SpecjaxError, match="unknown init"):
+        specjax.load_model("tiny-llama", init="zeros")
+    with pytest.raises(SpecjaxError, match="unknown dtype"):
+        specjax.load_model("tiny-llama", init="random", dtype="int8")
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    cfg = from_hf_config(MODEL_SHAPES["tiny-llama"])
+    out = tmp_path / "tiny"
+    params = init_params(cfg, seed=0, dtype=np.float32)
+    save_model_dir(out, cfg, params, tokenizer_json=None, source="test")
+    return out
+
+
+def test_round_trip(tiny_model_dir):
+    model = specjax.load_model(str(tiny_model_dir))
+    ref = specjax.load_model("tiny-llama", init="random", seed=0)
+    np.testing.assert_array_equal(model.logits([5, 6, 7]), ref.logits([5, 6, 7]))
+
+
+def _largest_param_file(model_dir):
+    return max((p for p in (model_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_truncated_checkpoint_is_reported(tiny_model_dir):
+    path = _largest_param_file(tiny_model_dir)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        specjax.load_model(str(tiny_model_dir))
+
+
+def test_corrupt_checkpoint_is_reported(tiny_model_dir):
+    path = _largest_param_file(tiny_model_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        specjax.load_model(str(tiny_model_dir))
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a converted specjax model"):
+        specjax.load_model(str(tmp_path))
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    cfg = from_hf_config(MODEL_SHAPES["tiny-llama"])
+    params = init_params(cfg, seed=0, dtype=np.float32)
+    params["layers"][1]["w_up"] = params["layers"][1]["w_up"][:, :-1]
+    with pytest.raises(CheckpointError, match=r"layers\.1\.w_up has shape \(64, 127\)"):
+        save_model_dir(tmp_path / "m", cfg, params, tokenizer_json=None, source="test")
+
+
+def test_hf_config_weight_mismatch_names_the_tensor(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48)
+    transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["intermediate_size"] = 40
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "specjax.convert", f"--hf_dir={tmp_path / 'hf'}",
+                           f"--out={tmp_path / 'out'}"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"tensor layers\.0\.w_(down|gate|up) has shape \((32, 48|48, 32)\) but the config needs", proc.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_cli_requires_a_source(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specjax.convert", f"--out={tmp_path / 'x'}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "exactly one of --hf_dir" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unsupported_architecture():
+    with pytest.raises(SpecjaxError, match="unsupported model_type 'gpt2'"):
+        from_hf_config({"model_type": "gpt2"})
+
+
+def test_home_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_HOME", str(tmp_path / "h"))
+    assert paths.models_dir() == tmp_path / "h" / "models"
