@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+import functools
+import logging
+
+from absl import app, flags
+from absl import logging as absl_logging
 
 from specjax.errors import exit_on_error
 
 
 def run(main) -> None:
     """app.run(main) with library INFO chatter (orbax, XLA) hidden unless -v/--verbosity asks for it."""
-    flags.FLAGS.set_default("verbosity", logging.WARNING)
-    app.run(exit_on_error(main))
+
+    @functools.wraps(main)
+    def quiet_main(argv):
+        if not flags.FLAGS["verbosity"].present:
+            absl_logging.set_verbosity(absl_logging.WARNING)
+            # JAX logs its search for TPU/GPU plugins at INFO through its own logger.
+            logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+        return main(argv)
+
+    app.run(exit_on_error(quiet_main))
