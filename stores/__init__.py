@@ -1,1 +1,13 @@
-"""specjax.stores."""
+"""specjax.stores: prefix KV on SSD (TensorStore), radix index, reordering, device/host caches, prefetcher.
+
+Knows nothing of models or evaluation: the model fingerprint is an opaque dict; KV arrives as arrays.
+`caches` and `prefetch` import jax, so import them from their modules.
+"""
+
+from specjax.stores.errors import DiskFullError, ManifestError, StoreError, StoreMismatchError
+from specjax.stores.kvarray import K, PROBE, V, Layout, Throttle
+from specjax.stores.metrics import StoreMetrics
+from specjax.stores.store import Gathered, KVStore, Locations, Match, PrefixWriter
+
+__all__ = ["DiskFullError", "ManifestError", "StoreError", "StoreMismatchError", "K", "V", "PROBE", "Layout",
+           "Throttle", "StoreMetrics", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter"]

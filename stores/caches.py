@@ -1,0 +1,254 @@
+"""Exclusive device (jax) and host (numpy) chunk caches with byte budgets and pluggable scores.
+
+Every chunk also lives on disk, so eviction never writes. Each tier is a lazy min-heap by score: a chunk enters
+or is promoted into a tier only if it outscores the chunks it would push out (SPEC IV-D, ContiguousKV 4.4).
+Policies: `lru` (recency), `lfu` (frequency), `spec_score` (frequency x moving-average fraction of important
+tokens in the chunk) and `attention_score` (cumulative importance x frequency); ties go to the more recent.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import threading
+
+import jax
+import numpy as np
+
+from specjax.stores.kvarray import Throttle
+from specjax.stores.metrics import StoreMetrics
+
+POLICIES = ("lru", "lfu", "spec_score", "attention_score")
+DEVICE, HOST = "device", "host"
+
+
+@dataclasses.dataclass
+class ChunkStats:
+    freq: int = 0
+    last: int = 0
+    important_fraction: float | None = None  # moving average over accesses
+    importance: float = 0.0                  # cumulative attention importance
+
+
+def make_score(policy: str, ema: float = 0.5):
+    """The policy's score of a chunk's stats; larger stays cached. Ties are broken by recency."""
+    if policy == "lru":
+        return lambda s: (float(s.last), 0)
+    if policy == "lfu":
+        return lambda s: (float(s.freq), s.last)
+    if policy == "spec_score":
+        return lambda s: (s.freq * (s.important_fraction or 0.0), s.last)
+    if policy == "attention_score":
+        return lambda s: (s.importance * s.freq, s.last)
+    raise ValueError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+class _Tier:
+    """One budgeted store of arrays with a lazy min-heap of (score, key)."""
+
+    def __init__(self, name: str, budget_bytes: int):
+        self.name, self.budget_bytes = name, int(budget_bytes)
+        self.items: dict = {}
+        self.used_bytes = 0
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def push(self, key, score) -> None:
+        heapq.heappush(self._heap, (score, next(self._seq), key))
+        if len(self._heap) > 2 * len(self.items) + 64:
+            self._heap = [e for e in self._heap if e[2] in self.items]
+            heapq.heapify(self._heap)
+
+    def put(self, key, array, score) -> None:
+        self.items[key] = array
+        self.used_bytes += array.nbytes
+        self.push(key, score)
+
+    def pop(self, key):
+        array = self.items.pop(key)
+        self.used_bytes -= array.nbytes
+        return array
+
+    def victims_for(self, nbytes: int, score, current_score) -> list | None:
+        """Lowest-scored keys to drop so `nbytes` fit, if each scores below `score`; None if they do not."""
+        if nbytes > self.budget_bytes:
+            return None
+        free, victims, popped = self.budget_bytes - self.used_bytes, [], []
+        while free < nbytes:
+            while self._heap:
+                entry = heapq.heappop(self._heap)
+                key = entry[2]
+                if key in self.items and entry[0] == current_score(key) and key not in victims:
+                    popped.append(entry)
+                    break
+            else:
+                break
+            if entry[0] >= score:
+                break
+            victims.append(key)
+            free += self.items[key].nbytes
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
+        return victims if free >= nbytes else None
+
+
+class TieredCache:
+    """Device + host chunk caches, exclusive of each other; keys are (layer, kind, chunk_id)."""
+
+    def __init__(self, device_bytes: int, host_bytes: int, policy: str = "lru", *,
+                 metrics: StoreMetrics | None = None, ema: float = 0.5, pcie_bandwidth: float | None = None,
+                 device: jax.Device | None = None, record_events: bool = False):
+        self.policy = policy
+        self._score_fn = make_score(policy)
+        self.ema = ema
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.device = device or jax.devices()[0]
+        self.pcie = Throttle(pcie_bandwidth) if pcie_bandwidth else None
+        self.tiers = {DEVICE: _Tier(DEVICE, device_bytes), HOST: _Tier(HOST, host_bytes)}
+        self.stats: dict = collections.defaultdict(ChunkStats)  # kept after eviction, as in ContiguousKV
+        self._clock = itertools.count(1)
+        self._lock = threading.RLock()
+        self.events: list | None = [] if record_events else None
+        self.sent_vectors = 0  # token vectors copied host -> device for use (not promotions)
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    @property
+    def device_bytes(self) -> int:
+        return self.tiers[DEVICE].used_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.tiers[HOST].used_bytes
+
+    def where(self, key) -> str | None:
+        with self._lock:
+            for name, tier in self.tiers.items():
+                if key in tier.items:
+                    return name
+        return None
+
+    def score(self, key):
+        return self._score_fn(self.stats[key])
+
+    def _to_device(self, array: np.ndarray):
+        if self.pcie is not None:
+            self.pcie.consume(array.nbytes)
+        self.metrics.add(host_to_device_bytes=array.nbytes)
+        return jax.device_put(array, self.device)
+
+    def _event(self, *event) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
+    # -- scores --------------------------------------------------------------------------------
+
+    def _update(self, key, n_needed: int | None, chunk_tokens: int | None, important_fraction: float | None,
+                importance: float | None) -> None:
+        s = self.stats[key]
+        s.freq += 1
+        s.last = next(self._clock)
+        if important_fraction is None and n_needed is not None and chunk_tokens:
+            important_fraction = n_needed / chunk_tokens
+        if important_fraction is not None:
+            s.important_fraction = (important_fraction if s.important_fraction is None
+                                    else self.ema * important_fraction + (1 - self.ema) * s.important_fraction)
+        if importance is not None:
+            s.importance += float(importance)
+        tier = self.where(key)
+        if tier is not None:
+            self.tiers[tier].push(key, self.score(key))
+
+    def feedback(self, key, important_fraction: float | None = None, importance: float | None = None) -> None:
+        """Importance feedback without an access (e.g. after the engine scored a chunk it already used)."""
+        with self._lock:
+            s = self.stats[key]
+            if important_fraction is not None:
+                s.important_fraction = (important_fraction if s.important_fraction is None
+                                        else self.ema * important_fraction + (1 - self.ema) * s.important_fraction)
+            if importance is not None:
+                s.importance += float(importance)
+            tier = self.where(key)
+            if tier is not None:
+                self.tiers[tier].push(key, self.score(key))
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _try_place(self, tier_name: str, key, array) -> bool:
+        """Put `key` in a tier if it fits or outscores what it would push out; demote device victims."""
+        tier, score = self.tiers[tier_name], self.score(key)
+        victims = tier.victims_for(array.nbytes, score, self.score)
+        if victims is None:
+            return False
+        evicted = [(v, tier.pop(v)) for v in victims]
+        if tier_name == DEVICE:
+            tier.put(key, array if isinstance(array, jax.Array) else self._to_device(array), score)
+        else:
+            tier.put(key, np.asarray(array), score)
+        self._event("place", key, tier_name)
+        for victim, victim_array in evicted:
+            if tier_name == DEVICE:
+                self._event("demote", victim, DEVICE)
+                if not self._try_place(HOST, victim, np.asarray(victim_array)):
+                    self._event("evict", victim, HOST)
+            else:
+                self._event("evict", victim, HOST)
+        return True
+
+    def admit(self, key, host_array: np.ndarray, offsets=None):
+        """Place a chunk just read from disk by its score (device, host or neither); if `offsets` is given,
+        return those token vectors on the device (only they cross, unless the chunk went to the device)."""
+        with self._lock:
+            if self.where(key) is None:
+                if not self._try_place(DEVICE, key, host_array):
+                    self._try_place(HOST, key, host_array)
+            if offsets is None:
+                return None
+            if key in self.tiers[DEVICE].items:
+                return self.tiers[DEVICE].items[key][:, np.asarray(offsets)]
+            self.sent_vectors += len(offsets)
+            return self._to_device(np.ascontiguousarray(host_array[:, np.asarray(offsets)]))
+
+    def access(self, key, offsets, *, chunk_tokens: int | None = None, important_fraction: float | None = None,
+               importance: float | None = None):
+        """Use `offsets` of a chunk: device vectors on a hit (counted per tier; a host hit sends only those
+        vectors and promotes the chunk if it now outscores the device minimum), None on a miss."""
+        offsets = np.asarray(offsets)
+        with self._lock:
+            self._update(key, len(offsets), chunk_tokens, important_fraction, importance)
+            device, host = self.tiers[DEVICE], self.tiers[HOST]
+            if key in device.items:
+                self.metrics.add(device_hits=1)
+                return device.items[key][:, offsets]
+            if key in host.items:
+                self.metrics.add(host_hits=1)
+                array = host.items[key]
+                self.sent_vectors += len(offsets)
+                vectors = self._to_device(np.ascontiguousarray(array[:, offsets]))
+                host.pop(key)
+                if not self._try_place(DEVICE, key, array):
+                    host.put(key, array, self.score(key))
+                return vectors
+            self.metrics.add(misses=1)
+            return None
+
+    def get_host(self, key) -> np.ndarray | None:
+        """The whole chunk as host memory if cached (no stats), e.g. to serve a read that also needs it."""
+        with self._lock:
+            if key in self.tiers[HOST].items:
+                return self.tiers[HOST].items[key]
+            if key in self.tiers[DEVICE].items:
+                return np.asarray(self.tiers[DEVICE].items[key])
+        return None
+
+    def invalidate(self, chunk_ids) -> None:
+        """Forget deleted chunks (their ids are never reused within a process, this only frees memory)."""
+        ids = set(chunk_ids)
+        with self._lock:
+            for tier in self.tiers.values():
+                for key in [k for k in tier.items if k[2] in ids]:
+                    tier.pop(key)
+            for key in [k for k in self.stats if k[2] in ids]:
+                del self.stats[key]

@@ -1,0 +1,42 @@
+"""I/O and cache counters shared by the store, caches and prefetcher; every reported number is counted here."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass
+class StoreMetrics:
+    disk_bytes: int = 0            # bytes read from the KV array (whole chunks)
+    chunks_read: int = 0
+    bad_chunks: int = 0            # checksum or read failures, served as misses
+    disk_bytes_written: int = 0
+    host_to_device_bytes: int = 0
+    device_hits: int = 0           # chunk lookups answered by the device tier
+    host_hits: int = 0
+    misses: int = 0                # chunk lookups that had to go to disk
+    used_token_bytes: int = 0      # bytes of the token vectors a caller actually asked for
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def reset(self) -> None:
+        with self._lock:
+            for field in dataclasses.fields(self):
+                setattr(self, field.name, 0)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            counts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        lookups = counts["device_hits"] + counts["host_hits"] + counts["misses"]
+        counts["device_hit_ratio"] = counts["device_hits"] / lookups if lookups else 0.0
+        counts["host_hit_ratio"] = counts["host_hits"] / lookups if lookups else 0.0
+        counts["read_amplification"] = (counts["disk_bytes"] / counts["used_token_bytes"]
+                                        if counts["used_token_bytes"] else 0.0)
+        return counts

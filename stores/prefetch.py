@@ -1,0 +1,186 @@
+"""Host-side asynchronous prefetcher: `request` starts chunk reads and returns at once, `take` waits only for
+what is still missing and hands back device arrays in original token order.
+
+Reads are store futures whose done-callbacks stage verified chunks in bounded host buffers; `take` moves the
+needed vectors to the device through the caches (score update, placement, host->device copy of only those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.stores.caches import TieredCache
+from specjax.stores.store import KVStore, Match
+
+
+@dataclasses.dataclass
+class _Entry:
+    future: object            # concurrent future of the verified chunk (None if bad)
+    nbytes: int
+    holders: int = 0
+
+
+@dataclasses.dataclass
+class Ticket:
+    layer: int
+    kind: int
+    keys: list
+    speculative: bool
+    released: bool = False
+
+
+@dataclasses.dataclass
+class Taken:
+    """`array` `[heads, n, head_dim]` on the device in the requested order; `ok[i]` False where a chunk was
+    bad (zeros there: recompute those tokens); `waited_ms` is the time `take` blocked on I/O."""
+    array: jax.Array
+    ok: np.ndarray
+    waited_ms: float
+    chunks_from_disk: int
+
+
+class Prefetcher:
+    """Moves chunks disk -> host -> device ahead of use, within `max_buffer_bytes` of staged reads."""
+
+    def __init__(self, store: KVStore, cache: TieredCache | None = None, *, max_buffer_bytes: int = 256 << 20):
+        self.store, self.cache = store, cache
+        self.max_buffer_bytes = max_buffer_bytes
+        self._entries: dict = {}
+        self._buffered = 0
+        self._tickets: dict = {}   # (layer, kind) -> open tickets
+        self._lock = threading.Lock()
+        if cache is not None:
+            store.on_free(cache.invalidate)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered
+
+    def _hold(self, key, demand: bool) -> bool:
+        """Hold (issuing if needed) the read of `key`; speculative reads respect the buffer bound."""
+        entry = self._entries.get(key)
+        if entry is None:
+            nbytes = self.store.layout.chunk_nbytes(key[1])
+            if not demand and self._buffered + nbytes > self.max_buffer_bytes:
+                return False
+            entry = _Entry(self.store.read_chunk(*key), nbytes)
+            self._entries[key] = entry
+            self._buffered += nbytes
+        entry.holders += 1
+        return True
+
+    def _release_keys(self, keys) -> None:
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            entry.holders -= 1
+            if entry.holders <= 0:
+                # An in-flight read is not cancelled (it may be shared by a store-level reader); it is
+                # just forgotten, so its bytes leave the buffer when it lands.
+                del self._entries[key]
+                self._buffered -= entry.nbytes
+
+    def request(self, match: Match, layer: int, kind: int, positions, *, speculative: bool = False) -> Ticket:
+        """Start reading the chunks of `positions` not already cached; returns immediately. A new request for
+        the same (layer, kind) supersedes earlier speculative ones (their unshared reads are dropped)."""
+        chunks = self.store.locate(match, positions).unique_chunks()
+        keys = []
+        with self._lock:
+            for c in chunks:
+                key = (layer, kind, int(c))
+                if self.cache is not None and self.cache.where(key) is not None:
+                    continue
+                if self._hold(key, demand=not speculative):
+                    keys.append(key)
+            ticket = Ticket(layer, kind, keys, speculative)
+            open_tickets = self._tickets.setdefault((layer, kind), [])
+            for old in [t for t in open_tickets if t.speculative]:
+                self._cancel_locked(old)
+            open_tickets.append(ticket)
+        return ticket
+
+    def _cancel_locked(self, ticket: Ticket) -> None:
+        if not ticket.released:
+            ticket.released = True
+            self._release_keys(ticket.keys)
+            tickets = self._tickets.get((ticket.layer, ticket.kind), [])
+            if ticket in tickets:
+                tickets.remove(ticket)
+
+    def cancel(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._cancel_locked(ticket)
+
+    def take(self, match: Match, layer: int, kind: int, positions, *, importance=None) -> Taken:
+        """Vectors of `positions` on the device; waits only for reads still in flight.
+
+        `importance` (per position, optional) feeds the `attention_score` policy; the important fraction of
+        each chunk for `spec_score` is taken as the share of its tokens requested here.
+        """
+        positions = np.asarray(positions, np.int64)
+        loc = self.store.locate(match, positions)
+        chunks, inverse = np.unique(loc.chunks, return_inverse=True)
+        lay = self.store.layout
+        self.store.metrics.add(used_token_bytes=len(positions) * lay.token_nbytes(kind))
+        imp = None if importance is None else np.asarray(importance, np.float64)
+        parts, order, ok = [], [], np.ones(len(positions), bool)
+        waiting = []
+        with self._lock:
+            demand_keys = []
+            for i, c in enumerate(chunks):
+                key, sel = (layer, kind, int(c)), np.flatnonzero(inverse == i)
+                offsets = loc.offsets[sel]
+                if self.cache is not None:
+                    vectors = self.cache.access(key, offsets, chunk_tokens=lay.chunk_tokens,
+                                                importance=None if imp is None else imp[sel].sum())
+                    if vectors is not None:
+                        parts.append(vectors)
+                        order.append(sel)
+                        continue
+                self._hold(key, demand=True)
+                demand_keys.append(key)
+                waiting.append((key, sel, offsets, self._entries[key].future))
+        start = time.perf_counter()
+        for _, _, _, future in waiting:
+            future.result()
+        waited_ms = (time.perf_counter() - start) * 1e3
+        for key, sel, offsets, future in waiting:
+            array = future.result()
+            if array is None:
+                ok[sel] = False
+                parts.append(jnp.zeros((lay.heads(kind), len(sel), lay.head_dim), lay.np_dtype))
+            elif self.cache is not None:
+                parts.append(self.cache.admit(key, array, offsets))
+            else:
+                host = np.ascontiguousarray(array[:, offsets])
+                self.store.metrics.add(host_to_device_bytes=host.nbytes)
+                parts.append(jax.device_put(host))
+            order.append(sel)
+        with self._lock:
+            self._release_keys(demand_keys)
+            for ticket in list(self._tickets.get((layer, kind), [])):
+                self._cancel_locked(ticket)
+        return Taken(self._assemble(parts, order, len(positions), lay, kind), ok, waited_ms, len(waiting))
+
+    @staticmethod
+    def _assemble(parts, order, n, lay, kind) -> jax.Array:
+        if not parts:
+            return jnp.zeros((lay.heads(kind), 0, lay.head_dim), lay.np_dtype)
+        stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        perm = np.concatenate(order)
+        if np.array_equal(perm, np.arange(n)):
+            return stacked
+        return stacked[:, np.argsort(perm)]
+
+    def close(self) -> None:
+        with self._lock:
+            for tickets in list(self._tickets.values()):
+                for t in list(tickets):
+                    self._cancel_locked(t)

@@ -1,0 +1,186 @@
+"""Cache policies on hand-built traces (incl. SPEC Fig. 14), budgets under a random workload, prefetcher."""
+
+import time
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from specjax.stores import K, V, KVStore
+from specjax.stores.caches import DEVICE, HOST, TieredCache
+from specjax.stores.prefetch import Prefetcher
+
+C = 4  # tokens per chunk in the hand-built traces
+CHUNK = np.zeros((1, C, 2), np.float32)  # 32 bytes
+
+
+def key(i):
+    return (0, K, i)
+
+
+def run(cache, trace):
+    """Access each (chunk, offsets[, importance]) in order; on a miss admit it as if read from disk."""
+    for item in trace:
+        i, offsets = item[0], item[1]
+        importance = item[2] if len(item) > 2 else None
+        if cache.access(key(i), offsets, chunk_tokens=C, importance=importance) is None:
+            cache.admit(key(i), CHUNK, offsets)
+
+
+def evicted(cache):
+    return [e[1][2] for e in cache.events if e[0] == "evict"]
+
+
+def host_only(policy, chunks=2):
+    return TieredCache(0, chunks * CHUNK.nbytes, policy, record_events=True)
+
+
+def test_lru_eviction_order():
+    cache = host_only("lru")
+    run(cache, [(1, [0]), (2, [0]), (1, [0]), (3, [0]), (4, [0])])
+    assert evicted(cache) == [2, 1]
+
+
+def test_lfu_eviction_order():
+    cache = host_only("lfu")
+    run(cache, [(1, [0]), (1, [0]), (2, [0]), (3, [0]), (3, [0]), (4, [0])])
+    # 3 evicts 2 (freq 1 vs 1, 3 newer); 3 then has freq 2; 4 (freq 1) cannot beat 1 or 3: not cached
+    assert evicted(cache) == [2]
+    assert cache.where(key(4)) is None and cache.where(key(1)) == HOST and cache.where(key(3)) == HOST
+
+
+def test_spec_score_eviction_order():
+    cache = host_only("spec_score")
+    # chunk 1: 1 of 4 tokens important (score 0.25 per access); chunk 2: all 4 (score 1.0)
+    run(cache, [(1, [0]), (2, [0, 1, 2, 3]), (3, [0, 1]), (1, [0]), (4, [0, 1, 2])])
+    # 3 (0.5) evicts 1 (0.25); 1 returns with 2 x 0.25 = 0.5, ties 3 on score but is newer: evicts 3;
+    # 4 (0.75) evicts 1 (0.5), the lowest
+    assert evicted(cache) == [1, 3, 1]
+    assert cache.where(key(2)) == HOST and cache.where(key(4)) == HOST
+
+
+def test_attention_score_eviction_order():
+    cache = host_only("attention_score")
+    run(cache, [(1, [0], 5.0), (2, [0], 1.0), (3, [0], 2.0), (2, [0], 1.0), (4, [0], 0.5)])
+    # 3 (I*F = 2) evicts 2 (1); 2 returns with I=2, F=2 -> 4, evicts 3 (2); 4 (0.5) is not admitted
+    assert evicted(cache) == [2, 3]
+    assert cache.where(key(1)) == HOST and cache.where(key(2)) == HOST and cache.where(key(4)) is None
+
+
+def test_device_victims_are_demoted_to_host():
+    cache = TieredCache(CHUNK.nbytes, CHUNK.nbytes, "lru", record_events=True)
+    run(cache, [(1, [0]), (2, [0]), (3, [0])])
+    assert cache.where(key(3)) == DEVICE and cache.where(key(2)) == HOST and cache.where(key(1)) is None
+    assert [e[0] for e in cache.events].count("demote") == 2
+
+
+def _fig14(policy):
+    """SPEC Fig. 14: chunk 1 (app A, 1 of 2 keys important) is requested 1.5x as often as chunk 2 (app B,
+    2 of 2 important); the device holds one chunk. Count important keys moved host -> device."""
+    chunk = np.zeros((1, 2, 2), np.float32)
+    cache = TieredCache(chunk.nbytes, 2 * chunk.nbytes, policy)
+    a, b = (key(1), [0]), (key(2), [0, 1])
+
+    def request(k, offsets):
+        if cache.access(k, offsets, chunk_tokens=2) is None:
+            cache.admit(k, chunk, offsets)
+
+    for k, offsets in [a, b, a, a, b, a, a, b, a, b]:          # warm-up: 6 x A, 4 x B
+        request(k, offsets)
+    before = cache.sent_vectors
+    for _ in range(5):
+        for k, offsets in [a, b, a, b, a]:                     # 15 requests from A, 10 from B
+            request(k, offsets)
+    return cache.sent_vectors - before, cache
+
+
+def test_fig14_score_policy_keeps_chunk_2():
+    moved, cache = _fig14("spec_score")
+    assert cache.where(key(2)) == DEVICE and cache.where(key(1)) == HOST
+    assert moved == 15
+
+
+def test_fig14_frequency_policy_keeps_chunk_1():
+    moved, cache = _fig14("lfu")
+    assert cache.where(key(1)) == DEVICE and cache.where(key(2)) == HOST
+    assert moved == 20
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "spec_score", "attention_score"])
+def test_budgets_hold_under_random_workload(policy):
+    rng = np.random.default_rng(hash(policy) % 2**32)
+    sizes = {K: (2, 8, 4), V: (2, 8, 4), 2: (1, 8, 4)}   # probe chunks are half as large
+    chunks = {(layer, kind, c): np.full(sizes[kind], c, np.float32)
+              for layer in range(2) for kind in sizes for c in range(12)}
+    keys = list(chunks)
+    cache = TieredCache(5 * 256, 9 * 256, policy)
+    ops = 2500  # x4 policies = 10k operations
+    for _ in range(ops):
+        k = keys[rng.integers(len(keys))]
+        op = rng.random()
+        if op < 0.85:
+            offsets = np.sort(rng.choice(8, rng.integers(1, 9), replace=False))
+            got = cache.access(k, offsets, chunk_tokens=8, importance=float(rng.random()))
+            if got is None:
+                got = cache.admit(k, chunks[k], offsets)
+            np.testing.assert_array_equal(np.asarray(got), chunks[k][:, offsets])
+        elif op < 0.95:
+            cache.feedback(k, important_fraction=float(rng.random()), importance=float(rng.random()))
+        else:
+            cache.invalidate([k[2]])
+        assert cache.device_bytes <= 5 * 256 and cache.host_bytes <= 9 * 256
+        assert not set(cache.tiers[DEVICE].items) & set(cache.tiers[HOST].items)
+
+
+FP = {"arch": "toy", "num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
+
+
+@pytest.fixture
+def filled_store():
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 1000, 200)
+    kv = [tuple(rng.standard_normal((h, 200, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
+    ctx = ts.Context()
+    store = KVStore.open({"driver": "memory", "path": "pf/"}, FP, context=ctx, disk_bandwidth=20e6)
+    store.insert(tokens, kv)
+    yield store, tokens, kv
+    store.close()
+
+
+def test_prefetcher_request_returns_at_once_and_take_waits_for_missing(filled_store):
+    store, tokens, kv = filled_store
+    cache = TieredCache(4 * 1024, 8 * 1024, "spec_score", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache, max_buffer_bytes=1 << 20)
+    m = store.match(tokens)
+    positions = np.array([150, 3, 77, 78, 199, 20])
+    start = time.perf_counter()
+    prefetcher.request(m, 0, V, positions)
+    assert time.perf_counter() - start < 0.05
+    time.sleep(0.05)
+    taken = prefetcher.take(m, 0, V, positions)
+    assert taken.ok.all() and taken.waited_ms < 20
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[0][V][:, positions])
+    # the second time the chunks are cached: nothing from disk
+    again = prefetcher.take(m, 0, V, positions)
+    assert again.chunks_from_disk == 0
+    np.testing.assert_array_equal(np.asarray(again.array), kv[0][V][:, positions])
+    assert prefetcher.buffered_bytes == 0
+
+
+def test_prefetcher_speculation_superseded_and_bounded(filled_store):
+    store, tokens, kv = filled_store
+    chunk_bytes = store.layout.chunk_nbytes(K)
+    prefetcher = Prefetcher(store, None, max_buffer_bytes=3 * chunk_bytes)
+    m = store.match(tokens)
+    spec = prefetcher.request(m, 1, K, np.arange(200), speculative=True)
+    assert len(spec.keys) == 3 and prefetcher.buffered_bytes <= 3 * chunk_bytes   # bounded
+    newer = prefetcher.request(m, 1, K, [0, 1, 2], speculative=True)
+    assert spec.released and not newer.released
+    assert prefetcher.buffered_bytes == chunk_bytes
+    taken = prefetcher.take(m, 1, K, [5, 190, 0])                     # 190 was never prefetched
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[1][K][:, [5, 190, 0]])
+    assert taken.chunks_from_disk == 2 and newer.released and prefetcher.buffered_bytes == 0
+    probe = prefetcher.take(m, 1, 2, np.arange(200))
+    np.testing.assert_array_equal(np.asarray(probe.array), kv[1][2])
+    snap = store.metrics.snapshot()
+    assert snap["read_amplification"] >= 1.0 and snap["chunks_read"] > 0

@@ -1,0 +1,291 @@
+"""KVStore: bit-exact write/read, persistence, reordering, fingerprints, corruption, full disk, throttle."""
+
+import errno
+import os
+import time
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from specjax.stores import DiskFullError, K, PROBE, V, KVStore, StoreError, StoreMismatchError
+from specjax.stores.fsck import fsck, main as fsck_main
+from specjax.stores.reorder import Reorderer, reorder_node
+
+FP = {"arch": "toy", "num_layers": 3, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "dtype": "float32"}
+
+
+def random_kv(rng, n, fp=FP, dtype=np.float32):
+    return [tuple(rng.standard_normal((h, n, fp["head_dim"])).astype(dtype)
+                  for h in (fp["kv_heads"], fp["kv_heads"], fp["probe_heads"]))
+            for _ in range(fp["num_layers"])]
+
+
+def concat_kv(a, b):
+    return [tuple(np.concatenate([x, y], axis=1) for x, y in zip(la, lb)) for la, lb in zip(a, b)]
+
+
+def assert_serves(store, tokens, kv, positions=None):
+    with store.match(tokens) as m:
+        assert m.length == len(tokens)
+        for layer, arrays in enumerate(kv):
+            for kind in (K, V, PROBE):
+                got = store.read(m, layer, kind, positions).result()
+                want = arrays[kind] if positions is None else arrays[kind][:, positions]
+                assert got.ok.all()
+                np.testing.assert_array_equal(got.array, want)
+
+
+@pytest.fixture
+def memory_location():
+    return {"driver": "memory", "path": f"store{time.monotonic_ns()}/"}, ts.Context()
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 64, 256])
+def test_write_then_read_bit_exact(tmp_path, chunk_tokens):
+    rng = np.random.default_rng(chunk_tokens)
+    fp = dict(FP, chunk_tokens=chunk_tokens)
+    tokens = rng.integers(0, 1000, 300)
+    kv = random_kv(rng, 300)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        store.insert(tokens, kv)
+        assert_serves(store, tokens, kv)
+        perm = rng.permutation(300)[:77]
+        with store.match(tokens) as m:
+            got = store.read(m, 1, V, perm).result()
+            np.testing.assert_array_equal(got.array, kv[1][V][:, perm])
+
+
+def test_bfloat16_roundtrip(memory_location):
+    import ml_dtypes
+
+    location, ctx = memory_location
+    fp = dict(FP, dtype="bfloat16", chunk_tokens=16)
+    rng = np.random.default_rng(0)
+    kv = random_kv(rng, 40, dtype=ml_dtypes.bfloat16)
+    tokens = np.arange(40)
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(tokens, kv)
+        assert_serves(store, tokens, kv)
+
+
+def test_extend_split_and_reopen(tmp_path):
+    rng = np.random.default_rng(1)
+    fp = dict(FP, chunk_tokens=16)
+    t1 = rng.integers(0, 50, 70)
+    kv1 = random_kv(rng, 70)
+    t2 = np.concatenate([t1[:40], rng.integers(50, 100, 30)])      # diverges inside node 1
+    kv2_new = random_kv(rng, 30)
+    t3 = np.concatenate([t2, rng.integers(0, 50, 25)])              # extends node 2
+    kv3_new = random_kv(rng, 25)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        store.insert(t1, kv1)
+        m = store.match(t2)
+        assert m.length == 40
+        store.insert(t2, kv2_new, base=m)
+        m = store.match(t3)
+        assert m.length == 70 and len(m.steps) == 2
+        store.insert(t3, kv3_new, base=m)
+        generation = store.generation
+    kv2 = concat_kv([tuple(a[:, :40] for a in layer) for layer in kv1], kv2_new)
+    kv3 = concat_kv(kv2, kv3_new)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        assert store.generation == generation
+        assert_serves(store, t1, kv1)
+        assert_serves(store, t2, kv2)
+        assert_serves(store, t3, kv3)
+        with store.match(t3) as m:
+            assert len(m.steps) == 3  # [0,40) split node, [40,70) of t2, the t3 tail
+    assert fsck(tmp_path / "s").ok
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    KVStore.open(tmp_path / "s", FP).close()
+    with pytest.raises(StoreMismatchError, match="head_dim: store=8 model=16"):
+        KVStore.open(tmp_path / "s", dict(FP, head_dim=16))
+    with pytest.raises(StoreMismatchError, match="chunk_tokens"):
+        KVStore.open(tmp_path / "s", dict(FP, chunk_tokens=16))
+    with pytest.raises(StoreMismatchError, match="arch"):
+        KVStore.open(tmp_path / "s", dict(FP, arch="other"))
+    KVStore.open(tmp_path / "s", dict(FP)).close()
+    with pytest.raises(StoreError, match="no KV store"):
+        KVStore.open(tmp_path / "missing", None)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_reorder_preserves_original_order(memory_location, background):
+    location, ctx = memory_location
+    rng = np.random.default_rng(2)
+    fp = dict(FP, chunk_tokens=16)
+    tokens = rng.integers(0, 1000, 100)
+    kv = random_kv(rng, 100)
+    tail = np.concatenate([tokens, rng.integers(0, 1000, 20)])
+    kv_tail = random_kv(rng, 20)
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(tokens, kv)
+        store.insert(tail, kv_tail, base=store.match(tail))
+        important = rng.choice(100, 16, replace=False)
+        with store.match(tokens) as m:
+            for _ in range(3):
+                store.record_importance(m, np.ones(16), positions=important)
+            chunks_before = len(store.locate(m, important).unique_chunks())
+        reader = store.match(tokens)              # an old reader keeps its consistent version
+        old = store.read(reader, 0, K).result().array
+        node = reader.steps[0].node_id
+        if background:
+            reorderer = Reorderer(store, interval_s=0.05).start()
+            deadline = time.time() + 20
+            while reorderer.reordered == 0 and time.time() < deadline:
+                time.sleep(0.02)
+            reorderer.stop()
+            assert reorderer.reordered >= 1
+        else:
+            assert reorder_node(store, node)
+            assert not reorder_node(store, node)  # already in importance order
+        np.testing.assert_array_equal(store.read(reader, 0, K).result().array, old)
+        reader.close()
+        store.collect_garbage()
+        assert_serves(store, tokens, kv)
+        assert_serves(store, tail, concat_kv(kv, kv_tail))
+        with store.match(tokens) as m:
+            assert len(store.locate(m, important).unique_chunks()) == 1 < chunks_before
+
+
+def test_reorder_persists(tmp_path):
+    rng = np.random.default_rng(3)
+    fp = dict(FP, chunk_tokens=16)
+    tokens = rng.integers(0, 1000, 64)
+    kv = random_kv(rng, 64)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        store.insert(tokens, kv)
+        with store.match(tokens) as m:
+            store.record_importance(m, rng.random(64))
+            node = m.steps[0].node_id
+        assert reorder_node(store, node)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        assert_serves(store, tokens, kv)
+    assert fsck(tmp_path / "s").ok
+
+
+def _chunk_file(root, layer, kind, chunk):
+    return os.path.join(root, "kv", "c", str(layer), str(kind), "0", str(chunk), "0")
+
+
+def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    fp = dict(FP, chunk_tokens=16)
+    tokens = rng.integers(0, 1000, 48)
+    kv = random_kv(rng, 48)
+    root = str(tmp_path / "s")
+    with KVStore.open(root, fp) as store:
+        store.insert(tokens, kv)
+    assert fsck_main([root]) == 0
+    path = _chunk_file(root, 1, V, 1)                   # layer 1, V, tokens 16..31
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with KVStore.open(root, fp) as store:
+        with store.match(tokens) as m:
+            got = store.read(m, 1, V).result()
+        assert store.metrics.bad_chunks == 1
+        assert not got.ok[16:32].any() and got.ok[:16].all() and got.ok[32:].all()
+        assert not np.any(got.array[:, 16:32])        # never returned
+        np.testing.assert_array_equal(got.array[:, :16], kv[1][V][:, :16])
+    report = fsck(root)
+    assert report.bad_chunks == 1 and not report.ok
+    capsys.readouterr()
+    assert fsck_main([root]) == 1
+    assert "bad chunks 1" in capsys.readouterr().out
+
+
+def test_disk_full_gives_clear_error_and_reads_continue(memory_location, monkeypatch):
+    location, ctx = memory_location
+    rng = np.random.default_rng(5)
+    fp = dict(FP, chunk_tokens=16)
+    tokens = rng.integers(0, 1000, 40)
+    kv = random_kv(rng, 40)
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(tokens, kv)
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(store._arrays, "write_range", no_space)
+        more = np.concatenate([tokens, [1, 2, 3]])
+        with pytest.raises(DiskFullError, match="disk full"):
+            store.insert(more, random_kv(rng, 3), base=store.match(more))
+        assert_serves(store, tokens, kv)
+        with store.match(more) as m:
+            assert m.length == 40
+
+
+def test_capacity_evicts_whole_prefixes(memory_location):
+    location, ctx = memory_location
+    rng = np.random.default_rng(6)
+    fp = dict(FP, chunk_tokens=16)
+    per_chunk = 3 * (2 * 2 + 1) * 16 * 8 * 4          # layers * (K, V, probe heads) * tokens * dim * bytes
+    with KVStore.open(location, fp, context=ctx, disk_capacity_bytes=4 * per_chunk) as store:
+        prefixes = [(rng.integers(0, 1000, 32), random_kv(rng, 32)) for _ in range(3)]
+        store.insert(*prefixes[0])
+        store.insert(*prefixes[1])
+        store.match(prefixes[0][0]).close()            # prefix 0 is now the most recently used
+        store.insert(*prefixes[2])                     # evicts prefix 1 (least recently matched)
+        assert store.disk_bytes_used <= 4 * per_chunk
+        with store.match(prefixes[1][0]) as m:
+            assert m.length == 0
+        assert_serves(store, *prefixes[0])
+        assert_serves(store, *prefixes[2])
+        pins = [store.match(p[0]) for p in (prefixes[0], prefixes[2])]
+        with pytest.raises(DiskFullError, match="every prefix is in use"):
+            store.insert(rng.integers(0, 1000, 32), random_kv(rng, 32))
+        with pytest.raises(DiskFullError, match="raise the capacity"):
+            store.insert(rng.integers(0, 1000, 100), random_kv(rng, 100))
+        for p in pins:
+            p.close()
+        assert_serves(store, *prefixes[2])
+
+
+def test_write_behind_and_validation(memory_location):
+    location, ctx = memory_location
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 1000, 20)
+    kv = random_kv(rng, 20)
+    with KVStore.open(location, FP, context=ctx) as store:
+        writer = store.begin_insert(tokens)
+        futures = [writer.write_layer(layer, *kv[layer]) for layer in reversed(range(3))]
+        with pytest.raises(ValueError, match="already written"):
+            writer.write_layer(0, *kv[0])
+        with pytest.raises(ValueError, match="expected"):
+            store.begin_insert(tokens[:5]).write_layer(0, kv[0][0], kv[0][1], kv[0][2])
+        with store.match(tokens) as m:
+            assert m.length == 0                       # not visible before commit
+        for f in futures:
+            f.result()
+        node = writer.commit()
+        assert node is not None
+        assert_serves(store, tokens, kv)
+        partial = store.begin_insert(np.concatenate([tokens, [5]]), base=store.match(tokens))
+        partial.write_layer(0, *random_kv(rng, 1)[0])
+        with pytest.raises(StoreError, match="never written"):
+            partial.commit()
+
+
+def test_disk_throttle_within_five_percent(memory_location):
+    location, ctx = memory_location
+    fp = {"arch": "toy", "num_layers": 1, "kv_heads": 4, "head_dim": 64, "probe_heads": 0, "chunk_tokens": 64}
+    rng = np.random.default_rng(8)
+    n = 64 * 400                                      # 26 MB: fixed start-up costs stay < 1%
+    kv = [(rng.standard_normal((4, n, 64)).astype(np.float32),) * 2]
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(np.arange(n), [kv[0] + (None,)])
+    bandwidth = 25e6
+    with KVStore.open(location, fp, context=ctx, disk_bandwidth=bandwidth) as store:
+        with store.match(np.arange(n)) as m:
+            start = time.perf_counter()
+            got = store.read(m, 0, K).result()
+            elapsed = time.perf_counter() - start
+    assert got.ok.all()
+    rate = got.array.nbytes / elapsed
+    assert abs(rate - bandwidth) / bandwidth < 0.05, f"throttled rate {rate / 1e6:.2f} MB/s"
