@@ -1,1 +1,31 @@
-"""specjax.kernels."""
+"""specjax.kernels: Pallas GPU kernels (with plain-jnp references) for probe scoring and
+gathered attention over selected prefix KV, plus SPEC's ITF helpers."""
+
+from specjax.kernels._common import IMPL_ENV_VAR, kernel_impl, resolve_impl
+from specjax.kernels.gathered_attention import (
+    gathered_attention,
+    gathered_attention_pallas,
+    gathered_attention_reference,
+)
+from specjax.kernels.itf import (
+    itf_threshold,
+    mean_pairwise_jaccard,
+    shared_topk,
+    topk_per_head,
+    use_shared_selection,
+)
+from specjax.kernels.probe_scores import (
+    probe_scores,
+    probe_scores_pallas,
+    probe_scores_reference,
+)
+from specjax.kernels.selections import BlockTable, PerHeadIndices, Selection, SharedIndices
+
+__all__ = [
+    "IMPL_ENV_VAR", "kernel_impl", "resolve_impl",
+    "probe_scores", "probe_scores_pallas", "probe_scores_reference",
+    "gathered_attention", "gathered_attention_pallas", "gathered_attention_reference",
+    "SharedIndices", "PerHeadIndices", "BlockTable", "Selection",
+    "topk_per_head", "shared_topk", "mean_pairwise_jaccard", "itf_threshold",
+    "use_shared_selection",
+]

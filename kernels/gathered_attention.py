@@ -1,0 +1,260 @@
+"""Gathered attention: the computed tokens attend to a selected subset of the prefix KV plus,
+causally, to themselves, flash-style; optionally returns the selected tokens' new importance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specjax.kernels import _common as c
+from specjax.kernels._common import SQUEEZED
+from specjax.kernels.selections import Selection
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_ref,
+                      q_len_ref, o_ref, m_ref, l_ref, *, scale, block_q, block_k,
+                      blocks_per_split, num_tokens):
+    """One query tile of one head over this split's selected tiles (+ causal own keys)."""
+    q_block, split = pl.program_id(1), pl.program_id(2)
+    count, q_len = count_ref[0], q_len_ref[0]
+    q = q_ref[...]
+    rows = q_block * block_q + jnp.arange(block_q)
+
+    def attend(carry, keys, values, valid):
+        m, l, acc = carry
+        m, l, correction, p = c.online_softmax_step(m, l, c.dot_nt(q, keys) * scale, valid)
+        return m, l, acc * correction[:, None] + c.dot_nn(p, values)
+
+    def selected_tile(j, carry):
+        # Padding entries may hold anything; clipping keeps the gather in bounds.
+        tokens = jnp.clip(idx_ref[pl.ds(j * block_k, block_k)], 0, num_tokens - 1)
+        valid = (j * block_k + jnp.arange(block_k) < count)[None, :]
+        return attend(carry, k_ref[tokens], v_ref[tokens], valid)
+
+    def own_tile(j, carry):
+        own = pl.ds(j * block_q, block_q)
+        valid = c.causal_valid(rows, j * block_q + jnp.arange(block_q), q_len)
+        return attend(carry, own_k_ref[own, :], own_v_ref[own, :], valid)
+
+    head_dim = q.shape[-1]
+    carry = (jnp.full((block_q,), c.MASK_VALUE, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32),
+             jnp.zeros((block_q, head_dim), jnp.float32))
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, pl.cdiv(count, block_k))
+    carry = lax.fori_loop(first, jnp.maximum(first, last), selected_tile, carry)
+    # Split 0 also owns the causal keys; other splits run this loop zero times.
+    own_blocks = jnp.minimum(q_block + 1, pl.cdiv(q_len, block_q))
+    m, l, acc = lax.fori_loop(0, jnp.where(split == 0, own_blocks, 0), own_tile, carry)
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    m_ref[...], l_ref[...] = m, l
+
+
+def _importance_kernel(q_ref, lse_ref, idx_ref, count_ref, k_ref, q_len_ref, out_ref, *,
+                       scale, block_q, block_k, num_tokens):
+    """Column sums of the final softmax weights over one tile of selected tokens."""
+    count, q_len = count_ref[0], q_len_ref[0]
+    first = pl.program_id(1) * block_k
+    keys = k_ref[jnp.clip(idx_ref[...], 0, num_tokens - 1)]
+    col_valid = first + jnp.arange(block_k) < count
+    out_ref[...] = c.column_sums(q_ref, lse_ref, keys, col_valid, first < count, q_len,
+                                 scale=scale, block_q=block_q)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "return_importance", "block_q", "block_k", "k_splits", "interpret",
+    "num_warps", "num_stages"))
+def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len, *,
+                              scale, return_importance, block_q, block_k, k_splits,
+                              interpret, num_warps=4, num_stages=2):
+    """Pallas gathered attention over token-index rows idx[R, K] (R = 1 shared, or H).
+
+    count: int32[R] valid entries per row; q_len: int32 scalar. Both may be traced.
+    """
+    num_heads, n_q, head_dim = q.shape
+    num_kv, num_tokens = prefix_k.shape[:2]
+    group = num_heads // num_kv
+    rows_per_head = idx.shape[0] > 1
+    capacity = idx.shape[1]
+    n_q_pad, k_pad = c.round_up(n_q, block_q), c.round_up(capacity, block_k)
+    q, own_k, own_v = (c.pad_axis(x, 1, n_q_pad) for x in (q, own_k, own_v))
+    idx = c.pad_axis(idx, 1, k_pad)
+    q_len = jnp.reshape(q_len, (1,)).astype(jnp.int32)
+    q_blocks, k_blocks = n_q_pad // block_q, k_pad // block_k
+    blocks_per_split = pl.cdiv(k_blocks, k_splits)
+    params = None if interpret else c.triton_params(num_warps, num_stages)
+
+    def row(h):  # which selection row head h reads
+        return h if rows_per_head else h * 0
+
+    o_parts, m_parts, l_parts = pl.pallas_call(
+        functools.partial(_attention_kernel, scale=scale, block_q=block_q, block_k=block_k,
+                          blocks_per_split=blocks_per_split, num_tokens=num_tokens),
+        grid=(num_heads, q_blocks, k_splits),
+        in_specs=[
+            pl.BlockSpec((SQUEEZED, block_q, head_dim), lambda h, i, s: (h, i, 0)),
+            pl.BlockSpec((SQUEEZED, k_pad), lambda h, i, s: (row(h), 0)),
+            pl.BlockSpec((1,), lambda h, i, s: (row(h),)),
+            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            pl.BlockSpec((1,), lambda h, i, s: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q, head_dim),
+                         lambda h, i, s: (s, h, i, 0)),
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
+        ],
+        interpret=interpret, compiler_params=params,
+        name=f"gathered_attention_bq{block_q}_bk{block_k}",
+    )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
+    m, l, out = c.merge_splits(m_parts, l_parts, o_parts)
+    out = out[:, :n_q].astype(q.dtype)
+    if not return_importance:
+        return out
+
+    importance = pl.pallas_call(
+        functools.partial(_importance_kernel, scale=scale, block_q=block_q, block_k=block_k,
+                          num_tokens=num_tokens),
+        grid=(num_heads, k_blocks),
+        in_specs=[
+            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, j: (h, 0, 0)),
+            pl.BlockSpec((SQUEEZED, n_q_pad), lambda h, j: (h, 0)),
+            pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (row(h), j)),
+            pl.BlockSpec((1,), lambda h, j: (row(h),)),
+            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, j: (h // group, 0, 0)),
+            pl.BlockSpec((1,), lambda h, j: (0,)),
+        ],
+        out_specs=pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (h, j)),
+        out_shape=jax.ShapeDtypeStruct((num_heads, k_pad), jnp.float32),
+        interpret=interpret, compiler_params=params,
+        name=f"gathered_importance_bq{block_q}_bk{block_k}",
+    )(q, c.log_sum_exp(m, l), idx, count, prefix_k, q_len)
+    return out, importance[:, :capacity]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_importance"))
+def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
+                                 q_len=None, scale=None, return_importance=False):
+    """Plain jnp: gathers the selected K/V and materialises the [H, n_q, k + n_q] softmax."""
+    num_heads, n_q, head_dim = q.shape
+    num_kv, num_tokens = prefix_k.shape[:2]
+    scale = c.default_scale(head_dim, scale)
+    q_len = c.length_or_full(q_len, n_q)
+    idx, count = selection.token_indices(num_heads)
+    capacity = idx.shape[1]
+    idx = jnp.broadcast_to(idx, (num_heads, capacity))
+    count = jnp.broadcast_to(count, (num_heads,))
+    kv_head = jnp.arange(num_heads) // (num_heads // num_kv)
+    tokens = jnp.clip(idx, 0, num_tokens - 1)
+
+    def keys_of(prefix, own):
+        return jnp.concatenate([prefix[kv_head[:, None], tokens], own[kv_head]],
+                               axis=1).astype(jnp.float32)
+
+    keys, values = keys_of(prefix_k, own_k), keys_of(prefix_v, own_v)
+    scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), keys,
+                        precision=lax.Precision.HIGHEST) * scale
+    rows = jnp.arange(n_q)
+    selected_valid = ((jnp.arange(capacity)[None, None, :] < count[:, None, None])
+                      & (rows < q_len)[None, :, None])
+    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (num_heads, n_q, n_q))
+    valid = jnp.concatenate([selected_valid, own_valid], axis=2)
+    weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
+    weights = jnp.where(valid, weights, 0.0)
+    out = jnp.einsum("hqk,hkd->hqd", weights, values,
+                     precision=lax.Precision.HIGHEST).astype(q.dtype)
+    if not return_importance:
+        return out
+    return out, weights[:, :, :capacity].sum(axis=1)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
+                       q_len=None, scale: float | None = None, return_importance: bool = False,
+                       impl: str = "auto", block_q: int | None = None,
+                       block_k: int | None = None, k_splits: int | None = None,
+                       check_indices: bool = True):
+    """Attention of the computed tokens over the selected prefix KV and, causally, themselves.
+
+    Args:
+      q: [H, n_q, d] unscaled queries of the computed tokens (new prefix tokens + query).
+      prefix_k, prefix_v: [H_kv, M, d] prefix keys (already position-encoded) and values;
+        the selection indexes their token axis M (M may be a whole device cache pool).
+      own_k, own_v: [H_kv, n_q, d] keys and values of the computed tokens.
+      selection: SharedIndices, PerHeadIndices or BlockTable (see selections.py).
+      q_len: valid query rows (may be traced); outputs of later rows are don't-care.
+      scale: softmax scale, default d ** -0.5.
+      return_importance: also return f32[H, K], each selected token's column sum of the
+        softmax weights over the valid query rows (K = selection capacity in tokens, in
+        selection order; padding entries are 0), for the next layer to reuse.
+      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" or "reference".
+      block_q, block_k, k_splits: Pallas tiling (powers of two; None picks defaults).
+      check_indices: reject duplicate / out-of-range concrete indices (syncs with the device).
+
+    Query head h reads KV head h // (H // H_kv).
+    """
+    _check_attention_args(q, prefix_k, prefix_v, own_k, own_v)
+    num_heads, n_q, head_dim = q.shape
+    num_tokens = prefix_k.shape[1]
+    selection.check(num_heads, num_tokens, check_indices)
+    c.check_length("q_len", q_len, n_q)
+    scale = c.default_scale(head_dim, scale)
+    if num_tokens == 0:  # nothing to gather from: a zero row keeps the gathers well formed
+        prefix_k, prefix_v = (c.pad_axis(x, 1, 1) for x in (prefix_k, prefix_v))
+    dispatch = c.resolve_impl(impl)
+    if not dispatch.use_pallas:
+        return gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection,
+                                            q_len=q_len, scale=scale,
+                                            return_importance=return_importance)
+    interpret = dispatch.interpret
+    block_q = c.default_block_q(n_q, interpret=interpret) if block_q is None else block_q
+    block_k = c.default_block_k(interpret=interpret) if block_k is None else block_k
+    c.check_block_size("block_q", block_q, interpret=interpret)
+    c.check_block_size("block_k", block_k, interpret=interpret)
+    c.check_head_dim(head_dim, interpret=interpret)
+    idx, count = selection.token_indices(num_heads)
+    q_blocks, k_blocks = -(-n_q // block_q), max(1, -(-idx.shape[1] // block_k))
+    if k_splits is None:
+        k_splits = c.auto_k_splits(num_heads * q_blocks, k_blocks, interpret=interpret)
+    if not isinstance(k_splits, int) or k_splits < 1:
+        raise ValueError(f"k_splits={k_splits!r} must be a positive int.")
+    return gathered_attention_pallas(
+        q, prefix_k, prefix_v, own_k, own_v, idx, count, c.length_or_full(q_len, n_q),
+        scale=scale, return_importance=return_importance, block_q=block_q, block_k=block_k,
+        k_splits=min(k_splits, k_blocks), interpret=interpret)
+
+
+def _check_attention_args(q, prefix_k, prefix_v, own_k, own_v) -> None:
+    c.check_rank("q", q, 3, "[H, n_q, d]")
+    c.check_rank("prefix_k", prefix_k, 3, "[H_kv, M, d]")
+    num_heads, n_q, head_dim = q.shape
+    num_kv = prefix_k.shape[0]
+    if (jnp.shape(prefix_v) != prefix_k.shape or prefix_k.shape[2] != head_dim
+            or jnp.shape(own_k) != (num_kv, n_q, head_dim) or jnp.shape(own_v) != own_k.shape):
+        raise ValueError(
+            f"shapes disagree: q {q.shape}, prefix_k {prefix_k.shape}, prefix_v "
+            f"{jnp.shape(prefix_v)}, own_k {jnp.shape(own_k)}, own_v {jnp.shape(own_v)}; want "
+            "q [H, n_q, d], prefix_k/v [H_kv, M, d], own_k/v [H_kv, n_q, d].")
+    if num_kv == 0 or num_heads % num_kv:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv} KV heads evenly.")

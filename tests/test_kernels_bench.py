@@ -1,0 +1,18 @@
+"""The kernel benchmark runs end to end on tiny shapes and labels CPU numbers as such."""
+
+import json
+
+from specjax.kernels import bench
+
+
+def test_quick_bench_writes_labelled_results(tmp_path):
+    rows = bench.main(["--quick", "--retention", "0.5", "--selections", "shared,block_table",
+                       "--reps", "1", "--output_dir", str(tmp_path)])
+    assert {r["kernel"] for r in rows} == {"probe_scores", "gathered_attention"}
+    assert all(r["pallas_ms"] > 0 and r["dense_full_ms"] > 0 for r in rows)
+    [json_path] = tmp_path.glob("kernels_*.json")
+    [md_path] = tmp_path.glob("kernels_*.md")
+    payload = json.loads(json_path.read_text())
+    if payload["device"]["platform"] != "gpu":
+        assert "CPU smoke run" in md_path.read_text()
+    assert len(payload["rows"]) == len(rows)

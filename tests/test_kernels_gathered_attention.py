@@ -1,0 +1,238 @@
+"""Gathered attention: Pallas (interpreted on CPU) vs the jnp reference vs float64 numpy, for
+shared, per-head and block-table selections, with grouped-query heads and padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.kernels import (
+    BlockTable,
+    PerHeadIndices,
+    SharedIndices,
+    gathered_attention,
+    probe_scores,
+)
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected|: elementwise ratios blow up near zero."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def make_inputs(seed, n_q, tokens, heads=HEADS, kv_heads=KV_HEADS, d=HEAD_DIM,
+                dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(keys[0], (heads, n_q, d)) * 1.5
+    kv = [jax.random.normal(k, (kv_heads, size, d)) for k, size in
+          zip(keys[1:], (tokens, tokens, n_q, n_q))]
+    return [x.astype(dtype) for x in (q, *kv)]
+
+
+def numpy_attention(q, prefix_k, prefix_v, own_k, own_v, tokens_of_head, q_len):
+    """Float64 oracle: head h attends to prefix tokens tokens_of_head[h] + own 0..i."""
+    q, prefix_k, prefix_v, own_k, own_v = (np.asarray(x, np.float64)
+                                           for x in (q, prefix_k, prefix_v, own_k, own_v))
+    heads, _, d = q.shape
+    group = heads // prefix_k.shape[0]
+    out = np.zeros((heads, q_len, d))
+    importance = []
+    for h in range(heads):
+        g, tokens = h // group, np.asarray(tokens_of_head[h], int)
+        keys = np.concatenate([prefix_k[g, tokens], own_k[g, :q_len]])
+        values = np.concatenate([prefix_v[g, tokens], own_v[g, :q_len]])
+        scores = q[h, :q_len] @ keys.T * d ** -0.5
+        scores[:, len(tokens):][np.triu(np.ones((q_len, q_len), bool), k=1)] = -np.inf
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        out[h] = weights @ values
+        importance.append(weights[:, :len(tokens)].sum(axis=0))
+    return out, importance
+
+
+def random_selections(rng, tokens, capacity, count):
+    """The three selection kinds, each with `count` valid entries of `capacity`."""
+    shared = rng.permutation(tokens)[:capacity]
+    per_head = np.stack([rng.permutation(tokens)[:capacity] for _ in range(HEADS)])
+    chunks = rng.permutation(tokens // 16)[: capacity // 16]
+    return {
+        "shared": SharedIndices(jnp.asarray(shared), count),
+        "per_head": PerHeadIndices(jnp.asarray(per_head), count),
+        "block_table": BlockTable(jnp.asarray(chunks), count // 16, chunk_tokens=16),
+    }
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["shared", "per_head", "block_table"])
+def test_pallas_interpret_matches_reference(kind, dtype):
+    # 13 query rows (10 valid), 48 selected of 64 slots (32 valid): nothing is block-aligned.
+    q, *kv = make_inputs(1, 13, 96, dtype=dtype)
+    selection = random_selections(np.random.default_rng(1), 96, 48, 32)[kind]
+    args = dict(q_len=10, return_importance=True)
+    expected_out, expected_imp = gathered_attention(q, *kv, selection, impl="reference", **args)
+    out, importance = gathered_attention(q, *kv, selection, impl="pallas", block_q=8,
+                                         block_k=16, k_splits=2, **args)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert importance.shape == expected_imp.shape and importance.dtype == jnp.float32
+    assert rel_err(out[:, :10], expected_out[:, :10]) <= TOLERANCE[dtype]
+    assert rel_err(importance, expected_imp) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_matches_float64_oracle_with_per_head_sets(impl):
+    q, *kv = make_inputs(2, 9, 40)
+    rng = np.random.default_rng(2)
+    per_head = np.stack([rng.permutation(40)[:12] for _ in range(HEADS)])
+    out, importance = gathered_attention(q, *kv, PerHeadIndices(jnp.asarray(per_head), 7),
+                                         q_len=6, return_importance=True, impl=impl,
+                                         block_q=4, block_k=4)
+    expected_out, expected_imp = numpy_attention(q, *kv, per_head[:, :7], 6)
+    assert rel_err(out[:, :6], expected_out) <= 1e-5
+    assert rel_err(importance[:, :7], np.stack(expected_imp)) <= 1e-5
+    np.testing.assert_array_equal(importance[:, 7:], 0.0)
+
+
+def test_n_q_1_pallas():
+    q, *kv = make_inputs(3, 1, 50)
+    selection = SharedIndices(jnp.asarray([49, 3, 17, 0, 22]))
+    out = gathered_attention(q, *kv, selection, impl="pallas", block_q=1, block_k=4)
+    expected, _ = numpy_attention(q, *kv, [[49, 3, 17, 0, 22]] * HEADS, 1)
+    assert rel_err(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_selecting_everything_equals_dense_attention(impl):
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(4, 12, 37)
+    everything = SharedIndices(jnp.arange(37))
+    out, importance = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, everything,
+                                         return_importance=True, impl=impl, block_q=8,
+                                         block_k=16)
+    # Dense: prefix + own keys with a causal mask offset by the prefix length.
+    keys = jnp.repeat(jnp.concatenate([prefix_k, own_k], axis=1), 2, axis=0)
+    values = jnp.repeat(jnp.concatenate([prefix_v, own_v], axis=1), 2, axis=0)
+    mask = jnp.arange(37 + 12)[None, :] <= jnp.arange(12)[:, None] + 37
+    dense = jax.nn.dot_product_attention(q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None],
+                                         values.transpose(1, 0, 2)[None], mask=mask[None, None])
+    assert rel_err(out, dense[0].transpose(1, 0, 2)) <= 1e-5
+    # With every token selected, the new importance is exactly probe scoring on all heads.
+    scores = probe_scores(q, prefix_k, own_k, kv_head_of_probe=(0, 0, 1, 1), impl="reference")
+    assert rel_err(importance, scores) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("empty", ["count_zero", "no_entries", "no_blocks", "no_tokens"])
+def test_empty_selection_is_causal_self_attention(impl, empty):
+    q, *kv = make_inputs(5, 8, 0 if empty == "no_tokens" else 32)
+    selection = {
+        "count_zero": SharedIndices(jnp.asarray([5, 1, 9]), 0),
+        "no_entries": SharedIndices(jnp.zeros((0,), jnp.int32)),
+        "no_blocks": BlockTable(jnp.zeros((0,), jnp.int32), chunk_tokens=16),
+        "no_tokens": PerHeadIndices(jnp.zeros((HEADS, 0), jnp.int32)),
+    }[empty]
+    out, importance = gathered_attention(q, *kv, selection, return_importance=True, impl=impl,
+                                         block_q=4, block_k=4)
+    expected, _ = numpy_attention(q, *kv, [[]] * HEADS, 8)
+    assert rel_err(out, expected) <= 1e-5
+    np.testing.assert_array_equal(importance, 0.0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_padding_never_changes_valid_rows(impl):
+    q, *kv = make_inputs(6, 7, 64)
+    bigger_q, *bigger_kv = make_inputs(7, 16, 64)
+    padded_q = bigger_q.at[:, :7].set(q)
+    padded_kv = [big.at[:, :7].set(x) if x.shape[1] == 7 else x
+                 for big, x in zip(bigger_kv, kv)]
+    # Entries past `count` are padding: anything, even out of range, must be ignored.
+    chosen = jnp.asarray([40, 2, 63, 11, 30])
+    padded_idx = jnp.concatenate([chosen, jnp.asarray([1000, -5, 40])])
+    exact = gathered_attention(q, *kv, SharedIndices(chosen), impl=impl, block_q=4,
+                               block_k=4)
+    padded = gathered_attention(padded_q, *padded_kv, SharedIndices(padded_idx, 5), q_len=7,
+                                impl=impl, block_q=4, block_k=4)
+    assert rel_err(padded[:, :7], exact) <= 1e-6
+    assert bool(jnp.all(jnp.isfinite(padded)))  # padded rows feed later layers' V
+
+
+def test_traced_selection_and_lengths_under_jit():
+    q, *kv = make_inputs(8, 8, 48)
+    idx = jnp.asarray([47, 0, 5, 6, 20, 33, 12, 1])
+
+    @jax.jit
+    def attend(idx, count, q_len):
+        return gathered_attention(q, *kv, SharedIndices(idx, count), q_len=q_len,
+                                  return_importance=True, impl="pallas", block_q=4, block_k=4)
+
+    out, importance = attend(idx, 6, 5)
+    expected_out, expected_imp = numpy_attention(q, *kv, [np.asarray(idx[:6])] * HEADS, 5)
+    assert rel_err(out[:, :5], expected_out) <= 1e-5
+    assert rel_err(importance[:, :6], np.stack(expected_imp)) <= 1e-5
+
+
+@pytest.mark.parametrize("selection, match", [
+    (SharedIndices(jnp.asarray([3, 7, 3])), "appears more than once"),
+    (SharedIndices(jnp.asarray([3, 64])), "out of range"),
+    (SharedIndices(jnp.asarray([-1, 2])), "out of range"),
+    (SharedIndices(jnp.asarray([1, 2]), 3), "count"),
+    (PerHeadIndices(jnp.asarray([[0, 1]] * 3 + [[5, 5]])), "appears more than once"),
+    (PerHeadIndices(jnp.asarray([[0, 1]] * 3)), r"\[H=4, k\]"),
+    (BlockTable(jnp.asarray([0, 4])), "out of range"),
+    (BlockTable(jnp.asarray([1, 1]), chunk_tokens=16), "appears more than once"),
+    (BlockTable(jnp.asarray([0]), chunk_tokens=24), "multiple of"),
+    (BlockTable(jnp.asarray([0]), chunk_tokens=0), "chunk_tokens"),
+])
+def test_bad_selections_raise_clear_errors(selection, match):
+    q, *kv = make_inputs(9, 4, 64)
+    with pytest.raises(ValueError, match=match):
+        gathered_attention(q, *kv, selection)
+
+
+def test_bad_shapes_and_blocks_raise():
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(10, 4, 32)
+    selection = SharedIndices(jnp.asarray([1, 2]))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        gathered_attention(q, prefix_k, prefix_v[:, :16], own_k, own_v, selection)
+    with pytest.raises(ValueError, match="share"):
+        gathered_attention(q[:3], prefix_k, prefix_v, own_k, own_v, selection)
+    with pytest.raises(ValueError, match="power of two"):
+        gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, impl="pallas",
+                           block_q=3)
+    with pytest.raises(ValueError, match="q_len"):
+        gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, q_len=5)
+
+
+def test_reference_matches_float64_oracle_on_larger_shapes():
+    q, *kv = make_inputs(11, 128, 4096, heads=8, kv_heads=2, d=64)
+    blocks = np.random.default_rng(11).permutation(4096 // 64)[:20]
+    out, importance = gathered_attention(q, *kv, BlockTable(jnp.asarray(blocks), 16),
+                                         q_len=100, return_importance=True)  # auto: reference
+    tokens = (blocks[:16, None] * 64 + np.arange(64)).reshape(-1)
+    expected_out, expected_imp = numpy_attention(q, *kv, [tokens] * 8, 100)
+    assert rel_err(out[:, :100], expected_out) <= 1e-5
+    assert rel_err(importance[:, :16 * 64], np.stack(expected_imp)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["shared", "per_head", "block_table"])
+@pytest.mark.parametrize("n_q", [1, 128, 512])
+def test_gpu_compiled_matches_reference(n_q, kind, dtype):
+    tokens = 8192
+    q, *kv = make_inputs(12, n_q, tokens, heads=32, kv_heads=8, d=128, dtype=dtype)
+    rng = np.random.default_rng(12)
+    selection = {
+        "shared": SharedIndices(jnp.asarray(rng.permutation(tokens)[:2100]), 2050),
+        "per_head": PerHeadIndices(jnp.asarray(
+            np.stack([rng.permutation(tokens)[:2100] for _ in range(32)])), 2050),
+        "block_table": BlockTable(jnp.asarray(rng.permutation(tokens // 64)[:40]), 33),
+    }[kind]
+    args = dict(q_len=max(1, n_q - 3), return_importance=True)
+    expected_out, expected_imp = gathered_attention(q, *kv, selection, impl="reference", **args)
+    out, importance = gathered_attention(q, *kv, selection, impl="pallas", **args)
+    valid = args["q_len"]
+    assert rel_err(out[:, :valid], expected_out[:, :valid]) <= TOLERANCE[dtype]
+    assert rel_err(importance, expected_imp) <= TOLERANCE[dtype]

@@ -1,0 +1,50 @@
+"""The GPU path without a GPU: each kernel must lower through Pallas' Triton backend (the
+step that rejects unsupported ops and non-power-of-two tiles). Compiling to PTX and running
+are left to the @pytest.mark.gpu tests."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from specjax.kernels import gathered_attention_pallas, probe_scores_pallas
+
+I32 = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lower_for_cuda(fn, *avals) -> str:
+    try:
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    except ImportError as err:  # a jaxlib built without the Triton dialect
+        pytest.skip(f"Pallas Triton lowering unavailable: {err}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n_q, m, splits", [(1, 2048, 8), (128, 2088, 1)])
+def test_probe_scores_lowers_to_triton(n_q, m, splits, dtype):
+    def fn(q, prefix_k, own_k, prefix_len, q_len):
+        return probe_scores_pallas(q, prefix_k, own_k, prefix_len, q_len,
+                                   kv_head_of_probe=(0, 3, 7), scale=0.1, block_q=16,
+                                   block_k=64, k_splits=splits, interpret=False)
+
+    text = lower_for_cuda(fn, spec((3, n_q, 128), dtype), spec((8, m, 128), dtype),
+                          spec((8, n_q, 128), dtype), I32, I32)
+    assert text.count("xla.gpu.triton") == 2  # row statistics, then column sums
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 32], ids=["shared", "per_head"])
+def test_gathered_attention_lowers_to_triton(rows, dtype):
+    def fn(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len):
+        return gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count,
+                                         q_len, scale=0.1, return_importance=True, block_q=64,
+                                         block_k=64, k_splits=4, interpret=False)
+
+    kv = spec((8, 4096, 128), dtype)
+    own = spec((8, 100, 128), dtype)
+    text = lower_for_cuda(fn, spec((32, 100, 128), dtype), kv, kv, own, own,
+                          spec((rows, 1000), jnp.int32), spec((rows,), jnp.int32), I32)
+    assert text.count("xla.gpu.triton") == 2  # attention, then importance
