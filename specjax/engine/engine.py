@@ -1,0 +1,440 @@
+"""The prefill engine: one request's layer loop over reused prefix KV (design.md section 3).
+
+Device work is the pure jitted steps of `specjax.models.transformer` and `specjax.kernels`; the host loop
+only moves indices and bytes: it asks the prefetcher for what a layer needs, starts reads for the next layer
+before computing this one, and writes the new prefix tokens' KV behind. A `System` decides what each layer
+loads; the loop is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine import state as st
+from specjax.engine.systems import System
+from specjax.errors import SpecjaxError
+from specjax.kernels import PerHeadIndices, SharedIndices, gathered_attention, probe_scores
+from specjax.models import transformer as T
+from specjax.models.inference import bucket
+from specjax.stores import K, PROBE, V, KVStore
+from specjax.stores.caches import TieredCache
+from specjax.stores.prefetch import Prefetcher
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    retention: float = 0.25  # fraction of the reused prefix kept per layer (k = ceil(r * |R|))
+    gpu_cache_bytes: int = 0
+    cpu_cache_bytes: int = 0
+    kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
+    reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
+    trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
+
+
+@dataclasses.dataclass
+class Request:
+    prefix: list[int]  # shared prefix (system prompt); its KV is stored and reused
+    query: list[int]  # the request's own tokens; computed, never stored
+    continuations: list[list[int]] = dataclasses.field(default_factory=list)  # scored against the same KV
+
+
+@dataclasses.dataclass
+class RequestResult:
+    first_token_logits: np.ndarray  # fp32 [vocab]: logits after prefix + query
+    continuation_logprobs: list[tuple[float, bool]]  # (sum logprob, greedy) per continuation
+    ttft_ms: float
+    breakdown_ms: dict[str, float]  # probe_io, identify, kv_io_stall, compute
+    reused_tokens: int
+    computed_tokens: int
+    io: dict  # store metrics accumulated during the request (disk bytes, chunks, hits, ...)
+    layers: dict  # per-layer lists: retained, fallback, jaccard, threshold
+    prefetch: dict  # prefetched / used / hit token counts (speculative prefetch)
+    recomputed_bad_chunks: bool = False
+    selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
+
+
+def fingerprint(model, chunk_tokens: int) -> dict:
+    """What a store must agree on with the model that reads it."""
+    c = model.config
+    return {"arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": jnp.dtype(model.dtype).name,
+            "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c))}
+
+
+def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
+    """The first `count` query heads, chosen to span as many KV heads as possible (design 4.2)."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    order = [kv * group + j for j in range(group) for kv in range(cfg.num_kv_heads)]
+    return tuple(order[: min(count, cfg.num_heads)])
+
+
+def probe_kv_heads(cfg, count: int = 3) -> tuple[int, ...]:
+    group = cfg.num_heads // cfg.num_kv_heads
+    return tuple(sorted({h // group for h in probe_query_heads(cfg, count)}))
+
+
+class _BadChunk(Exception):
+    """A chunk failed its checksum: this request's reuse is abandoned and it is recomputed."""
+
+
+class _Clock:
+    """Splits a request's wall time into the TTFT breakdown phases."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.ms = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0}
+
+    def timed(self, phase: str, fn, *args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if phase == "identify":
+            jax.block_until_ready(out)
+        self.ms[phase] += (time.perf_counter() - t) * 1e3
+        return out
+
+    def finish(self) -> tuple[float, dict]:
+        ttft = (time.perf_counter() - self.start) * 1e3
+        return ttft, dict(self.ms, compute=max(0.0, ttft - sum(self.ms.values())))
+
+
+# ---- jitted device steps -----------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _project(cfg, lp, h, positions):
+    return T.project(cfg, lp, h, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
+def _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *, impl):
+    attn = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, q_len=q_len, impl=impl,
+                              check_indices=False)
+    return T.output_and_mlp(cfg, lp, h, attn)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl"))
+def _scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl):
+    return probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe, prefix_len=prefix_len,
+                        q_len=q_len, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head_row(cfg, params, h, row):
+    return T.head(cfg, params, jax.lax.dynamic_slice_in_dim(h, row, 1))[0]
+
+
+def _pad_tokens(x, size: int):
+    """[heads, n, d] -> [heads, size, d] with zero rows (finite, never selected)."""
+    return jnp.pad(x, ((0, 0), (0, size - x.shape[1]), (0, 0))) if x.shape[1] != size else x
+
+
+@dataclasses.dataclass
+class _LayerKV:
+    """What one layer's attention saw: prefix arrays + selection, and the computed tokens' own K/V."""
+
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    selection: object
+    own_k: jax.Array
+    own_v: jax.Array
+
+
+class Engine:
+    """Runs requests for one system over one store; owns that system's caches and prefetcher."""
+
+    def __init__(self, model, system: System, store: KVStore | None, config: EngineConfig = EngineConfig()):
+        if system.reuse and store is None:
+            raise SpecjaxError(f"system {system.name!r} reuses prefix KV and needs a store")
+        if not 0.0 < config.retention <= 1.0:
+            raise SpecjaxError(f"retention must be in (0, 1], got {config.retention}")
+        self.model, self.cfg, self.system, self.store, self.config = model, model.config, system, store, config
+        probe_q = probe_query_heads(self.cfg, system.num_probe_heads)
+        probe_kv = probe_kv_heads(self.cfg, system.num_probe_heads)
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        self.kv_of_probe = tuple(probe_kv.index(h // group) for h in probe_q)
+        self.probe_q, self.probe_kv = np.asarray(probe_q), np.asarray(probe_kv)
+        self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
+        self.cache = self.prefetcher = None
+        self.requests_run = 0
+        if store is not None:
+            self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
+                                     metrics=store.metrics)
+            self.prefetcher = Prefetcher(store, self.cache)
+
+    # -- storing prefixes ------------------------------------------------------------------------
+
+    def warm(self, prefix) -> bool:
+        """Store a prefix's exact KV (plain forward) unless it is stored already; True if it wrote."""
+        prefix = [int(t) for t in prefix]
+        match = self.store.match(prefix)
+        if match.length == len(prefix):
+            match.close()
+            return False
+        writer = self.store.begin_insert(prefix, base=match)
+        n = len(prefix)
+        ids = np.zeros(bucket(n), np.int32)
+        ids[:n] = prefix
+        positions = jnp.arange(len(ids), dtype=jnp.int32)
+        h = T.embed_step(self.cfg, self.model.params, jnp.asarray(ids), positions)
+        start = match.length
+        with writer:
+            for layer, lp in enumerate(self.model.params["layers"]):
+                h, k, v = T.self_attention_layer(self.cfg, lp, h, positions, positions < n)
+                writer.write_layer(layer, k[:, start:n], v[:, start:n], k[self.probe_kv, start:n])
+            writer.commit()
+        return True
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def run(self, request: Request) -> RequestResult:
+        if not request.prefix and not request.query:
+            raise SpecjaxError("a request needs at least one token")
+        before = self.store.metrics.snapshot() if self.store is not None else None
+        try:
+            result = self._run(request, reuse=self.system.reuse)
+        except _BadChunk:
+            result = self._run(request, reuse=False)
+            result.recomputed_bad_chunks = True
+        if before is not None:
+            after = self.store.metrics.snapshot()
+            result.io = {k: after[k] - before[k] for k in before if not k.endswith(("_ratio", "amplification"))}
+        self.requests_run += 1
+        if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
+            self.reorder()
+        return result
+
+    def reorder(self) -> int:
+        """Repack every radix node whose importance has been observed (SPEC's KV reordering)."""
+        from specjax.stores.reorder import Reorderer
+
+        return Reorderer(self.store).run_once()
+
+    def _run(self, request: Request, *, reuse: bool) -> RequestResult:
+        clock = _Clock()
+        cfg, params, system = self.cfg, self.model.params, self.system
+        tokens = [int(t) for t in request.prefix] + [int(t) for t in request.query]
+        match = self.store.match(request.prefix) if reuse else None
+        m = match.length if match is not None else 0
+        n, new_prefix = len(tokens) - m, len(request.prefix) - m
+        n_pad, m_pad = bucket(n), bucket(max(m, 1))
+        k = min(m, max(1, math.ceil(self.config.retention * m))) if system.prunes else m
+        k_cap = bucket(max(k, 1))
+        state = st.ImportanceState.init(cfg.num_layers, m_pad)
+        writer = self.store.begin_insert(request.prefix, base=match) if reuse and new_prefix > 0 else None
+        io = _LayerIO(self, match, m, m_pad, clock)
+        try:
+            if m:
+                io.prefetch_first()
+            ids = np.zeros(n_pad, np.int32)
+            ids[:n] = tokens[m:]
+            positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
+            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            layers_kv, importance, traced = [], [], []
+            for layer, lp in enumerate(params["layers"]):
+                q, own_k, own_v = _project(cfg, lp, h, positions)
+                if m == 0:
+                    prefix_k = prefix_v = jnp.zeros((cfg.num_kv_heads, 16, cfg.head_dim), own_k.dtype)
+                    selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
+                else:
+                    state, prefix_k, prefix_v, selection, imp, chosen = self._select(
+                        io, state, layer, q, own_k, n, k, k_cap)
+                    importance.append(imp)
+                    traced.append(chosen)
+                h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
+                            impl=self.config.kernel_impl)
+                layers_kv.append(_LayerKV(prefix_k, prefix_v, selection, own_k, own_v))
+                if writer is not None:
+                    writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
+                                       own_k[self.probe_kv, :new_prefix])
+            logits = _head_row(cfg, params, h, n - 1).block_until_ready()
+            ttft, breakdown = clock.finish()
+            # After the first token: importance feedback for reordering, then the write-behind commit.
+            if importance:
+                self.store.record_importance(match, np.stack(importance))
+            if writer is not None:
+                writer.commit()  # also releases `match`, which the writer owns
+                writer = match = None
+        finally:
+            io.close()
+            if writer is not None:
+                writer.abort()
+            if match is not None:
+                match.close()
+        first = np.asarray(logits, np.float32)
+        conts = [self._score(layers_kv, first, m, n, c) for c in request.continuations]
+        return RequestResult(
+            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
+            reused_tokens=m, computed_tokens=n, io={}, layers=_layer_report(state, m), prefetch=io.prefetch_report(),
+            selections=traced if self.config.trace else None)
+
+    # -- choosing and loading a layer's prefix KV --------------------------------------------------
+
+    def _select(self, io: "_LayerIO", state, layer, q, own_k, n, k, k_cap):
+        """(state, prefix_k, prefix_v, selection, importance of R [m], chosen positions of R [1 or H, k])."""
+        system, impl, m, m_pad = self.system, self.config.kernel_impl, io.m, io.m_pad
+        if system.identify == "none":
+            keys, values = io.take_all(layer, K), io.take_all(layer, V)
+            io.after_selection(layer, np.arange(m))
+            sel = SharedIndices(jnp.arange(m_pad, dtype=jnp.int32), m)
+            state = st.record_union(state, layer, jnp.arange(m_pad, dtype=jnp.int32), m)
+            return state, keys, values, sel, np.ones(m, np.float32), np.arange(m)[None]
+        if system.identify == "itf":
+            probe_k = io.take_all(layer, PROBE, phase="probe_io")
+            scores = io.clock.timed("identify", _scores, q[self.probe_q, :], probe_k, own_k[self.probe_kv, :],
+                                    m, n, kv_head_of_probe=self.kv_of_probe, impl=impl)
+            state, shared, use_shared = io.clock.timed(
+                "identify", st.itf_select, state, layer, scores, k, m, system.alpha, k_cap=k_cap)
+            importance = _normalised_importance(scores, m)
+            if bool(use_shared):
+                chosen = np.asarray(shared)[:k]
+                keys = _pad_tokens(io.take(layer, K, chosen), k_cap)
+                values = _pad_tokens(io.take(layer, V, chosen), k_cap)
+                io.after_selection(layer, chosen)
+                selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
+                return state, keys, values, selection, importance, chosen[None]
+        # Per-head H2O: every head's scores from all keys, then the values of each head's top-k.
+        keys = io.take_all(layer, K)
+        scores = io.clock.timed("identify", _scores, q, keys, own_k, m, n, kv_head_of_probe=self.kv_of_head,
+                                impl=impl)
+        state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
+        chosen = np.asarray(per_head)[:, :k]
+        union = np.unique(chosen)
+        state = st.record_union(state, layer, jnp.asarray(_pad_np(union, m_pad)), len(union))
+        values = jnp.zeros_like(keys).at[:, union].set(io.take(layer, V, union))
+        io.after_selection(layer, union)
+        importance = _normalised_importance(scores, m)
+        return state, keys, values, PerHeadIndices(per_head, k), importance, chosen
+
+    # -- continuation scoring against the same (pruned) KV ----------------------------------------
+
+    def _score(self, layers_kv: list[_LayerKV], first_logits, m, n, continuation) -> tuple[float, bool]:
+        cfg, params = self.cfg, self.model.params
+        cont = [int(t) for t in continuation]
+        if not cont:
+            raise SpecjaxError("cannot score an empty continuation")
+        c = len(cont)
+        c_pad = bucket(c, minimum=8)
+        ids = np.zeros(c_pad, np.int32)
+        ids[:c] = cont
+        positions = jnp.arange(m + n, m + n + c_pad, dtype=jnp.int32)
+        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        for lp, kv in zip(params["layers"], layers_kv):
+            prefix_k, prefix_v, selection = _context_for_continuation(kv, n)
+            q, own_k, own_v = _project(cfg, lp, h, positions)
+            h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
+                        impl=self.config.kernel_impl)
+        logits = np.concatenate([first_logits[None], np.asarray(T.head_step(cfg, params, h))[: c - 1]], 0)
+        logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+        target = np.asarray(cont)
+        return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
+
+
+def _pad_np(x: np.ndarray, size: int) -> np.ndarray:
+    out = np.full(size, -1, np.int32)
+    out[: len(x)] = x
+    return out
+
+
+def _normalised_importance(scores, m: int) -> np.ndarray:
+    """Per-token importance of R averaged over heads, each head normalised to sum 1 (for reordering)."""
+    s = np.asarray(scores, np.float64)[:, :m]
+    return (s / np.maximum(s.sum(1, keepdims=True), 1e-30)).mean(0).astype(np.float32)
+
+
+def _context_for_continuation(kv: _LayerKV, n: int):
+    """Prefix arrays + selection for tokens after the computed ones: the computed tokens join the selection."""
+    M = kv.prefix_k.shape[1]
+    keys = jnp.concatenate([kv.prefix_k, kv.own_k], axis=1)
+    values = jnp.concatenate([kv.prefix_v, kv.own_v], axis=1)
+    own = np.arange(M, M + n, dtype=np.int32)
+    sel = kv.selection
+    count = int(np.max(np.asarray(sel.count))) if sel.count is not None else sel.idx.shape[-1]
+    rows = np.atleast_2d(np.asarray(sel.idx))[:, :count]
+    idx = np.concatenate([rows, np.broadcast_to(own, (rows.shape[0], n))], axis=1)
+    width = bucket(idx.shape[1])
+    padded = np.zeros((idx.shape[0], width), np.int32)
+    padded[:, : idx.shape[1]] = idx
+    if isinstance(sel, PerHeadIndices):
+        return keys, values, PerHeadIndices(jnp.asarray(padded), idx.shape[1])
+    return keys, values, SharedIndices(jnp.asarray(padded[0]), idx.shape[1])
+
+
+def _layer_report(state: st.ImportanceState, m: int) -> dict:
+    retained = np.asarray(state.retained)
+    loaded = np.asarray(state.count) / max(m, 1)
+    return {
+        "retained": np.where(np.isnan(retained), loaded, retained).tolist(),
+        "fallback": np.asarray(state.fallback).tolist(),
+        "jaccard": np.asarray(state.jaccard).tolist(),
+        "threshold": np.asarray(state.threshold).tolist(),
+        "loaded_tokens": np.asarray(state.count).tolist(),
+        "prefix_tokens": m,
+    }
+
+
+class _LayerIO:
+    """One request's reads through the prefetcher: what is requested ahead, what is taken, and timing."""
+
+    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: _Clock):
+        self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
+        self.all_positions = np.arange(m)
+        self.prefetched: dict[int, np.ndarray] = {}
+        self.stats = {"prefetched": 0, "used": 0, "hit": 0}
+
+    # what the system reads for a layer before it is needed
+    def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
+        pf, kind = self.engine.prefetcher, self.engine.system.prefetch
+        if layer >= self.engine.cfg.num_layers or kind == "none":
+            return
+        if kind == "kv":
+            pf.request(self.match, layer, K, self.all_positions)
+            pf.request(self.match, layer, V, self.all_positions)
+        elif kind == "keys":
+            pf.request(self.match, layer, K, self.all_positions)
+        elif kind in ("probe", "speculative"):
+            pf.request(self.match, layer, PROBE, self.all_positions)
+            if kind == "speculative" and previous is not None and len(previous):
+                pf.request(self.match, layer, K, previous, speculative=True)
+                pf.request(self.match, layer, V, previous, speculative=True)
+                self.prefetched[layer] = previous
+
+    def prefetch_first(self) -> None:
+        self._request_ahead(0, None)
+
+    def after_selection(self, layer: int, chosen: np.ndarray) -> None:
+        """The layer's token set is known: score the speculation made for it, then speculate for the next."""
+        guess = self.prefetched.pop(layer, None)
+        if guess is not None:
+            hit = len(np.intersect1d(guess, chosen, assume_unique=True))
+            self.stats["prefetched"] += len(guess)
+            self.stats["used"] += len(chosen)
+            self.stats["hit"] += hit
+        self._request_ahead(layer + 1, chosen)
+
+    def take(self, layer: int, kind: int, positions, phase: str = "kv_io_stall"):
+        taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions)
+        if not taken.ok.all():
+            raise _BadChunk()
+        return taken.array
+
+    def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
+        return _pad_tokens(self.take(layer, kind, self.all_positions, phase), self.m_pad)
+
+    def prefetch_report(self) -> dict:
+        s = self.stats
+        if not s["prefetched"]:
+            return {"prefetched_tokens": 0, "used_tokens": s["used"], "hit_tokens": 0,
+                    "precision": None, "recall": None}
+        return {"prefetched_tokens": s["prefetched"], "used_tokens": s["used"], "hit_tokens": s["hit"],
+                "precision": s["hit"] / s["prefetched"], "recall": s["hit"] / max(s["used"], 1)}
+
+    def close(self) -> None:
+        if self.engine.prefetcher is not None:
+            self.engine.prefetcher.close()

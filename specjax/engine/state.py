@@ -1,0 +1,114 @@
+"""The importance state carried across layers, and the pure steps that choose which prefix tokens a layer keeps.
+
+Everything here is jitted and side-effect free: a step takes the state and scores and returns a new state plus
+the chosen indices. The host reads the indices back only to move bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels import itf_threshold, mean_pairwise_jaccard
+
+
+@chex.dataclass
+class ImportanceState:
+    """Per-layer record of a request's selections, `[L, ...]` arrays updated layer by layer.
+
+    selected / count: the token set the layer used when all heads share one (ITF), else the union of the
+        per-head sets; -1 pads. jaccard / threshold: probe heads' mean pairwise Jaccard and SPEC's t = j^alpha
+        (NaN where not measured). fallback: the layer loaded all keys and used per-head sets. retained: kept
+        fraction of the reused prefix. prefetched / prefetched_count: the set speculatively prefetched for the
+        layer from the previous layer's selection.
+    """
+
+    selected: jax.Array
+    count: jax.Array
+    jaccard: jax.Array
+    threshold: jax.Array
+    fallback: jax.Array
+    retained: jax.Array
+    prefetched: jax.Array
+    prefetched_count: jax.Array
+
+    @classmethod
+    def init(cls, num_layers: int, capacity: int) -> "ImportanceState":
+        nan = jnp.full((num_layers,), jnp.nan, jnp.float32)
+        return cls(
+            selected=jnp.full((num_layers, capacity), -1, jnp.int32),
+            count=jnp.zeros((num_layers,), jnp.int32),
+            jaccard=nan,
+            threshold=nan,
+            fallback=jnp.zeros((num_layers,), bool),
+            retained=nan,
+            prefetched=jnp.full((num_layers, capacity), -1, jnp.int32),
+            prefetched_count=jnp.zeros((num_layers,), jnp.int32),
+        )
+
+
+def _masked_topk(scores, k_cap: int, prefix_len):
+    """Indices of the k_cap highest scores per row among the first prefix_len columns, best first."""
+    valid = jnp.arange(scores.shape[-1]) < prefix_len
+    _, idx = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k_cap)
+    return idx.astype(jnp.int32)
+
+
+def _row(state_row, idx, count):
+    """A state row [capacity] holding the first `count` entries of idx, -1 elsewhere."""
+    padded = jnp.where(jnp.arange(idx.shape[-1]) < count, idx, -1)
+    return jnp.full_like(state_row, -1).at[: idx.shape[-1]].set(padded)
+
+
+@functools.partial(jax.jit, static_argnames=("k_cap",))
+def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha, *, k_cap: int):
+    """SPEC's similarity-guided identification for one layer (design 4.2).
+
+    probe_scores: f32 [P, m_pad] H2O importance from the probe heads. Returns (state, shared int32[k_cap],
+    use_shared bool): the top-k of the probe heads' summed normalised scores (first `k` entries valid, best
+    first) and whether the probe heads' mean pairwise Jaccard reaches t = j ** alpha.
+    """
+    per_probe = _masked_topk(probe_scores, k_cap, prefix_len)
+    jaccard = mean_pairwise_jaccard(per_probe, count=k)
+    threshold = itf_threshold(k, prefix_len, alpha)
+    use_shared = jaccard >= threshold
+    valid = jnp.arange(probe_scores.shape[-1]) < prefix_len
+    masked = jnp.where(valid, probe_scores, 0.0)
+    normalised = masked / jnp.maximum(masked.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    shared = _masked_topk(normalised.sum(0), k_cap, prefix_len)
+    state = state.replace(
+        selected=state.selected.at[layer].set(_row(state.selected[layer], shared, k)),
+        count=state.count.at[layer].set(k),
+        jaccard=state.jaccard.at[layer].set(jaccard),
+        threshold=state.threshold.at[layer].set(threshold),
+        fallback=state.fallback.at[layer].set(~use_shared),
+        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len, 1)),
+    )
+    return state, shared, use_shared
+
+
+@functools.partial(jax.jit, static_argnames=("k_cap",))
+def per_head_select(state: ImportanceState, layer, head_scores, k, prefix_len, *, k_cap: int):
+    """H2O per head (AS+H2O, and ITF's fallback): top-k of every head's own scores [H, m_pad] -> int32 [H, k_cap]."""
+    idx = _masked_topk(head_scores, k_cap, prefix_len)
+    state = state.replace(
+        fallback=state.fallback.at[layer].set(True),
+        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len, 1)),
+    )
+    return state, idx
+
+
+@jax.jit
+def record_union(state: ImportanceState, layer, union, count):
+    """Record the token set a per-head layer loaded values for (the union of its heads' sets)."""
+    return state.replace(selected=state.selected.at[layer].set(_row(state.selected[layer], union, count)),
+                         count=state.count.at[layer].set(count))
+
+
+@jax.jit
+def record_prefetch(state: ImportanceState, layer, prefetched, count):
+    return state.replace(prefetched=state.prefetched.at[layer].set(_row(state.prefetched[layer], prefetched, count)),
+                         prefetched_count=state.prefetched_count.at[layer].set(count))

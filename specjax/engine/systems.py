@@ -1,0 +1,79 @@
+"""The systems compared on the one engine, as policies: what a layer loads, what is prefetched, how caches score.
+
+A system is data, not a copy of the engine; `make_system` applies SPEC's ablation switches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.errors import SpecjaxError
+
+IDENTIFY = ("none", "h2o", "itf")  # load everything | all keys then per-head top-k | probe heads + threshold
+PREFETCH = ("none", "kv", "keys", "probe", "speculative")
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    name: str
+    reuse: bool = True  # False: recompute the whole prefix, never touch the store
+    identify: str = "none"
+    prefetch: str = "none"  # what is read for layer i+1 while layer i computes
+    cache_policy: str = "lru"  # stores.caches policy of the device and host tiers
+    reorder: bool = False  # repack each radix node's chunks by importance between requests
+    alpha: float = 0.6  # ITF threshold exponent, t = j ** alpha
+    num_probe_heads: int = 3
+
+    @property
+    def prunes(self) -> bool:
+        return self.identify != "none"
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("recompute", reuse=False),
+        System("as_full", identify="none", prefetch="kv", cache_policy="lru"),
+        System("as_h2o_lru", identify="h2o", prefetch="keys", cache_policy="lru"),
+        System("as_h2o_lfu", identify="h2o", prefetch="keys", cache_policy="lfu"),
+        System("impress", identify="itf", prefetch="probe", cache_policy="spec_score", reorder=True),
+        System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+    )
+}
+
+# Known systems whose mechanisms are not implemented yet, with the issue that builds them.
+NOT_BUILT = {"contiguous_kv": 6, "cake": 6, "cacheblend": 6, "full_reuse": 6}
+
+
+def system_names() -> list[str]:
+    return list(SYSTEMS) + list(NOT_BUILT)
+
+
+def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
+                no_prefetch: bool = False, alpha: float | None = None) -> System:
+    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense."""
+    if name in NOT_BUILT:
+        raise SpecjaxError(f"system {name!r} is not built yet (see issue {NOT_BUILT[name]}); "
+                           f"available: {', '.join(SYSTEMS)}")
+    if name not in SYSTEMS:
+        raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
+    system = SYSTEMS[name]
+    changes = {}
+    if system.identify == "itf":
+        if no_itf:
+            changes["identify"] = "h2o"
+        if no_reorder:
+            changes["reorder"] = False
+        if no_score_cache:
+            changes["cache_policy"] = "lfu"
+        if no_prefetch and system.prefetch == "speculative":
+            changes["prefetch"] = "probe"
+        if alpha is not None:
+            changes["alpha"] = alpha
+    if changes:
+        suffix = "".join(f"-no_{flag}" for flag, on in
+                         (("itf", no_itf), ("reorder", no_reorder), ("score_cache", no_score_cache),
+                          ("prefetch", no_prefetch)) if on)
+        changes["name"] = name + suffix
+        return dataclasses.replace(system, **changes)
+    return system

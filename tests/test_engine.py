@@ -1,0 +1,215 @@
+"""The prefill engine and its systems on random tiny OPT and Llama models with an in-memory store."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import specjax
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import state as st
+from specjax.errors import SpecjaxError
+from specjax.kernels import itf_threshold
+from specjax.models import transformer as T
+from specjax.stores import KVStore
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["tiny-opt", "tiny-llama"])
+def model(request):
+    return specjax.load_model(request.param, init="random", seed=1)
+
+
+def _store(model, chunk_tokens=16):
+    spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
+    return KVStore.open(spec, fingerprint(model, chunk_tokens), context=ts.Context())
+
+
+def _request(model, prefix_len=100, query_len=7, seed=0):
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    return Request(rng.integers(0, v, prefix_len).tolist(), rng.integers(0, v, query_len).tolist(),
+                   [rng.integers(0, v, 3).tolist(), rng.integers(0, v, 6).tolist()])
+
+
+def _engine(model, name, retention=1.0, **cfg):
+    system = make_system(name)
+    store = _store(model) if system.reuse else None
+    config = EngineConfig(retention=retention, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True, **cfg)
+    return Engine(model, system, store, config)
+
+
+def _run(model, name, req, retention=1.0):
+    engine = _engine(model, name, retention)
+    if engine.store is not None:
+        engine.warm(req.prefix)
+    return engine.run(req)
+
+
+def test_recompute_matches_plain_forward(model):
+    req = _request(model)
+    r = _run(model, "recompute", req)
+    np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+    for (ours, greedy), cont in zip(r.continuation_logprobs, req.continuations):
+        ref, ref_greedy = model.loglikelihood(req.prefix + req.query, cont)
+        assert ours == pytest.approx(ref, abs=TOL) and greedy == ref_greedy
+    assert r.reused_tokens == 0 and r.computed_tokens == len(req.prefix) + len(req.query)
+
+
+@pytest.mark.parametrize("name", ["as_full", "spec", "impress", "as_h2o_lfu"])
+def test_full_retention_equals_recompute(model, name):
+    req = _request(model)
+    base = _run(model, "recompute", req)
+    r = _run(model, name, req, retention=1.0)
+    assert r.reused_tokens == len(req.prefix) and r.computed_tokens == len(req.query)
+    np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=TOL, rtol=0)
+    np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
+                               [c for c, _ in base.continuation_logprobs], atol=TOL, rtol=0)
+
+
+def test_second_request_reuses_the_stored_prefix(model):
+    req = _request(model)
+    engine = _engine(model, "as_full")
+    first = engine.run(req)  # cold store: the whole prefix is computed and written behind
+    assert first.reused_tokens == 0 and first.computed_tokens == len(req.prefix) + len(req.query)
+    assert first.io["disk_bytes_written"] > 0 and first.io["disk_bytes"] == 0
+    second = engine.run(Request(req.prefix, req.query[:3], req.continuations))
+    assert second.reused_tokens == len(req.prefix) and second.computed_tokens == 3
+    assert second.io["disk_bytes_written"] == 0
+    assert second.io["disk_bytes"] + second.io["device_hits"] + second.io["host_hits"] > 0
+    ref = model.logits(req.prefix + req.query[:3])[-1]
+    np.testing.assert_allclose(second.first_token_logits, ref, atol=TOL, rtol=0)
+
+
+def test_partial_match_stores_the_new_tail(model):
+    req = _request(model, prefix_len=90)
+    engine = _engine(model, "as_full")
+    engine.warm(req.prefix[:40])
+    r = engine.run(req)
+    assert r.reused_tokens == 40 and r.computed_tokens == 50 + len(req.query)
+    np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+    again = engine.run(req)
+    assert again.reused_tokens == 90
+
+
+def _h2o_reference(model, req, retention):
+    """Per layer, each head's H2O top-k over R from the query rows, attending only to its own set."""
+    cfg, params = model.config, model.params
+    m, n = len(req.prefix), len(req.query)
+    k = math.ceil(retention * m)
+    tokens = jnp.asarray(req.prefix + req.query)
+    positions = jnp.arange(m + n)
+    h = T.embed(cfg, params, tokens, positions)
+    group = cfg.num_heads // cfg.num_kv_heads
+    sets = []
+    for lp in params["layers"]:
+        q, kk, vv = T.project(cfg, lp, h, positions)
+        keys = jnp.repeat(kk, group, axis=0)
+        values = jnp.repeat(vv, group, axis=0)
+        scores = jnp.einsum("hqd,hkd->hqk", q[:, m:], keys) * cfg.head_dim ** -0.5
+        causal = positions[None, :] <= positions[m:, None]
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        importance = np.asarray(probs[:, :, :m].sum(1))
+        chosen = np.argsort(-importance, axis=1, kind="stable")[:, :k]
+        sets.append(np.sort(chosen, axis=1))
+        keep = np.zeros((cfg.num_heads, m + n), bool)
+        np.put_along_axis(keep, chosen, True, axis=1)
+        keep[:, m:] = True
+        mask = causal[None] & jnp.asarray(keep)[:, None, :]
+        pruned = jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1), values)
+        # Prefix rows are the stored, exact prefix (they never see the query); query rows use the pruned set.
+        exact = T.attention(q[:, :m], kk[:, :m], vv[:, :m], positions[:m], positions[:m])
+        h = jnp.concatenate([T.output_and_mlp(cfg, lp, h[:m], exact), T.output_and_mlp(cfg, lp, h[m:], pruned)])
+    return sets, np.asarray(T.head(cfg, params, h[-1:]))[0]
+
+
+@pytest.mark.parametrize("name", ["as_h2o_lru", "as_h2o_lfu"])
+def test_h2o_selects_the_per_head_top_k(model, name):
+    req = _request(model, prefix_len=80, query_len=6, seed=3)
+    retention = 0.25
+    r = _run(model, name, req, retention)
+    ref_sets, ref_logits = _h2o_reference(model, req, retention)
+    k = math.ceil(retention * len(req.prefix))
+    for layer, (ours, ref) in enumerate(zip(r.selections, ref_sets)):
+        assert ours.shape == (model.config.num_heads, k)
+        np.testing.assert_array_equal(np.sort(ours, axis=1), ref, err_msg=f"layer {layer}")
+    np.testing.assert_allclose(r.first_token_logits, ref_logits, atol=TOL, rtol=0)
+    assert all(r.layers["fallback"])
+
+
+def test_itf_threshold_decision_on_hand_built_scores():
+    m, k = 64, 16
+    state = st.ImportanceState.init(2, m)
+    agree = np.zeros((3, m), np.float32)
+    agree[:, :k] = np.linspace(2.0, 1.0, k)  # all three probe heads rank tokens 0..15 highest
+    state, shared, use_shared = st.itf_select(state, 0, jnp.asarray(agree), k, m, 0.6, k_cap=k)
+    assert bool(use_shared)
+    np.testing.assert_array_equal(np.sort(np.asarray(shared)), np.arange(k))
+    j = (k * k / m) / (2 * k - k * k / m)
+    assert float(state.threshold[0]) == pytest.approx(j ** 0.6, rel=1e-6)
+    assert float(state.jaccard[0]) == pytest.approx(1.0)
+    disagree = np.zeros((3, m), np.float32)
+    for head in range(3):  # disjoint sets: Jaccard 0 < t
+        disagree[head, head * k:(head + 1) * k] = 1.0
+    state, _, use_shared = st.itf_select(state, 1, jnp.asarray(disagree), k, m, 0.6, k_cap=k)
+    assert not bool(use_shared) and bool(state.fallback[1]) and float(state.jaccard[1]) == 0.0
+    # Partial overlap: decided by J >= t exactly as the formula says.
+    partial = np.zeros((3, m), np.float32)
+    for head in range(3):
+        partial[head, head * 4:head * 4 + k] = 1.0 + np.arange(k)[::-1] * 1e-3
+    state, _, use_shared = st.itf_select(state, 1, jnp.asarray(partial), k, m, 2.0, k_cap=k)
+    expected = float(state.jaccard[1]) >= float(itf_threshold(k, m, 2.0))
+    assert bool(use_shared) == expected
+
+
+def test_itf_falls_back_when_probe_heads_disagree(model):
+    """With alpha = 0 the threshold is 1: any disagreement between probe heads falls back to all keys."""
+    req = _request(model, prefix_len=96, seed=5)
+    engine = Engine(model, make_system("impress", alpha=0.0), _store(model),
+                    EngineConfig(retention=0.25, trace=True))
+    engine.warm(req.prefix)
+    r = engine.run(req)
+    fell_back = [layer for layer, f in enumerate(r.layers["fallback"]) if f]
+    assert fell_back, "random tiny models' probe heads should disagree somewhere"
+    for layer in fell_back:
+        assert r.selections[layer].shape[0] == model.config.num_heads  # per-head sets
+    for layer in set(range(model.config.num_layers)) - set(fell_back):
+        assert r.layers["jaccard"][layer] >= 1.0 - 1e-6
+
+
+def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
+    """A large alpha makes t ~ 0, so every layer shares one set: probe keys + k of m tokens' K and V are read."""
+    req = _request(model, prefix_len=128, seed=7)
+    full = _run(model, "as_full", req)
+    engine = Engine(model, make_system("spec", alpha=50.0), _store(model), EngineConfig(retention=0.25, trace=True))
+    engine.warm(req.prefix)
+    spec = engine.run(req)
+    cfg, m, k = model.config, 128, 32
+    assert not any(spec.layers["fallback"])
+    probe_heads = len(engine.probe_kv)
+    per_token_head = cfg.head_dim * 4  # float32
+    expected = cfg.num_layers * per_token_head * (probe_heads * m + 2 * cfg.num_kv_heads * k)
+    assert spec.io["used_token_bytes"] == expected < full.io["used_token_bytes"]
+    p = spec.prefetch
+    # Layers 1..L-1 were guessed from the previous layer's set (k tokens each).
+    assert p["prefetched_tokens"] == (cfg.num_layers - 1) * k and p["used_tokens"] == (cfg.num_layers - 1) * k
+    assert p["precision"] == pytest.approx(p["hit_tokens"] / p["prefetched_tokens"])
+    assert p["recall"] == pytest.approx(p["hit_tokens"] / p["used_tokens"])
+    assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
+
+
+def test_unknown_and_unbuilt_systems():
+    with pytest.raises(SpecjaxError, match="unknown system 'magic'"):
+        make_system("magic")
+    with pytest.raises(SpecjaxError, match="not built yet"):
+        make_system("cake")
+
+
+def test_ablations_change_the_policy():
+    s = make_system("spec", no_itf=True, no_reorder=True, no_score_cache=True, no_prefetch=True)
+    assert (s.identify, s.reorder, s.cache_policy, s.prefetch) == ("h2o", False, "lfu", "probe")
+    assert s.name == "spec-no_itf-no_reorder-no_score_cache-no_prefetch"
