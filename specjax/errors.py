@@ -19,13 +19,15 @@ class CheckpointError(SpecjaxError):
 
 
 def exit_on_error(main):
-    """Wrap a CLI main so a SpecjaxError ends in one clear line and exit status 2."""
+    """Wrap a CLI main so a SpecjaxError (or StoreError) ends in one clear line and exit status 2."""
+
+    from specjax.stores.errors import StoreError  # stores cannot know SpecjaxError; catch its errors too
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except SpecjaxError as e:
+        except (SpecjaxError, StoreError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

@@ -8,6 +8,7 @@ needed vectors to the device through the caches (score update, placement, host->
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 
@@ -43,6 +44,16 @@ class Taken:
     ok: np.ndarray
     waited_ms: float
     chunks_from_disk: int
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_rows(x, rows: int):
+    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(out, part, idx):
+    return out.at[:, idx].set(part.astype(out.dtype), mode="drop")
 
 
 class Prefetcher:
@@ -118,11 +129,14 @@ class Prefetcher:
         with self._lock:
             self._cancel_locked(ticket)
 
-    def take(self, match: Match, layer: int, kind: int, positions, *, importance=None) -> Taken:
+    def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
+             pad_to: int | None = None) -> Taken:
         """Vectors of `positions` on the device; waits only for reads still in flight.
 
         `importance` (per position, optional) feeds the `attention_score` policy; the important fraction of
-        each chunk for `spec_score` is taken as the share of its tokens requested here.
+        each chunk for `spec_score` is taken as the share of its tokens requested here. `pad_to` >= the number
+        of positions gives an array of that many tokens (zeros after the requested ones), so a caller that
+        buckets its sizes compiles each device op once per bucket.
         """
         positions = np.asarray(positions, np.int64)
         loc = self.store.locate(match, positions)
@@ -167,17 +181,23 @@ class Prefetcher:
             self._release_keys(demand_keys)
             for ticket in list(self._tickets.get((layer, kind), [])):
                 self._cancel_locked(ticket)
-        return Taken(self._assemble(parts, order, len(positions), lay, kind), ok, waited_ms, len(waiting))
+        size = len(positions) if pad_to is None else pad_to
+        if size < len(positions):
+            raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
+        return Taken(self._assemble(parts, order, size, lay, kind), ok, waited_ms, len(waiting))
 
     @staticmethod
-    def _assemble(parts, order, n, lay, kind) -> jax.Array:
-        if not parts:
-            return jnp.zeros((lay.heads(kind), 0, lay.head_dim), lay.np_dtype)
-        stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        perm = np.concatenate(order)
-        if np.array_equal(perm, np.arange(n)):
-            return stacked
-        return stacked[:, np.argsort(perm)]
+    def _assemble(parts, order, size, lay, kind) -> jax.Array:
+        """Scatter each chunk's vectors (at most chunk_tokens of them) to their rows of a [heads, size, d] array.
+
+        Every piece is padded to chunk_tokens rows, so the device ops compile once per output size."""
+        out = jnp.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
+        c = lay.chunk_tokens
+        for part, rows in zip(parts, order):
+            idx = np.full(c, size, np.int32)  # row `size` is out of range: its padding is dropped
+            idx[: len(rows)] = rows
+            out = _scatter_rows(out, _pad_rows(part, c), jnp.asarray(idx))
+        return out
 
     def close(self) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ class EngineConfig:
     retention: float = 0.25  # fraction of the reused prefix kept per layer (k = ceil(r * |R|))
     gpu_cache_bytes: int = 0
     cpu_cache_bytes: int = 0
+    pcie_bandwidth: float | None = None  # bytes/s of emulated host->device copies (None: not throttled)
     kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
     reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
     trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
@@ -69,10 +70,9 @@ def fingerprint(model, chunk_tokens: int) -> dict:
 
 
 def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
-    """The first `count` query heads, chosen to span as many KV heads as possible (design 4.2)."""
-    group = cfg.num_heads // cfg.num_kv_heads
-    order = [kv * group + j for j in range(group) for kv in range(cfg.num_kv_heads)]
-    return tuple(order[: min(count, cfg.num_heads)])
+    """The first `count` query heads (SPEC: which ones does not matter). With grouped-query attention they
+    share as few KV heads as possible, so the probe keys read are fewest (design 4.2)."""
+    return tuple(range(min(count, cfg.num_heads)))
 
 
 def probe_kv_heads(cfg, count: int = 3) -> tuple[int, ...]:
@@ -130,9 +130,10 @@ def _head_row(cfg, params, h, row):
     return T.head(cfg, params, jax.lax.dynamic_slice_in_dim(h, row, 1))[0]
 
 
-def _pad_tokens(x, size: int):
-    """[heads, n, d] -> [heads, size, d] with zero rows (finite, never selected)."""
-    return jnp.pad(x, ((0, 0), (0, size - x.shape[1]), (0, 0))) if x.shape[1] != size else x
+@jax.jit
+def _scatter_tokens(like, idx, rows):
+    """Zeros shaped like `like` [heads, M, d] with rows[:, i] at token idx[i] (idx >= M is padding, dropped)."""
+    return jnp.zeros_like(like).at[:, idx].set(rows.astype(like.dtype), mode="drop")
 
 
 @dataclasses.dataclass
@@ -165,7 +166,7 @@ class Engine:
         self.requests_run = 0
         if store is not None:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
-                                     metrics=store.metrics)
+                                     metrics=store.metrics, pcie_bandwidth=config.pcie_bandwidth)
             self.prefetcher = Prefetcher(store, self.cache)
 
     # -- storing prefixes ------------------------------------------------------------------------
@@ -294,8 +295,7 @@ class Engine:
             importance = _normalised_importance(scores, m)
             if bool(use_shared):
                 chosen = np.asarray(shared)[:k]
-                keys = _pad_tokens(io.take(layer, K, chosen), k_cap)
-                values = _pad_tokens(io.take(layer, V, chosen), k_cap)
+                keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
                 io.after_selection(layer, chosen)
                 selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
                 return state, keys, values, selection, importance, chosen[None]
@@ -307,7 +307,9 @@ class Engine:
         chosen = np.asarray(per_head)[:, :k]
         union = np.unique(chosen)
         state = st.record_union(state, layer, jnp.asarray(_pad_np(union, m_pad)), len(union))
-        values = jnp.zeros_like(keys).at[:, union].set(io.take(layer, V, union))
+        union_pad = bucket(len(union))
+        values = _scatter_tokens(keys, jnp.asarray(_pad_np(union, union_pad, fill=m_pad)),
+                                 io.take(layer, V, union, union_pad))
         io.after_selection(layer, union)
         importance = _normalised_importance(scores, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, chosen
@@ -336,8 +338,8 @@ class Engine:
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
 
 
-def _pad_np(x: np.ndarray, size: int) -> np.ndarray:
-    out = np.full(size, -1, np.int32)
+def _pad_np(x: np.ndarray, size: int, fill: int = -1) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
     out[: len(x)] = x
     return out
 
@@ -418,14 +420,16 @@ class _LayerIO:
             self.stats["hit"] += hit
         self._request_ahead(layer + 1, chosen)
 
-    def take(self, layer: int, kind: int, positions, phase: str = "kv_io_stall"):
-        taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions)
+    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall"):
+        """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing."""
+        taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
+                                 pad_to=pad_to)
         if not taken.ok.all():
             raise _BadChunk()
         return taken.array
 
     def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
-        return _pad_tokens(self.take(layer, kind, self.all_positions, phase), self.m_pad)
+        return self.take(layer, kind, self.all_positions, self.m_pad, phase)
 
     def prefetch_report(self) -> dict:
         s = self.stats

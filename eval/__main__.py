@@ -1,0 +1,262 @@
+"""`python -m specjax.eval`: accuracy, TTFT and I/O of several systems on one shared-prefix workload.
+
+    python -m specjax.eval                                    # smollm2-135m on needle, runs anywhere
+    python -m specjax.eval --model smollm2-135m --task piqa --data_dir ../shared/data
+    python -m specjax.eval --preset spec_fig16 --model opt-6.7b --init random
+
+Writes OUTPUT_DIR/results.json (design.md section 7), results.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+from specjax.eval import presets as presets_lib
+from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib
+from specjax.eval import systems as systems_lib
+from specjax.eval.errors import EvalError
+from specjax.eval.fallback_tokenizer import tokenizer_for
+from specjax.eval.progress import Progress
+from specjax.eval.units import parse_bandwidth, parse_fewshot, parse_retentions, parse_size
+
+FLAGS = flags.FLAGS
+
+# model
+flags.DEFINE_string("model", "smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...) "
+                    "or a directory written by `python -m specjax.convert`.")
+flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"],
+                  "Weights: `pretrained` (converted checkpoint) or `random` (real shapes, for timing only: "
+                  "accuracy is then meaningless and results say so).")
+flags.DEFINE_string("dtype", None, "Model dtype (float32, bfloat16, float16); default: the model's own.")
+# task and workload
+flags.DEFINE_string("task", "needle", "Task: " + "; ".join(f"{k} ({v})" for k, v in tasks_lib.TASKS.items()) + ".")
+flags.DEFINE_string("data_dir", None, "Folder with task files laid out like ../shared/data (see its README.md). "
+                    "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
+flags.DEFINE_string("data_path", None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per line.")
+flags.DEFINE_integer("limit", None, "Number of requests (the first N task items, as lm-eval's --limit). "
+                     "Default: all items; for needle 40 (about 10 minutes with recompute on 2 CPU cores).")
+flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per "
+                    "prefix (the papers' 2-10). 0 gives lm-eval's zero-shot prompts.")
+flags.DEFINE_integer("prefix_tokens", None, "Extend every prefix with more examples (needle: more facts) to at "
+                     "least this many tokens (SPEC: 4.8k-5.7k average, up to 10k).")
+flags.DEFINE_float("reuse_mean", 8.0, "Mean number of queries sharing one prefix (normal distribution).")
+flags.DEFINE_float("reuse_std", 3.0, "Standard deviation of the number of queries sharing one prefix.")
+flags.DEFINE_integer("needle_facts", tasks_lib.NeedleSpec.num_facts,
+                     "needle: key-value facts per prefix (ignored when --prefix_tokens is set).")
+flags.DEFINE_bool("add_bos", False, "Start every prefix with the tokenizer's BOS token (lm-eval adds none).")
+flags.DEFINE_integer("seed", 0, "Seed for the workload (items, few-shot draws, reuse counts, needle facts) and "
+                     "random weights.")
+# systems
+flags.DEFINE_string("systems", "default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) +
+                    ". `default` = the SPEC paper's line-up (recompute, as_full, as_h2o_lru, as_h2o_lfu, spec) "
+                    "restricted to those built; `all` = every built system.")
+flags.DEFINE_string("retention", "0.25", "Fraction of prefix tokens kept, or a comma-separated list to sweep "
+                    "(e.g. 0.05,0.1,0.25,0.5).")
+flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its own 16).")
+flags.DEFINE_string("gpu_cache", "15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of "
+                    "the workload's stored prefix KV (SPEC: 10GB of ~60GB).")
+flags.DEFINE_string("cpu_cache", "50%", "CPU prefix-KV cache budget: bytes or a percentage of the stored prefix "
+                    "KV (SPEC: 32GB of ~60GB). Keep GPU+CPU under 100% so part of the KV lives only on disk.")
+flags.DEFINE_string("disk_bandwidth", None, "Emulated disk read bandwidth (e.g. 5GB/s); unset = the real disk.")
+flags.DEFINE_string("pcie_bandwidth", None, "Emulated CPU->GPU bandwidth (e.g. 25GB/s); unset = the real link.")
+flags.DEFINE_bool("direct_io", False, "Read the store with O_DIRECT so the page cache does not hide the disk.")
+flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identification (Fig. 18).")
+flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
+flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
+flags.DEFINE_bool("no_prefetch", False, "spec ablation: no layer-aware speculative prefetch.")
+# where things go
+flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
+                    "temporary directory removed at the end.")
+flags.DEFINE_string("output_dir", None, "Where results.json, results.md and plots go; default results/<model>-<task>.")
+flags.DEFINE_string("preset", None, "Experiment preset from specjax.configs.presets (" +
+                    ", ".join(presets_lib.names()) + "); flags given on the command line override it.")
+flags.DEFINE_bool("progress", True, "Show a progress bar with ETA on stderr.")
+
+flags.register_validator("retention", lambda v: _ok(parse_retentions, v), "must be fractions in (0, 1], "
+                         "comma-separated, e.g. 0.25 or 0.05,0.1,0.25,0.5")
+flags.register_validator("num_fewshot", lambda v: _ok(parse_fewshot, v), "must be N or A-B with 0 <= A <= B")
+flags.register_validator("gpu_cache", lambda v: _ok(parse_size, v), "must be a size like 10GB, 512MiB or 15%")
+flags.register_validator("cpu_cache", lambda v: _ok(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
+flags.register_validator("disk_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
+                         "must be a rate like 5GB/s or 800MB/s")
+flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
+                         "must be a rate like 25GB/s")
+flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
+flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
+flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
+flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
+flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
+flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
+
+NEEDLE_DEFAULT_LIMIT = 40
+OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
+             "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
+             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
+             "no_score_cache", "no_prefetch", "store", "output_dir", "preset")
+
+
+def _ok(parse, value) -> bool:
+    try:
+        parse(value)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def load_model(name: str, dtype: str | None, init: str, seed: int):
+    import specjax
+
+    try:
+        return specjax.load_model(name, dtype=dtype, init=init, seed=seed)
+    except (ValueError, KeyError, FileNotFoundError, NotImplementedError) as e:
+        raise EvalError(f"cannot load model '{name}': {e}") from None
+
+
+def device_description() -> str:
+    import jax
+
+    devices = jax.devices()
+    d = devices[0]
+    kind = getattr(d, "device_kind", d.platform)
+    text = f"{len(devices)}x {d.platform} ({kind})"
+    if d.platform == "cpu":
+        text += f", {os.cpu_count()} host cores"
+    return text
+
+
+def _values() -> dict:
+    return {name: FLAGS[name].value for name in OUR_FLAGS}
+
+
+def _cache_bytes(spec: str, store_bytes: int) -> int:
+    value, is_fraction = parse_size(spec)
+    return int(round(value * store_bytes)) if is_fraction else int(value)
+
+
+def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
+    """One task end to end; returns the results dict it wrote."""
+    started = time.time()
+    names = systems_lib.resolve(values["systems"])  # unknown / unbuilt systems fail before any work
+    if not names:
+        raise EvalError(f"--systems {values['systems']}: none of them is built yet")
+    retentions = parse_retentions(values["retention"])
+    task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
+    limit = values["limit"]
+    if limit is None and task.synthetic:
+        limit = NEEDLE_DEFAULT_LIMIT
+    spec = workload_lib.WorkloadSpec(
+        fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
+        reuse_std=values["reuse_std"], prefix_tokens=values["prefix_tokens"], limit=limit,
+        add_bos=values["add_bos"], seed=values["seed"],
+        needle=dataclasses.replace(tasks_lib.NeedleSpec(), num_facts=values["needle_facts"]))
+    tokenizer, tokenizer_source = tokenizer_for(model)
+    workload = workload_lib.build_workload(task, tokenizer, spec)
+    summary = workload.summary()
+    max_len = max(len(r.context_ids) + max(len(c) for c in r.choice_ids) for r in workload.requests)
+    if max_len > model.config.max_positions:
+        raise EvalError(f"the longest request has {max_len} tokens but {model.name} takes at most "
+                        f"{model.config.max_positions}; lower --prefix_tokens or --num_fewshot")
+
+    kv_per_token = model.config.num_layers * 2 * model.config.num_kv_heads * model.config.head_dim * 2
+    store_bytes = summary["unique_prefix_tokens"] * kv_per_token
+    settings = systems_lib.SystemSettings(
+        retention=retentions[0], chunk_tokens=values["chunk_tokens"],
+        gpu_cache_bytes=_cache_bytes(values["gpu_cache"], store_bytes),
+        cpu_cache_bytes=_cache_bytes(values["cpu_cache"], store_bytes),
+        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
+        pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
+        direct_io=values["direct_io"], seed=values["seed"],
+        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")})
+
+    runs = runner.plan(names, retentions)
+    progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
+    with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
+        store_dir = pathlib.Path(values["store"]).expanduser() if values["store"] else pathlib.Path(tmp)
+        done = runner.run_all(model, workload, runs, settings, store_dir, progress)
+    progress.close()
+
+    notes = []
+    if model.weights == "random":
+        notes.append("weights are random: accuracy is meaningless; TTFT and I/O are valid for these shapes")
+    if tokenizer_source != "model":
+        notes.append(f"tokenizer: {tokenizer_source}")
+    if settings.disk_bandwidth or settings.pcie_bandwidth:
+        notes.append("bandwidths are emulated (token-bucket throttling), see `emulation`")
+    config = {
+        **values, "limit": limit,
+        "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},
+        "store_bytes": store_bytes, "kv_bytes_per_token": kv_per_token,
+        "tokenizer": tokenizer_source, "prompt_format": task.prompt_format, "data_source": task.source,
+        "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
+        "same_store_contents": "base store written once from every unique prefix; each run opens its own "
+                               "copy; caches warmed with each unique prefix once, in first-arrival order, "
+                               "before timing",
+        "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
+    }
+    results = report.build_results(
+        model=model.name, task=values["task"], weights=model.weights, device=device_description(),
+        emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.pcie_bandwidth,
+                   "direct_io": settings.direct_io},
+        config=config, runs=done, requests=workload.requests,
+        extras={"workload": summary, "notes": notes, "command": shlex.join(sys.argv),
+                "wall_s": time.time() - started,
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
+    written = report.write_all(results, output_dir)
+    report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
+    written.append(output_dir / "requests.jsonl")
+    _print_summary(results, written)
+    return results
+
+
+def _print_summary(results: dict, written: list[pathlib.Path]) -> None:
+    ref = results["systems"].get("recompute")
+    for key, s in results["systems"].items():
+        a, t = s["accuracy"], s["ttft_ms"]
+        speed = f", {ref['ttft_ms']['mean'] / t['mean']:.2f}x vs recompute" if ref and key != "recompute" else ""
+        print(f"{key:<22} acc {100 * a['acc']:5.1f}% ± {100 * a['stderr']:.1f} (n={a['n']})  "
+              f"TTFT mean {t['mean']:.1f} ms p99 {t['p99']:.1f} ms{speed}")
+    for note in results.get("notes", []):
+        print(f"note: {note}")
+    print("wrote " + ", ".join(str(p) for p in written))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise EvalError(f"unexpected arguments {argv[1:]}; flags look like --task piqa")
+    values = _values()
+    task_list = [values["task"]]
+    preset = None
+    if values["preset"]:
+        preset = presets_lib.load(values["preset"])
+        present = {name for name in OUR_FLAGS if FLAGS[name].present}
+        values = presets_lib.apply(preset, values, present)
+        task_list = [values["task"]] if "task" in present else list(preset.get("tasks", [values["task"]]))
+    for name in task_list:
+        if name not in tasks_lib.TASKS:
+            raise EvalError(f"unknown task '{name}'; known tasks: {', '.join(tasks_lib.TASKS)}")
+    systems_lib.resolve(values["systems"])  # fail on unknown / unbuilt systems before loading a model
+    model = load_model(values["model"], values["dtype"], values["init"], values["seed"])
+    base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
+                            f"{values['preset'] or values['task']}")
+    for name in task_list:
+        task_values = presets_lib.for_task(preset, values, name, present if preset else set())
+        out = base_dir / name if len(task_list) > 1 else base_dir
+        run_task(model, task_values, out)
+
+
+def run():
+    from specjax.cli import run as run_cli
+
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    run()

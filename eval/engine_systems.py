@@ -1,0 +1,112 @@
+"""The engine's systems (specjax.engine) behind the evaluation's System interface.
+
+Every system, recompute included, runs through the same engine, so their TTFTs are measured the same way.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import systems as engine_systems
+from specjax.eval.systems import Outcome, SystemSettings
+from specjax.stores import KVStore
+
+ABLATIONS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")
+
+
+class EngineSystem:
+    """One engine system: populate/open a store, warm its caches, run requests."""
+
+    def __init__(self, name: str, model, settings: SystemSettings):
+        options = dict(settings.options)
+        ablations = {a: bool(options.get(a)) for a in ABLATIONS}
+        self.system = make_system(name, alpha=options.get("alpha"), **ablations)
+        self.name = self.system.name
+        self.needs_store = self.system.reuse
+        self.model, self.settings = model, settings
+        self.config = EngineConfig(
+            retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
+            cpu_cache_bytes=settings.cpu_cache_bytes or 0, pcie_bandwidth=settings.pcie_bandwidth,
+            kernel_impl=options.get("kernel_impl", "auto"), reorder_every=int(options.get("reorder_every", 0)))
+        self.store = None
+        self.engine = None if self.needs_store else Engine(model, self.system, None, self.config)
+
+    def _open_store(self, path: str, **kwargs) -> KVStore:
+        return KVStore.open(path, fingerprint(self.model, self.settings.chunk_tokens), **kwargs)
+
+    def populate(self, store_path: str, prefixes) -> None:
+        store = self._open_store(store_path)
+        try:
+            writer = Engine(self.model, self.system, store, self.config)
+            for prefix in prefixes:
+                writer.warm(prefix)
+        finally:
+            store.close()
+
+    def open(self, store_path: str) -> None:
+        self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
+                                      disk_bandwidth=self.settings.disk_bandwidth)
+        self.engine = Engine(self.model, self.system, self.store, self.config)
+
+    def warm(self, requests) -> None:
+        """Compile every shape the run will use and fill the caches: one pass over the warm-up requests."""
+        for r in requests:
+            self.engine.run(_engine_request(r))
+        if self.system.reorder:
+            self.engine.reorder()
+
+    def run(self, request) -> Outcome:
+        r = self.engine.run(_engine_request(request))
+        logprobs = [lp for lp, _ in r.continuation_logprobs]
+        greedy = [g for _, g in r.continuation_logprobs]
+        return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)),
+                       _layers(r))
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def _engine_request(r) -> Request:
+    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids])
+
+
+def _counters(r, prefix_tokens: int) -> dict:
+    io = r.io
+    jaccard = np.asarray(r.layers["jaccard"], np.float64)
+    measured = ~np.isnan(jaccard)
+    fallback = np.asarray(r.layers["fallback"], bool)
+    p = r.prefetch
+    retained = np.asarray(r.layers["retained"], np.float64)
+    return {
+        "disk_bytes": io.get("disk_bytes", 0), "cpu_to_gpu_bytes": io.get("host_to_device_bytes", 0),
+        "chunks_read": io.get("chunks_read", 0), "used_bytes": io.get("used_token_bytes", 0),
+        "cache_lookups": io.get("device_hits", 0) + io.get("host_hits", 0) + io.get("misses", 0),
+        "gpu_hits": io.get("device_hits", 0), "cpu_hits": io.get("host_hits", 0),
+        "itf_layers": int(measured.sum()), "itf_fallbacks": int((fallback & measured).sum()),
+        "jaccard_sum": float(jaccard[measured].sum()),
+        "prefetch_issued": p["prefetched_tokens"], "prefetch_used": p["hit_tokens"],
+        "prefetch_needed": p["used_tokens"],
+        "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
+        "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
+        "checksum_failures": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
+    }
+
+
+def _layers(r) -> dict:
+    if not r.reused_tokens:
+        return {}
+    layers = {"retention": [float(x) for x in r.layers["retained"]],
+              "fallback": [1.0 if f else 0.0 for f in r.layers["fallback"]]}
+    jaccard = np.asarray(r.layers["jaccard"], np.float64)
+    if not np.isnan(jaccard).any():  # measured only by systems that identify with probe heads
+        layers["jaccard"] = jaccard.tolist()
+    return layers
+
+
+def factories() -> dict:
+    """name -> factory(model, settings) for every system the engine builds."""
+    return {name: (lambda model, settings, name=name: EngineSystem(name, model, settings))
+            for name in engine_systems.SYSTEMS}

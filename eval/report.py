@@ -1,0 +1,359 @@
+"""results.json (design.md section 7, plus extras), its validator, results.md and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from specjax.eval import metrics
+from specjax.eval.systems import BREAKDOWN_KEYS
+
+# ---------------------------------------------------------------- schema (design.md section 7)
+
+NUMBER = "number"
+INT = "int"
+STR = "str"
+BOOL = "bool"
+NUMBER_OR_NULL = "number|null"
+
+SYSTEM_SCHEMA = {
+    "accuracy": {"acc": NUMBER, "acc_norm": NUMBER, "stderr": NUMBER, "n": INT},
+    "ttft_ms": {"mean": NUMBER, "p50": NUMBER, "p95": NUMBER, "p99": NUMBER},
+    "breakdown_ms": {k: NUMBER for k in BREAKDOWN_KEYS},
+    "io": {"disk_bytes": INT, "cpu_to_gpu_bytes": INT, "chunks_read": INT, "read_amplification": NUMBER},
+    "cache": {"gpu_hit_ratio": NUMBER, "cpu_hit_ratio": NUMBER},
+    "itf": ("nullable", {"fallback_ratio": NUMBER, "mean_jaccard": NUMBER}),
+    "prefetch": ("nullable", {"precision": NUMBER, "recall": NUMBER}),
+}
+
+RESULTS_SCHEMA = {
+    "model": STR,
+    "task": STR,
+    "weights": ("enum", ("pretrained", "random")),
+    "device": STR,
+    "emulation": {"disk_bandwidth": NUMBER_OR_NULL, "pcie_bandwidth": NUMBER_OR_NULL, "direct_io": BOOL},
+    "config": dict,
+    "systems": ("map", SYSTEM_SCHEMA),
+}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check(value, schema, path: str, errors: list[str]) -> None:
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        for key, sub in schema.items():
+            if key not in value:
+                errors.append(f"{path}.{key}: missing")
+            else:
+                _check(value[key], sub, f"{path}.{key}", errors)
+    elif schema is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object")
+    elif isinstance(schema, tuple) and schema[0] == "nullable":
+        if value is not None:
+            _check(value, schema[1], path, errors)
+    elif isinstance(schema, tuple) and schema[0] == "enum":
+        if value not in schema[1]:
+            errors.append(f"{path}: {value!r} not one of {schema[1]}")
+    elif isinstance(schema, tuple) and schema[0] == "map":
+        if not isinstance(value, dict) or not value:
+            errors.append(f"{path}: expected a non-empty object")
+            return
+        for key, sub in value.items():
+            _check(sub, schema[1], f"{path}.{key}", errors)
+    elif schema == NUMBER:
+        if not _is_number(value):
+            errors.append(f"{path}: expected a finite number, got {value!r}")
+    elif schema == NUMBER_OR_NULL:
+        if value is not None and not _is_number(value):
+            errors.append(f"{path}: expected a number or null, got {value!r}")
+    elif schema == INT:
+        if not isinstance(value, int) or isinstance(value, bool):
+            errors.append(f"{path}: expected an integer, got {value!r}")
+    elif schema == STR:
+        if not isinstance(value, str):
+            errors.append(f"{path}: expected a string, got {value!r}")
+    elif schema == BOOL:
+        if not isinstance(value, bool):
+            errors.append(f"{path}: expected true/false, got {value!r}")
+    else:
+        raise AssertionError(schema)
+
+
+def validate_results(results: dict) -> None:
+    """Raise ValueError listing every way `results` departs from design.md section 7."""
+    errors: list[str] = []
+    _check(results, RESULTS_SCHEMA, "results", errors)
+    if errors:
+        raise ValueError("results.json does not match the schema:\n  " + "\n  ".join(errors))
+
+
+# ---------------------------------------------------------------- building results
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num / den) if den else 0.0
+
+
+def _stderr(x: float) -> float:
+    return 0.0 if not math.isfinite(x) else x  # n < 2: no spread to estimate
+
+
+def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) -> dict:
+    """One `systems.<key>` object from a runner.Run and the requests it answered."""
+    outs = run.outcomes
+    scored = [(o.choice_logprobs, r.choices, r.gold) for o, r in zip(outs, requests)]
+    acc = metrics.accuracy(scored)
+    totals = {}
+    for o in outs:
+        for k, v in o.counters.items():
+            totals[k] = totals.get(k, 0.0) + v
+    get = lambda k: totals.get(k, 0.0)  # noqa: E731
+    breakdown = {k: float(np.mean([o.breakdown_ms.get(k, 0.0) for o in outs])) for k in BREAKDOWN_KEYS}
+    entry = {
+        "accuracy": {"acc": acc["acc"], "acc_norm": acc["acc_norm"], "stderr": _stderr(acc["stderr"]),
+                     "n": acc["n"], "acc_norm_stderr": _stderr(acc["acc_norm_stderr"])},
+        "ttft_ms": metrics.latency_summary([o.ttft_ms for o in outs]),
+        "breakdown_ms": breakdown,
+        "io": {"disk_bytes": int(get("disk_bytes")), "cpu_to_gpu_bytes": int(get("cpu_to_gpu_bytes")),
+               "chunks_read": int(get("chunks_read")),
+               "read_amplification": _ratio(get("disk_bytes"), get("used_bytes"))},
+        "cache": {"gpu_hit_ratio": _ratio(get("gpu_hits"), get("cache_lookups")),
+                  "cpu_hit_ratio": _ratio(get("cpu_hits"), get("cache_lookups"))},
+        "itf": None,
+        "prefetch": None,
+        # extras beyond the contract
+        "system": run.system,
+        "retention": run.retention,
+        "counters": {k: float(v) for k, v in sorted(totals.items())},
+        "warm_s": run.warm_s,
+        "run_s": run.run_s,
+    }
+    if get("itf_layers"):
+        entry["itf"] = {"fallback_ratio": _ratio(get("itf_fallbacks"), get("itf_layers")),
+                        "mean_jaccard": _ratio(get("jaccard_sum"), get("itf_layers"))}
+    if get("prefetch_issued") or get("prefetch_needed"):
+        entry["prefetch"] = {"precision": _ratio(get("prefetch_used"), get("prefetch_issued")),
+                             "recall": _ratio(get("prefetch_used"), get("prefetch_needed"))}
+    layers = _mean_layers(outs)
+    if layers:
+        entry["layers"] = layers
+    if reference_correct is not None:
+        paired = metrics.paired_difference(metrics.per_request_correct(scored), reference_correct)
+        paired["stderr"] = _stderr(paired["stderr"])
+        entry["paired_vs_recompute"] = paired
+    return entry
+
+
+def _mean_layers(outs) -> dict[str, list[float]]:
+    names = sorted({k for o in outs for k in o.layers})
+    out = {}
+    for name in names:
+        rows = [o.layers[name] for o in outs if name in o.layers]
+        width = min(len(r) for r in rows)
+        out[name] = [float(v) for v in np.mean([r[:width] for r in rows], axis=0)]
+    return out
+
+
+def build_results(*, model: str, task: str, weights: str, device: str, emulation: dict, config: dict,
+                  runs: Sequence, requests: Sequence, extras: dict | None = None) -> dict:
+    reference = next((r for r in runs if r.system == "recompute"), None)
+    ref_correct = None
+    if reference is not None:
+        ref_correct = metrics.per_request_correct(
+            [(o.choice_logprobs, q.choices, q.gold) for o, q in zip(reference.outcomes, requests)])
+    systems = {}
+    for run in runs:
+        systems[run.key] = system_entry(run, requests, ref_correct if run.system != "recompute" else None)
+    results = {"model": model, "task": task, "weights": weights, "device": device, "emulation": emulation,
+               "config": config, "systems": systems}
+    results.update(extras or {})
+    return results
+
+
+def write_requests(runs: Sequence, requests: Sequence, path: pathlib.Path) -> None:
+    """requests.jsonl: one line per (run, request) with the raw outcome, for re-analysis."""
+    with open(path, "w") as f:
+        for run in runs:
+            for o, r in zip(run.outcomes, requests):
+                f.write(json.dumps({"system": run.key, "request_id": r.request_id, "prefix_id": r.prefix_id,
+                                    "doc_index": r.doc_index, "gold": r.gold, "choice_logprobs": o.choice_logprobs,
+                                    "choice_greedy": o.choice_greedy, "ttft_ms": o.ttft_ms,
+                                    "breakdown_ms": o.breakdown_ms, "counters": o.counters}) + "\n")
+
+
+def write_json(results: dict, path: pathlib.Path) -> None:
+    validate_results(results)
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------- results.md
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    systems = results["systems"]
+    ref = systems.get("recompute")
+    out = [f"# {results['model']} on {results['task']}", ""]
+    emu = results["emulation"]
+    emulated = emu["disk_bandwidth"] is not None or emu["pcie_bandwidth"] is not None
+    out += [f"- device: {results['device']}",
+            f"- weights: {results['weights']}",
+            f"- emulation: {'on' if emulated else 'off'} (disk {emu['disk_bandwidth']} B/s, "
+            f"PCIe {emu['pcie_bandwidth']} B/s, direct I/O {emu['direct_io']})"]
+    if "workload" in results:
+        w = results["workload"]
+        out.append(f"- workload: {w['num_requests']} requests over {w['num_prefixes']} shared prefixes; "
+                   f"prefix {w['prefix_tokens_mean']:.0f} tokens mean / {w['prefix_tokens_max']} max; "
+                   f"reuse per prefix {w['reuse_per_prefix_mean']:.1f} mean")
+    for note in results.get("notes", []):
+        out.append(f"- **note**: {note}")
+    out += ["", "## Accuracy and TTFT", ""]
+    rows = []
+    for key, s in systems.items():
+        a, t = s["accuracy"], s["ttft_ms"]
+        paired = s.get("paired_vs_recompute")
+        diff = f"{100 * paired['acc_diff']:+.1f} ± {100 * paired['stderr']:.1f}" if paired else "-"
+        speedup = f"{ref['ttft_ms']['mean'] / t['mean']:.2f}x" if ref and t["mean"] else "-"
+        rows.append([key, f"{100 * a['acc']:.1f} ± {100 * a['stderr']:.1f}", f"{100 * a['acc_norm']:.1f}",
+                     str(a["n"]), diff, f"{t['mean']:.1f}", f"{t['p50']:.1f}", f"{t['p95']:.1f}",
+                     f"{t['p99']:.1f}", speedup])
+    out.append(_table(["system", "acc %", "acc_norm %", "n", "Δacc vs recompute (pp)", "TTFT mean ms",
+                       "p50", "p95", "p99", "speedup vs recompute"], rows))
+    out += ["", "## TTFT breakdown (mean ms per request)", ""]
+    out.append(_table(["system", *BREAKDOWN_KEYS], [
+        [k, *(f"{s['breakdown_ms'][b]:.1f}" for b in BREAKDOWN_KEYS)] for k, s in systems.items()]))
+    out += ["", "## I/O and caches (totals over the run)", ""]
+    rows = []
+    for k, s in systems.items():
+        io, c = s["io"], s["cache"]
+        itf = s["itf"]
+        pf = s["prefetch"]
+        rows.append([k, _fmt_bytes(io["disk_bytes"]), _fmt_bytes(io["cpu_to_gpu_bytes"]), str(io["chunks_read"]),
+                     f"{io['read_amplification']:.2f}", f"{c['gpu_hit_ratio']:.2f}", f"{c['cpu_hit_ratio']:.2f}",
+                     f"{itf['fallback_ratio']:.2f} / {itf['mean_jaccard']:.2f}" if itf else "-",
+                     f"{pf['precision']:.2f} / {pf['recall']:.2f}" if pf else "-"])
+    out.append(_table(["system", "disk read", "CPU->GPU", "chunks read", "read ampl.", "GPU hit", "CPU hit",
+                       "ITF fallback / Jaccard", "prefetch precision / recall"], rows))
+    out += ["", "## Settings", "", "```", json.dumps(results["config"], indent=2, sort_keys=True), "```", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft(results: dict, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    systems = results["systems"]
+    keys = list(systems)
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(keys) + 2), 4))
+    bottom = np.zeros(len(keys))
+    for part in BREAKDOWN_KEYS:
+        values = np.array([systems[k]["breakdown_ms"][part] for k in keys])
+        ax.bar(keys, values, bottom=bottom, label=part)
+        bottom += values
+    p99 = [systems[k]["ttft_ms"]["p99"] for k in keys]
+    ax.scatter(keys, p99, marker="_", s=400, color="black", label="p99", zorder=3)
+    ax.set_ylabel("TTFT (ms): mean, stacked by phase")
+    ax.set_title(f"{results['model']} / {results['task']} ({results['weights']} weights)")
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_accuracy_vs_retention(results: dict, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_system: dict[str, list[tuple[float, float, float]]] = {}
+    for s in results["systems"].values():
+        if s.get("retention") is not None:
+            a = s["accuracy"]
+            by_system.setdefault(s["system"], []).append((s["retention"], a["acc"], a["stderr"]))
+    for name, points in sorted(by_system.items()):
+        points.sort()
+        x, y, e = zip(*points)
+        ax.errorbar(x, np.array(y) * 100, yerr=np.array(e) * 100, marker="o", capsize=3, label=name)
+    ref = results["systems"].get("recompute")
+    if ref:
+        ax.axhline(100 * ref["accuracy"]["acc"], color="gray", linestyle="--", label="recompute")
+    ax.set_xscale("log")
+    ticks = sorted({p[0] for points in by_system.values() for p in points})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("retention (fraction of prefix tokens kept)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{results['model']} / {results['task']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_layers(results: dict, path: pathlib.Path) -> bool:
+    entries = {k: s["layers"] for k, s in results["systems"].items() if s.get("layers")}
+    if not entries:
+        return False
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for key, layers in entries.items():
+        if "retention" in layers:
+            ax1.plot(layers["retention"], marker=".", label=key)
+        if "fallback" in layers:
+            ax2.plot(layers["fallback"], marker=".", label=key)
+    ax1.set_ylabel("KV loaded / prefix")
+    ax2.set_ylabel("fallback rate")
+    ax2.set_xlabel("layer")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_all(results: dict, output_dir: pathlib.Path) -> list[pathlib.Path]:
+    """results.json, results.md and the plots that apply; returns the paths written."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    written = [output_dir / "results.json", output_dir / "results.md", output_dir / "ttft_breakdown.png"]
+    write_json(results, written[0])
+    written[1].write_text(markdown(results))
+    plot_ttft(results, written[2])
+    retentions = {s.get("retention") for s in results["systems"].values()} - {None}
+    if len(retentions) > 1:
+        written.append(output_dir / "accuracy_vs_retention.png")
+        plot_accuracy_vs_retention(results, written[-1])
+    if plot_layers(results, output_dir / "layers.png"):
+        written.append(output_dir / "layers.png")
+    return written

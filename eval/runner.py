@@ -1,0 +1,105 @@
+"""Runs several systems on one request sequence, each from the same store contents.
+
+The base store is written once (by the first system that needs a store) from every unique
+prefix of the workload; each (system, retention) run then gets its own fresh copy of that
+directory, so write-behind, reordering or checksum repairs of one run cannot leak into
+another. Caches start empty and are warmed with the same warm-up pass (each unique prefix
+once, in order of first arrival) before any request is timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import time
+
+from specjax.eval import systems as systems_lib
+from specjax.eval.progress import Progress
+from specjax.eval.workload import Workload
+
+
+@dataclasses.dataclass
+class Run:
+    system: str
+    retention: float | None  # None: the system does not depend on retention
+    outcomes: list[systems_lib.Outcome]
+    warm_s: float
+    run_s: float
+    sweep: bool = False  # several retentions in this run: keys carry the retention
+
+    @property
+    def key(self) -> str:
+        if self.retention is None or not self.sweep:
+            return self.system
+        return f"{self.system}@r={self.retention:g}"
+
+
+def plan(names: list[str], retentions: list[float]) -> list[tuple[str, float | None]]:
+    """(system, retention) pairs; retention-free systems run once."""
+    out = []
+    for name in names:
+        if systems_lib.uses_retention(name):
+            out += [(name, r) for r in retentions]
+        else:
+            out.append((name, None))
+    return out
+
+
+def warmup_requests(workload: Workload) -> list:
+    """One request per distinct prefix (by tokens), in order of first arrival."""
+    seen, first = set(), []
+    for r in workload.requests:
+        if r.prefix_ids not in seen:
+            seen.add(r.prefix_ids)
+            first.append(r)
+    return first
+
+
+def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
+            store_dir: pathlib.Path, progress: Progress | None = None) -> list[Run]:
+    warm = warmup_requests(workload)
+    base = store_dir / "base"
+    base_ready = False
+    results = []
+    for name, retention in runs:
+        run_settings = dataclasses.replace(settings, retention=retention if retention is not None else settings.retention)
+        system = systems_lib.make_system(name, model, run_settings)
+        label = name if retention is None else f"{name} r={retention:g}"
+        if progress:
+            progress.set_label(label + " (warm)")
+        t0 = time.perf_counter()
+        if system.needs_store:
+            if not base_ready:
+                base.mkdir(parents=True, exist_ok=True)
+                system.populate(str(base), [r.prefix_ids for r in warm])
+                base_ready = True
+            private = store_dir / label.replace(" ", "_").replace("=", "")
+            if private.exists():
+                shutil.rmtree(private)
+            shutil.copytree(base, private)
+            system.open(str(private))
+        else:
+            private = None
+        system.warm(warm)
+        if progress:
+            progress.update(len(warm))
+            progress.set_label(label)
+        t1 = time.perf_counter()
+        outcomes = []
+        try:
+            for request in workload.requests:
+                outcomes.append(systems_lib.as_outcome(system.run(request)))
+                if progress:
+                    progress.update()
+        finally:
+            system.close()
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
+        sweep = len({r for _, r in runs if r is not None}) > 1
+        results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep))
+    return results
+
+
+def total_steps(workload: Workload, runs) -> int:
+    return len(runs) * (len(workload.requests) + len(warmup_requests(workload)))

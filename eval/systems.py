@@ -1,0 +1,233 @@
+"""The systems a run compares, behind one small interface, and the `recompute` baseline.
+
+A system is built by `factory(model, settings)` and then driven by the runner:
+
+    system.needs_store                       # False: never touches the store (recompute)
+    system.populate(store_path, prefixes)    # once, on one instance: write every prefix's KV
+    system.open(store_path)                  # this run's private copy of that base store
+    system.warm(requests)                    # fill caches (same warm-up for every system)
+    system.run(request) -> Outcome           # one request; times its own TTFT
+    system.close()
+
+`request` is a `specjax.eval.workload.Request` (prefix_ids, query_ids, choice_ids, ...).
+`run` returns an `Outcome`, or any object / mapping with the same field names, so the
+engine (specjax, which must not import eval) can return a plain dict. The engine's systems
+are plugged in by `specjax.eval.engine_systems`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from specjax.eval.errors import EvalError, SystemNotBuiltError
+
+# Where the systems not built yet will be built.
+ENGINE_ISSUE = "issue 6"
+
+BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
+
+# Counters a system may report per request (missing ones count as 0). Ratios in results.json
+# are computed from their sums over the run:
+#   read_amplification = disk_bytes / used_bytes           (bytes read / bytes of tokens used)
+#   gpu_hit_ratio = gpu_hits / cache_lookups; cpu_hit_ratio = cpu_hits / cache_lookups
+#   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
+#   prefetch precision = prefetch_used / prefetch_issued; recall = prefetch_used / prefetch_needed
+COUNTER_KEYS = (
+    "disk_bytes", "cpu_to_gpu_bytes", "chunks_read", "used_bytes",
+    "cache_lookups", "gpu_hits", "cpu_hits",
+    "itf_layers", "itf_fallbacks", "jaccard_sum",
+    "prefetch_issued", "prefetch_used", "prefetch_needed",
+    "prefix_tokens", "reused_tokens", "retained_tokens", "checksum_failures",
+)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one request produced."""
+
+    choice_logprobs: list[float]  # sum log p(continuation | prefix + query) per choice
+    choice_greedy: list[bool]  # is each continuation the greedy one
+    ttft_ms: float  # arrival -> first-token logits ready (block_until_ready)
+    breakdown_ms: dict[str, float]  # BREAKDOWN_KEYS; sums to about ttft_ms
+    counters: dict[str, float] = dataclasses.field(default_factory=dict)  # COUNTER_KEYS
+    # per-layer records, lists of num_layers floats: "retention" (kept / prefix tokens),
+    # "fallback" (1.0 if ITF fell back), "jaccard"; empty when the system has none
+    layers: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+def as_outcome(x: Any) -> Outcome:
+    """Accept an Outcome, a mapping or any object with Outcome's fields."""
+    if isinstance(x, Outcome):
+        return x
+    get = x.get if isinstance(x, Mapping) else (lambda k, d=None: getattr(x, k, d))
+    missing = [k for k in ("choice_logprobs", "choice_greedy", "ttft_ms") if get(k) is None]
+    if missing:
+        raise TypeError(f"system outcome lacks {missing}")
+    return Outcome(
+        [float(v) for v in get("choice_logprobs")], [bool(v) for v in get("choice_greedy")],
+        float(get("ttft_ms")), {k: float(v) for k, v in (get("breakdown_ms") or {}).items()},
+        {k: float(v) for k, v in (get("counters") or {}).items()},
+        {k: [float(u) for u in v] for k, v in (get("layers") or {}).items()},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSettings:
+    """Every knob a system may use; recorded in results.json under config."""
+
+    retention: float = 0.25
+    chunk_tokens: int = 64
+    gpu_cache_bytes: int | None = None
+    cpu_cache_bytes: int | None = None
+    disk_bandwidth: float | None = None  # bytes/s, emulated (token bucket) when set
+    pcie_bandwidth: float | None = None  # bytes/s, emulated when set
+    direct_io: bool = False
+    seed: int = 0
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # no_itf, no_prefetch, ...
+
+
+class System(Protocol):
+    name: str
+    needs_store: bool
+
+    def populate(self, store_path: str, prefixes: Sequence[Sequence[int]]) -> None: ...
+    def open(self, store_path: str) -> None: ...
+    def warm(self, requests: Sequence[Any]) -> None: ...
+    def run(self, request: Any) -> Outcome | Mapping: ...
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemInfo:
+    name: str
+    description: str
+    uses_retention: bool  # accuracy / TTFT depend on --retention
+
+
+KNOWN_SYSTEMS = {s.name: s for s in (
+    SystemInfo("recompute", "full prefill of prefix + query (ReComp)", False),
+    SystemInfo("as_full", "AttentionStore-like: load all prefix KV, LRU caches", False),
+    SystemInfo("as_h2o_lru", "AS + H2O: all keys, important values, LRU", True),
+    SystemInfo("as_h2o_lfu", "AS + H2O: all keys, important values, LFU", True),
+    SystemInfo("impress", "IMPRESS: probe-head keys, important KV, score cache", True),
+    SystemInfo("spec", "SPEC: IMPRESS + layer-aware speculative prefetch", True),
+    SystemInfo("contiguous_kv", "ContiguousKV: 16-token chunks, periods, I x F cache", True),
+    SystemInfo("cake", "Cake: compute from the front, load from the back", False),
+    SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens", True),
+    SystemInfo("full_reuse", "reuse all stored prefix KV (upper bound on speed)", False),
+)}
+
+# the SPEC paper's line-up; `--systems default` runs those of them that are built
+DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
+
+
+# ---------------------------------------------------------------- recompute
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+class Recompute:
+    """ReComp: no reuse; prefill prefix + query from scratch. All of TTFT is compute."""
+
+    name = "recompute"
+    needs_store = False
+
+    def __init__(self, model, settings: SystemSettings):
+        self.model = model
+        self.settings = settings
+
+    def populate(self, store_path, prefixes):
+        raise AssertionError("recompute does not use a store")
+
+    def open(self, store_path):
+        pass
+
+    def warm(self, requests):
+        # nothing to cache; one prefill per warm-up request compiles the shapes it will see
+        for r in requests:
+            self.model.logits(list(r.context_ids))
+
+    def run(self, request) -> Outcome:
+        context = list(request.context_ids)
+        start = time.perf_counter()  # the request arrives
+        last = np.asarray(self.model.logits(context)[-1])  # a numpy array: computed and on host
+        ttft_ms = (time.perf_counter() - start) * 1e3
+        first = log_softmax(last)
+        logprobs, greedy = [], []
+        for choice in request.choice_ids:
+            if len(choice) == 1:  # one-token continuations come from the prefill itself
+                logprobs.append(float(first[choice[0]]))
+                greedy.append(bool(int(np.argmax(first)) == choice[0]))
+            else:
+                ll, is_greedy = self.model.loglikelihood(context, list(choice))
+                logprobs.append(float(ll))
+                greedy.append(bool(is_greedy))
+        breakdown = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0, "compute": ttft_ms}
+        counters = {"prefix_tokens": len(request.prefix_ids)}
+        return Outcome(logprobs, greedy, ttft_ms, breakdown, counters)
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------- registry
+
+Factory = Callable[[Any, SystemSettings], System]
+_LOCAL: dict[str, Factory] = {"recompute": Recompute}
+
+
+def _engine_systems() -> dict[str, Factory]:
+    """Systems the prefill engine builds (specjax.engine), recompute included."""
+    from specjax.eval.engine_systems import factories
+
+    return factories()
+
+
+def available() -> dict[str, Factory]:
+    # The engine's recompute replaces the local one, so every system is timed by the same engine.
+    return {**_LOCAL, **_engine_systems()}
+
+
+def resolve(spec: str) -> list[str]:
+    """Parse --systems: names are checked before any work starts."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise EvalError("--systems is empty; give a comma-separated list, e.g. recompute,spec")
+    built = available()
+    if names == ["default"]:
+        return [n for n in DEFAULT_SYSTEMS if n in built]
+    if names == ["all"]:
+        return [n for n in KNOWN_SYSTEMS if n in built]
+    for n in names:
+        if n not in KNOWN_SYSTEMS and n not in built:
+            raise EvalError(f"unknown system '{n}'; known systems: {', '.join(KNOWN_SYSTEMS)}")
+    not_built = [n for n in names if n not in built]
+    if not_built:
+        raise SystemNotBuiltError(
+            f"system{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} "
+            f"{'are' if len(not_built) > 1 else 'is'} not built yet (see {ENGINE_ISSUE}); "
+            f"built now: {', '.join(sorted(built))}")
+    if len(set(names)) != len(names):
+        raise EvalError(f"--systems lists a system twice: {spec}")
+    return names
+
+
+def uses_retention(name: str) -> bool:
+    info = KNOWN_SYSTEMS.get(name)
+    return True if info is None else info.uses_retention
+
+
+def make_system(name: str, model, settings: SystemSettings) -> System:
+    factories = available()
+    if name not in factories:
+        resolve(name)  # raises the right one-line error
+    return factories[name](model, settings)

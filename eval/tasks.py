@@ -1,0 +1,452 @@
+"""Evaluation tasks: data + prompt template + choices + metric, in lm-evaluation-harness formats.
+
+A task yields `Example`s (context text, choice strings, gold index). Few-shot blocks are
+`context + target_delimiter + choices[gold]` joined by "\\n\\n", as lm-eval renders them.
+Data is read from `--data_dir`, then `$SPECJAX_DATA`, then the Hugging Face hub (when the
+`datasets` package is installed and the hub is reachable). `needle` needs no data files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from specjax.eval.errors import EvalError
+
+FEWSHOT_DELIMITER = "\n\n"
+TARGET_DELIMITER = " "
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One multiple-choice item: the model scores `target_delimiter + choice` after `context`."""
+
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+    label: str | None = None  # class name, for class-balanced few-shot sampling
+    target_delimiter: str = TARGET_DELIMITER
+
+    def continuations(self) -> list[str]:
+        return [self.target_delimiter + c for c in self.choices]
+
+    def fewshot_block(self) -> str:
+        """The example with its answer, as it appears inside a few-shot prefix."""
+        return self.context + self.target_delimiter + self.choices[self.gold]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Evaluation items plus where few-shot examples come from."""
+
+    name: str
+    docs: tuple[Example, ...]  # the items asked
+    fewshot_pool: tuple[Example, ...]  # where few-shot examples are drawn
+    fewshot_same_split: bool  # pool is `docs` itself: never show the asked item
+    balanced_fewshot: bool  # draw few-shot examples round-robin over classes
+    prompt_format: str  # which harness / paper the template follows
+    source: str  # where the data was read from
+    synthetic: bool = False
+
+
+# ---------------------------------------------------------------- data resolution
+
+HF_SOURCES = {
+    "piqa": ("baber/piqa", None, "validation", "train"),
+    "copa": ("aps/super_glue", "copa", "validation", "train"),
+    "openbookqa": ("allenai/openbookqa", "main", "test", "train"),
+    "rte": ("aps/super_glue", "rte", "validation", "train"),
+    "sst2": ("nyu-mll/glue", "sst2", "validation", "train"),
+    "subj": ("SetFit/subj", None, "test", "train"),
+    "trec": ("CogComp/trec", None, "test", "train"),
+}
+
+# The files each task needs under a data directory (see ../shared/data/README.md).
+LOCAL_FILES = {
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "copa": ("copa/copa.jsonl",),
+    "openbookqa": ("openbookqa/openbook_qa.jsonl",),
+    "rte": ("rte/val.jsonl", "rte/train.jsonl"),
+    "sst2": ("sst2/stsa.binary.dev", "sst2/stsa.binary.train"),
+    "subj": ("subj/test.jsonl", "subj/train.jsonl"),
+    "trec": ("trec/test.jsonl", "trec/train.jsonl"),
+}
+
+
+def candidate_data_dirs(data_dir: str | None) -> list[tuple[str, pathlib.Path]]:
+    """Where to look for task files, in order, each with the setting that named it."""
+    found = []
+    if data_dir:
+        found.append(("--data_dir", pathlib.Path(data_dir).expanduser()))
+    if os.environ.get("SPECJAX_DATA"):
+        found.append(("$SPECJAX_DATA", pathlib.Path(os.environ["SPECJAX_DATA"]).expanduser()))
+    return found
+
+
+def resolve_task_dir(task: str, data_dir: str | None) -> pathlib.Path | None:
+    """The first data directory holding all of `task`'s files; None if none does."""
+    if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
+        raise EvalError(f"--data_dir {data_dir} is not a directory")
+    for _, root in candidate_data_dirs(data_dir):
+        if all((root / f).is_file() for f in LOCAL_FILES[task]):
+            return root
+    return None
+
+
+def _missing_data_message(task: str, data_dir: str | None, hub_note: str) -> str:
+    looked = [f"{how}={root}" for how, root in candidate_data_dirs(data_dir)]
+    where = ", ".join(looked) if looked else "no --data_dir given and $SPECJAX_DATA unset"
+    files = ", ".join(LOCAL_FILES[task])
+    return (
+        f"data for task '{task}' not found: looked for {files} in {where}; {hub_note}. "
+        f"Pass --data_dir DIR (a folder laid out like ../shared/data, see its README.md)"
+    )
+
+
+# ---------------------------------------------------------------- file readers
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def piqa_example(goal: str, sol1: str, sol2: str, label: int) -> Example:
+    # lm-eval tasks/piqa/piqa.yaml: "Question: {{goal}}\nAnswer:", choices [sol1, sol2]
+    return Example(f"Question: {goal}\nAnswer:", (sol1, sol2), int(label))
+
+
+def copa_example(query: str, choices: Sequence[str], gold: int) -> Example:
+    # lm-eval tasks/super_glue/copa/utils.py: premise without its period + " because"/" therefore",
+    # choices with a lower-cased first letter; llm-foundry's copa.jsonl stores exactly that.
+    return Example(query, tuple(choices), int(gold))
+
+
+def openbookqa_example(query: str, choices: Sequence[str], gold: int) -> Example:
+    # lm-eval tasks/openbookqa/openbookqa.yaml: doc_to_text = question_stem, choices = choices.text
+    return Example(query, tuple(choices), int(gold))
+
+
+def rte_example(premise: str, hypothesis: str, entailed: bool) -> Example:
+    # lm-eval tasks/glue/rte/default.yaml and super_glue/rte: label 0 = entailment = "True"
+    text = f"{premise}\nQuestion: {hypothesis} True or False?\nAnswer:"
+    gold = 0 if entailed else 1
+    return Example(text, ("True", "False"), gold, label=str(gold))
+
+
+def sst2_example(sentence: str, label: int) -> Example:
+    # lm-eval tasks/glue/sst2/default.yaml
+    text = f"{sentence}\nQuestion: Is this sentence positive or negative?\nAnswer:"
+    return Example(text, ("negative", "positive"), int(label), label=str(label))
+
+
+SUBJ_LABELS = ("subjective", "objective")
+TREC_LABELS = ("description", "entity", "expression", "human", "location", "number")
+
+
+def subj_example(sentence: str, label: int) -> Example:
+    # yaolu/ordered-prompt config/subj.yaml (the data's source; lm-eval has no SUBJ task)
+    return Example(f"Input: {sentence}\nType:", SUBJ_LABELS, int(label), label=str(label))
+
+
+def trec_example(sentence: str, label: int) -> Example:
+    # yaolu/ordered-prompt config/trec.yaml (the data's source; lm-eval has no TREC task)
+    return Example(f"Question: {sentence}\nType:", TREC_LABELS, int(label), label=str(label))
+
+
+def _strip_quotes(sentence: str) -> str:
+    # ordered-prompt's jsonl keeps the CSV quoting of some sentences ("\"...\"")
+    if len(sentence) >= 2 and sentence[0] == sentence[-1] == '"':
+        return sentence[1:-1]
+    return sentence
+
+
+def _read_sst2(path: pathlib.Path) -> list[Example]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                label, sentence = line.split(" ", 1)
+                out.append(sst2_example(sentence, int(label)))
+    return out
+
+
+def _load_local(task: str, root: pathlib.Path) -> tuple[list[Example], list[Example] | None]:
+    """(docs, fewshot pool or None when the pool is the docs themselves)."""
+    if task == "piqa":
+        rows = _read_jsonl(root / "piqa/valid.jsonl")
+        labels = (root / "piqa/valid-labels.lst").read_text().split()
+        if len(rows) != len(labels):
+            raise EvalError(f"{root}/piqa: {len(rows)} items but {len(labels)} labels")
+        return [piqa_example(r["goal"], r["sol1"], r["sol2"], int(y)) for r, y in zip(rows, labels)], None
+    if task == "copa":
+        return [copa_example(r["query"], r["choices"], r["gold"]) for r in _read_jsonl(root / "copa/copa.jsonl")], None
+    if task == "openbookqa":
+        rows = _read_jsonl(root / "openbookqa/openbook_qa.jsonl")
+        return [openbookqa_example(r["query"], r["choices"], r["gold"]) for r in rows], None
+    if task == "rte":
+        def read(name):
+            return [rte_example(r["premise"], r["hypothesis"], r["label"] == "entailment")
+                    for r in _read_jsonl(root / "rte" / name)]
+        return read("val.jsonl"), read("train.jsonl")
+    if task == "sst2":
+        return _read_sst2(root / "sst2/stsa.binary.dev"), _read_sst2(root / "sst2/stsa.binary.train")
+    if task in ("subj", "trec"):
+        make = subj_example if task == "subj" else trec_example
+        def read(name):
+            return [make(_strip_quotes(r["sentence"]), int(r["label"])) for r in _read_jsonl(root / task / name)]
+        return read("test.jsonl"), read("train.jsonl")
+    raise AssertionError(task)
+
+
+def _from_hub_row(task: str, r: dict) -> Example:
+    if task == "piqa":
+        return piqa_example(r["goal"], r["sol1"], r["sol2"], r["label"])
+    if task == "copa":
+        connector = {"cause": "because", "effect": "therefore"}[r["question"]]
+        lower = [c[0].lower() + c[1:] for c in (r["choice1"], r["choice2"])]
+        return copa_example(r["premise"].strip()[:-1] + f" {connector}", lower, r["label"])
+    if task == "openbookqa":
+        gold = r["choices"]["label"].index(r["answerKey"].strip())
+        return openbookqa_example(r["question_stem"], r["choices"]["text"], gold)
+    if task == "rte":
+        return rte_example(r["premise"], r["hypothesis"], r["label"] == 0)
+    if task == "sst2":
+        return sst2_example(r["sentence"], r["label"])
+    if task == "subj":
+        # SetFit/subj: label 0 = objective, 1 = subjective (the opposite of ordered-prompt)
+        return subj_example(r["text"], 1 - int(r["label"]))
+    if task == "trec":
+        # CogComp/trec coarse_label: ABBR, ENTY, DESC, HUM, LOC, NUM
+        remap = {0: 2, 1: 1, 2: 0, 3: 3, 4: 4, 5: 5}
+        return trec_example(r["text"], remap[int(r["coarse_label"])])
+    raise AssertionError(task)
+
+
+def _load_hub(task: str, data_dir: str | None) -> tuple[list[Example], list[Example] | None, str]:
+    try:
+        import datasets  # optional: only used when no local files are found
+    except ImportError:
+        raise EvalError(_missing_data_message(task, data_dir, "the `datasets` package is not installed, "
+                                              "so the Hugging Face hub was not tried")) from None
+    path, name, split, train_split = HF_SOURCES[task]
+    try:
+        docs_ds = datasets.load_dataset(path, name, split=split)
+        docs = [_from_hub_row(task, r) for r in docs_ds]
+        pool = None
+        if task in ("rte", "sst2", "subj", "trec"):
+            pool = [_from_hub_row(task, r) for r in datasets.load_dataset(path, name, split=train_split)]
+    except Exception as e:  # network, missing dataset, schema drift: all end the run the same way
+        raise EvalError(_missing_data_message(
+            task, data_dir, f"the Hugging Face hub ({path}) failed: {type(e).__name__}: {str(e)[:200]}")) from None
+    return docs, pool, f"huggingface:{path}" + (f"/{name}" if name else "") + f":{split}"
+
+
+# ---------------------------------------------------------------- mc_jsonl
+
+
+def load_mc_jsonl(path: str | None) -> Task:
+    """Any multiple-choice JSONL: one {"query", "choices", "gold"} object per line."""
+    if not path:
+        raise EvalError("--task mc_jsonl needs --data_path FILE (one {\"query\",\"choices\",\"gold\"} per line)")
+    file = pathlib.Path(path).expanduser()
+    if not file.is_file():
+        raise EvalError(f"--data_path {path}: no such file")
+    docs = []
+    with open(file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                query, choices, gold = r["query"], list(r["choices"]), int(r["gold"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise EvalError(f"{file}:{n}: expected {{\"query\",\"choices\",\"gold\"}}: {e}") from None
+            if not choices or not 0 <= gold < len(choices):
+                raise EvalError(f"{file}:{n}: gold {gold} is not an index into {len(choices)} choices")
+            docs.append(Example(query, tuple(str(c) for c in choices), gold))
+    if not docs:
+        raise EvalError(f"{file}: no items")
+    return Task("mc_jsonl", tuple(docs), tuple(docs), True, False,
+                "lm-eval multiple_choice: context = query, continuation = ' ' + choice", str(file))
+
+
+# ---------------------------------------------------------------- needle (synthetic)
+
+# Keys are first names (one token each with most tokenizers, so the key in the question matches
+# one line of the prefix exactly); beyond the names, "<adjective> <animal>" pairs. Values are
+# common nouns. Neither is guessable from the other: the answer is only in the prefix.
+NEEDLE_NAMES = tuple(
+    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter Quinn Rachel "
+    "Steve Tina Victor Wendy Xavier Yvonne Zach Adam Bella Chris Diana Ethan Fiona George Hannah Isaac Julia Kevin "
+    "Laura Martin Nina Oscar Paula Robert Sarah Thomas Ursula Vincent William Anna Brian Claire Daniel Elena Felix "
+    "Gloria Hugo Ivan Jessica Kyle Linda Mark Nora Owen Patrick Rose Simon Teresa Walter Amy Ben Cindy Derek Eric "
+    "Helen James Kate Leo Mike Nick Paul Ryan Sam Tom Victoria".split())
+NEEDLE_ADJECTIVES = (
+    "red", "blue", "green", "black", "white", "silver", "golden", "brown", "purple", "orange",
+    "quiet", "loud", "happy", "angry", "brave", "calm", "clever", "eager", "fancy", "gentle",
+    "jolly", "kind", "lazy", "proud", "silly", "tiny", "giant", "wild", "young", "old",
+    "swift", "slow", "bright", "dark", "sharp", "soft", "warm", "cold", "rich", "poor",
+)
+NEEDLE_ANIMALS = (
+    "fox", "owl", "cat", "dog", "wolf", "bear", "deer", "duck", "goat", "hawk",
+    "lion", "mouse", "horse", "tiger", "whale", "shark", "snake", "eagle", "frog", "crab",
+    "seal", "swan", "bee", "ant", "moth", "crow", "dove", "hare", "lamb", "pig",
+    "cow", "bat", "rat", "ox", "yak", "elk", "toad", "wasp", "fish", "bird",
+)
+NEEDLE_VALUES = (
+    "apple", "table", "river", "window", "garden", "pencil", "bottle", "candle", "mirror", "basket",
+    "hammer", "ladder", "pillow", "carpet", "wallet", "jacket", "button", "rocket", "castle", "bridge",
+    "island", "forest", "desert", "valley", "harbor", "tunnel", "market", "school", "church", "temple",
+    "guitar", "piano", "violin", "drum", "trumpet", "camera", "laptop", "phone", "radio", "clock",
+    "coffee", "butter", "cheese", "bread", "sugar", "honey", "pepper", "salt", "rice", "lemon",
+    "cotton", "silk", "paper", "glass", "stone", "metal", "wood", "sand", "snow", "rain",
+    "doctor", "farmer", "artist", "pilot", "sailor", "singer", "author", "judge", "baker", "nurse",
+    "engine", "wheel", "anchor", "arrow", "shield", "sword", "crown", "ring", "coin", "key",
+    "cloud", "storm", "thunder", "sunset", "planet", "comet", "galaxy", "ocean", "lake", "mountain",
+    "train", "truck", "boat", "plane", "bicycle", "wagon", "ticket", "letter", "stamp", "map",
+)
+NEEDLE_HEADER = "Here is a list of secret words, one for each person. Remember them.\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleDoc:
+    """One synthetic document: key -> value facts; its text is a request prefix."""
+
+    keys: tuple[str, ...]
+    values: tuple[str, ...]
+
+    def text(self) -> str:
+        lines = [f"The secret word of {k} is {v}.\n" for k, v in zip(self.keys, self.values)]
+        return NEEDLE_HEADER + "".join(lines) + "\n"
+
+    def question(self, i: int, choices: Sequence[str], gold: int) -> Example:
+        key = self.keys[i]
+        text = f"Question: What is the secret word of {key}?\nAnswer: The secret word of {key} is"
+        return Example(text, tuple(choices), gold)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleSpec:
+    num_facts: int = 60  # default prefix ~ 700 tokens
+    num_choices: int = 4
+    values: tuple[str, ...] = NEEDLE_VALUES
+    names: tuple[str, ...] = NEEDLE_NAMES
+
+
+def single_token_words(tokenizer, words: Sequence[str], minimum: int = 20) -> tuple[str, ...]:
+    """The words that are one token after a space (a one-token answer needs no extra forward;
+    a one-token key matches exactly one line of the prefix)."""
+    kept = tuple(w for w in words if len(tokenizer.encode(" " + w)) == 1)
+    return kept if len(kept) >= minimum else tuple(words)
+
+
+def single_token_values(tokenizer, values: Sequence[str] = NEEDLE_VALUES) -> tuple[str, ...]:
+    return single_token_words(tokenizer, values)
+
+
+def make_needle_doc(rng: np.random.Generator, spec: NeedleSpec) -> NeedleDoc:
+    if spec.num_facts <= len(spec.names):
+        pool = list(spec.names)
+    else:
+        pool = [f"the {a} {b}" for a in NEEDLE_ADJECTIVES for b in NEEDLE_ANIMALS]
+    if spec.num_facts > len(pool):
+        raise EvalError(f"needle: at most {len(pool)} facts per prefix (asked {spec.num_facts})")
+    keys = [pool[i] for i in rng.choice(len(pool), spec.num_facts, replace=False)]
+    # distinct values while they last, so the 4 candidates of a question are 4 different words
+    values = list(rng.permutation(spec.values))
+    while len(values) < spec.num_facts:
+        values += list(rng.permutation(spec.values))
+    return NeedleDoc(tuple(keys), tuple(str(v) for v in values[: spec.num_facts]))
+
+
+def needle_question(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choices: int) -> Example:
+    """Ask about fact i; the distractors are other values of the same document."""
+    gold_value = doc.values[i]
+    others = sorted({v for v in doc.values if v != gold_value})
+    picked = [str(v) for v in rng.choice(others, min(num_choices - 1, len(others)), replace=False)]
+    gold = int(rng.integers(len(picked) + 1))
+    choices = picked[:gold] + [gold_value] + picked[gold:]
+    return doc.question(i, choices, gold)
+
+
+def needle_task() -> Task:
+    """Placeholder task object: needle items are generated with their prefixes by the workload."""
+    return Task("needle", (), (), False, False,
+                "synthetic key-value retrieval; answer only in the prefix", "synthetic (seeded)", synthetic=True)
+
+
+# ---------------------------------------------------------------- registry
+
+TASKS: dict[str, str] = {
+    "piqa": "PIQA validation (1838), lm-eval format, few-shot from the same file",
+    "rte": "RTE validation (277), lm-eval format, few-shot from train",
+    "copa": "COPA validation (100), lm-eval format, few-shot from the same file",
+    "openbookqa": "OpenBookQA test (500), lm-eval format, few-shot from the same file",
+    "sst2": "SST-2 dev (872), lm-eval GLUE format, few-shot from train",
+    "subj": "SUBJ test (2000), ordered-prompt format, few-shot from train",
+    "trec": "TREC coarse test (500), ordered-prompt format, few-shot from train",
+    "mc_jsonl": "any {query, choices, gold} JSONL given by --data_path",
+    "needle": "synthetic long-context key-value retrieval (no data files)",
+}
+
+PROMPT_FORMATS = {
+    "piqa": "lm-eval tasks/piqa/piqa.yaml",
+    "rte": "lm-eval tasks/glue/rte/default.yaml",
+    "copa": "lm-eval tasks/super_glue/copa (single space before the choice)",
+    "openbookqa": "lm-eval tasks/openbookqa/openbookqa.yaml",
+    "sst2": "lm-eval tasks/glue/sst2/default.yaml",
+    "subj": "yaolu/ordered-prompt config/subj.yaml",
+    "trec": "yaolu/ordered-prompt config/trec.yaml",
+}
+
+
+def load_task(name: str, data_dir: str | None = None, data_path: str | None = None) -> Task:
+    """The task `name` with its data; EvalError (one line) for unknown names or missing data."""
+    if name not in TASKS:
+        raise EvalError(f"unknown task '{name}'; known tasks: {', '.join(TASKS)}")
+    if name == "mc_jsonl":
+        return load_mc_jsonl(data_path)
+    if name == "needle":
+        return needle_task()
+    root = resolve_task_dir(name, data_dir)
+    if root is not None:
+        docs, pool = _load_local(name, root)
+        source = str(root)
+    else:
+        docs, pool, source = _load_hub(name, data_dir)
+    same = pool is None
+    balanced = name in ("rte", "sst2", "subj", "trec")
+    return Task(name, tuple(docs), tuple(docs if same else pool), same, balanced, PROMPT_FORMATS[name], source)
+
+
+def sample_fewshot(task: Task, count: int, rng: np.random.Generator, exclude: set[int] = frozenset()) -> list[int]:
+    """Indices into `task.fewshot_pool`: seeded, never in `exclude`, class-balanced when asked."""
+    allowed = np.array([i for i in range(len(task.fewshot_pool)) if i not in exclude])
+    if count > len(allowed):
+        raise EvalError(f"task {task.name}: {count} few-shot examples asked, only {len(allowed)} available")
+    if not task.balanced_fewshot:
+        return [int(i) for i in rng.choice(allowed, count, replace=False)]
+    by_class: dict[str, list[int]] = {}
+    for i in rng.permutation(allowed):
+        by_class.setdefault(task.fewshot_pool[i].label, []).append(int(i))
+    classes = sorted(by_class)
+    order = [classes[j] for j in rng.permutation(len(classes))]
+    picked: list[int] = []
+    while len(picked) < count:
+        for c in order:
+            if by_class[c] and len(picked) < count:
+                picked.append(by_class[c].pop())
+    return [picked[j] for j in rng.permutation(len(picked))]
+
+
+def fewshot_text(examples: Sequence[Example]) -> str:
+    """The shared system prompt made of few-shot examples; empty for 0-shot."""
+    return "".join(e.fewshot_block() + FEWSHOT_DELIMITER for e in examples)
+

@@ -1,0 +1,158 @@
+"""results.json schema, results.md and plots; the CLI end to end and its one-line errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from specjax.eval import __main__ as cli
+from specjax.eval import report, runner, systems, tasks, workload
+
+from eval_fakes import FakeModel
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
+
+
+def _runs(model, limit=16, names=("recompute",), retentions=(0.25,)):
+    wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=limit))
+    runs = runner.run_all(model, wl, runner.plan(list(names), list(retentions)), systems.SystemSettings(),
+                          pathlib.Path("/nonexistent-store"))
+    return wl, runs
+
+
+def test_results_json_matches_schema(tmp_path):
+    model = FakeModel()
+    wl, runs = _runs(model)
+    results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
+                                   emulation=EMULATION, config={"seed": 0}, runs=runs, requests=wl.requests)
+    written = report.write_all(results, tmp_path)
+    loaded = json.loads((tmp_path / "results.json").read_text())
+    report.validate_results(loaded)
+    entry = loaded["systems"]["recompute"]
+    assert entry["accuracy"]["n"] == 16 and entry["itf"] is None and entry["prefetch"] is None
+    assert entry["breakdown_ms"]["compute"] == pytest.approx(entry["ttft_ms"]["mean"])
+    assert {p.name for p in written} == {"results.json", "results.md", "ttft_breakdown.png"}
+    assert "| recompute |" in (tmp_path / "results.md").read_text()
+
+
+def test_validator_names_what_is_wrong():
+    model = FakeModel()
+    wl, runs = _runs(model, limit=4)
+    results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
+                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
+    del results["systems"]["recompute"]["io"]["chunks_read"]
+    results["weights"] = "trained"
+    results["systems"]["recompute"]["ttft_ms"]["p99"] = float("nan")
+    with pytest.raises(ValueError) as e:
+        report.validate_results(results)
+    text = str(e.value)
+    assert "io.chunks_read: missing" in text and "weights" in text and "ttft_ms.p99" in text
+
+
+class _FakeRetentionSystem(systems.Recompute):
+    """Recompute whose score gets worse with lower retention, to exercise sweeps and counters."""
+
+    name = "fake_spec"
+    needs_store = True
+
+    def populate(self, store_path, prefixes):
+        pathlib.Path(store_path, "data").write_text(str(len(prefixes)))
+
+    def open(self, store_path):
+        assert pathlib.Path(store_path, "data").is_file()  # a private copy of the base store
+
+    def run(self, request):
+        out = super().run(request)
+        r = self.settings.retention
+        out.choice_logprobs[request.gold] -= (1 - r) * 3
+        out.counters.update(disk_bytes=1000, used_bytes=400, cache_lookups=10, gpu_hits=6, cpu_hits=3,
+                            itf_layers=2, itf_fallbacks=1, jaccard_sum=1.2, prefetch_issued=10, prefetch_used=8,
+                            prefetch_needed=9)
+        out.layers = {"retention": [r, r / 2], "fallback": [0.0, 1.0]}
+        return out
+
+
+def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
+    monkeypatch.setitem(systems._LOCAL, "fake_spec", _FakeRetentionSystem)
+    model = FakeModel()
+    wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=8))
+    plan = runner.plan(["recompute", "fake_spec"], [0.05, 0.5])
+    assert plan == [("recompute", None), ("fake_spec", 0.05), ("fake_spec", 0.5)]
+    runs = runner.run_all(model, wl, plan, systems.SystemSettings(), tmp_path / "store")
+    results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
+                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
+    assert set(results["systems"]) == {"recompute", "fake_spec@r=0.05", "fake_spec@r=0.5"}
+    s = results["systems"]["fake_spec@r=0.5"]
+    assert s["io"]["read_amplification"] == pytest.approx(2.5)
+    assert s["cache"] == {"gpu_hit_ratio": 0.6, "cpu_hit_ratio": 0.3}
+    assert s["itf"] == {"fallback_ratio": 0.5, "mean_jaccard": pytest.approx(0.6)}
+    assert s["prefetch"]["precision"] == pytest.approx(0.8) and s["paired_vs_recompute"]["n"] == 8
+    names = {p.name for p in report.write_all(results, tmp_path / "out")}
+    assert {"accuracy_vs_retention.png", "layers.png"} <= names
+    assert not (tmp_path / "store" / "fake_spec_r0.5").exists()  # private copies are removed
+
+
+def test_cli_end_to_end_with_fake_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: FakeModel())
+    from absl import flags
+
+    flags.FLAGS(["prog", "--limit=6", f"--output_dir={tmp_path}", "--noprogress"])
+    try:
+        cli.main(["prog"])
+    finally:
+        flags.FLAGS.unparse_flags()
+    results = json.loads((tmp_path / "results.json").read_text())
+    report.validate_results(results)
+    assert results["model"] == "fake" and results["task"] == "needle" and results["weights"] == "random"
+    assert results["config"]["resolved"]["systems"] == ["recompute"]
+    assert results["config"]["limit"] == 6 and "meaningless" in results["notes"][0]
+
+
+def _cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "specjax.eval", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task=nope"], "unknown task 'nope'"),
+    (["--systems=recompute,nope"], "unknown system 'nope'"),
+    (["--systems=recompute,spec"], "system spec is not built yet"),
+    (["--preset=nope"], "unknown preset 'nope'"),
+    (["--model=no-such-model"], "no-such-model"),
+    (["--task=piqa", "--data_dir=/nonexistent/data"], "--data_dir /nonexistent/data is not a directory"),
+])
+def test_cli_errors_are_one_line(args, message, tmp_path):
+    proc = _cli(*args, f"--output_dir={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--retention=1.5", "--gpu_cache=lots", "--num_fewshot=5-2", "--limit=0",
+                                  "--disk_bandwidth=fast"])
+def test_cli_bad_flag_values(flag):
+    proc = _cli(flag)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "Flags parsing error" in proc.stderr and flag.split("=")[0] in proc.stderr
+
+
+def test_cli_tiny_random_model(tmp_path):
+    import specjax
+
+    try:
+        specjax.load_model("tiny-llama", init="random")
+    except Exception as e:  # the models issue may not have registered it in this checkout
+        pytest.skip(f"tiny-llama not available: {e}")
+    proc = _cli("--model=tiny-llama", "--init=random", "--limit=8", "--systems=recompute",
+                f"--output_dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    report.validate_results(results)
+    assert results["weights"] == "random" and results["systems"]["recompute"]["accuracy"]["n"] == 8
+    assert (tmp_path / "ttft_breakdown.png").stat().st_size > 1000

@@ -1,0 +1,226 @@
+"""Tasks: loading the shared data, lm-eval prompt formats, few-shot sampling, mc_jsonl, needle."""
+
+import json
+import os
+import pathlib
+import re
+import zipfile
+
+import numpy as np
+import pytest
+
+from specjax.eval import tasks, workload
+from specjax.eval.errors import EvalError
+
+from eval_fakes import FakeModel
+
+SIZES = {  # (items asked, few-shot pool) per ../shared/data/README.md
+    "piqa": (1838, 1838), "copa": (100, 100), "openbookqa": (500, 500), "rte": (277, 2490),
+    "sst2": (872, 6920), "subj": (2000, 8000), "trec": (500, 5452),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_shared_data_loads(shared_data_dir, name):
+    task = tasks.load_task(name, str(shared_data_dir))
+    assert (len(task.docs), len(task.fewshot_pool)) == SIZES[name]
+    assert task.fewshot_same_split == (name in ("piqa", "copa", "openbookqa"))
+    for ex in task.docs[:50]:
+        assert 0 <= ex.gold < len(ex.choices)
+
+
+def test_prompt_formats_first_items(shared_data_dir):
+    d = str(shared_data_dir)
+    piqa = tasks.load_task("piqa", d).docs[0]
+    assert piqa.context == "Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"
+    assert piqa.continuations()[0].startswith(" Provide the guinea pig with a cage full of a few inches of bedding "
+                                              "made of ripped paper strips")
+    assert piqa.gold == 0
+    rte = tasks.load_task("rte", d).docs[0]
+    assert rte.context.startswith("Dana Reeve, the widow of the actor Christopher Reeve, has died")
+    assert rte.context.endswith("\nQuestion: Christopher Reeve had an accident. True or False?\nAnswer:")
+    assert rte.continuations() == [" True", " False"] and rte.gold == 1  # not_entailment -> False
+    copa = tasks.load_task("copa", d).docs[0]
+    assert copa.context == "The man turned on the faucet, therefore"
+    assert copa.continuations() == [" the toilet filled with water.", " water flowed from the spout."]
+    assert copa.gold == 1
+    obqa = tasks.load_task("openbookqa", d).docs[1]
+    assert obqa.context == "There is most likely going to be fog around:"
+    assert obqa.continuations() == [" a marsh", " a tundra", " the plains", " a desert"] and obqa.gold == 0
+    sst2 = tasks.load_task("sst2", d).docs[0]
+    assert sst2.context == "one long string of cliches .\nQuestion: Is this sentence positive or negative?\nAnswer:"
+    assert sst2.continuations() == [" negative", " positive"] and sst2.gold == 0
+    subj = tasks.load_task("subj", d).docs[0]
+    assert subj.context == "Input: smart and alert , thirteen conversations about one thing is a small gem .\nType:"
+    assert subj.continuations() == [" subjective", " objective"] and subj.gold == 0
+    trec = tasks.load_task("trec", d).docs[0]
+    assert trec.context == "Question: How far is it from Denver to Aspen ?\nType:"
+    assert trec.choices[trec.gold] == "number"
+
+
+def test_fewshot_block_is_lm_eval_layout():
+    ex = tasks.piqa_example("Goal?", "a", "b", 1)
+    assert tasks.fewshot_text([ex, ex]) == "Question: Goal?\nAnswer: b\n\nQuestion: Goal?\nAnswer: b\n\n"
+
+
+# ---- lm-eval's own task YAMLs -------------------------------------------------------------
+# lm-evaluation-harness 0.4.13, lm_eval/tasks/...: the templates below are copied from
+#   piqa/piqa.yaml               doc_to_text "Question: {{goal}}\nAnswer:", choices [sol1, sol2]
+#   glue/rte/default.yaml        "{{sentence1}}\nQuestion: {{sentence2}} True or False?\nAnswer:", ["True","False"]
+#   super_glue/rte/default.yaml  "{{premise}}\nQuestion: {{hypothesis}} True or False?\nAnswer:"
+#   glue/sst2/default.yaml       "{{sentence}}\nQuestion: Is this sentence positive or negative?\nAnswer:"
+#   openbookqa/openbookqa.yaml   doc_to_text question_stem, choices choices.text
+#   super_glue/copa/utils.py     premise[:-1] + " because"/" therefore"; choice with lower-cased first letter
+# target_delimiter " " and fewshot_delimiter "\n\n" (lm_eval/config/task.py defaults).
+LM_EVAL_TEMPLATES = {
+    "piqa/piqa.yaml": "Question: {{goal}}\nAnswer:",
+    "glue/rte/default.yaml": "{{sentence1}}\nQuestion: {{sentence2}} True or False?\nAnswer:",
+    "super_glue/rte/default.yaml": "{{premise}}\nQuestion: {{hypothesis}} True or False?\nAnswer:",
+    "glue/sst2/default.yaml": "{{sentence}}\nQuestion: Is this sentence positive or negative?\nAnswer:",
+}
+
+
+def _render(template: str, doc: dict) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: str(doc[m.group(1)]), template)
+
+
+def test_formats_match_lm_eval_templates():
+    doc = {"goal": "G", "sol1": "s1", "sol2": "s2", "sentence1": "P", "sentence2": "H", "premise": "P",
+           "hypothesis": "H", "sentence": "S"}
+    assert tasks.piqa_example("G", "s1", "s2", 0).context == _render(LM_EVAL_TEMPLATES["piqa/piqa.yaml"], doc)
+    rte = tasks.rte_example("P", "H", True)
+    assert rte.context == _render(LM_EVAL_TEMPLATES["glue/rte/default.yaml"], doc)
+    assert rte.context == _render(LM_EVAL_TEMPLATES["super_glue/rte/default.yaml"], doc)
+    assert rte.choices == ("True", "False") and rte.gold == 0  # GLUE label 0 = entailment
+    assert tasks.sst2_example("S", 1).context == _render(LM_EVAL_TEMPLATES["glue/sst2/default.yaml"], doc)
+    copa = tasks._from_hub_row("copa", {"premise": "The man fell.", "question": "cause",
+                                        "choice1": "He slipped.", "choice2": "He ran.", "label": 0})
+    assert copa.context == "The man fell because" and copa.choices == ("he slipped.", "he ran.")
+
+
+def _lm_eval_task_files() -> dict[str, str] | None:
+    """lm_eval's task YAML texts, from an installed lm_eval or the wheel named by $LM_EVAL_WHEEL."""
+    wanted = list(LM_EVAL_TEMPLATES) + ["openbookqa/openbookqa.yaml", "super_glue/copa/utils.py"]
+    wheel = os.environ.get("LM_EVAL_WHEEL")
+    if wheel and pathlib.Path(wheel).is_file():
+        with zipfile.ZipFile(wheel) as z:
+            return {w: z.read(f"lm_eval/tasks/{w}").decode() for w in wanted}
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = pathlib.Path(list(spec.submodule_search_locations)[0]) / "tasks"
+    return {w: (root / w).read_text() for w in wanted}
+
+
+def test_formats_match_installed_lm_eval():
+    files = _lm_eval_task_files()
+    if files is None:
+        pytest.skip("lm_eval not installed (pip install --no-deps lm_eval, or set LM_EVAL_WHEEL)")
+    for path, template in LM_EVAL_TEMPLATES.items():
+        line = next(l for l in files[path].splitlines() if l.startswith("doc_to_text:"))
+        assert json.loads(line.split(":", 1)[1].strip()) == template, path
+    assert "doc_to_text: question_stem" in files["openbookqa/openbookqa.yaml"]
+    namespace: dict = {}
+    exec(files["super_glue/copa/utils.py"], namespace)  # plain functions, no imports
+    doc = {"premise": "The man fell.", "question": "effect", "choice1": "He slipped.", "choice2": "He ran.",
+           "label": 1}
+    ours = tasks._from_hub_row("copa", doc)
+    assert namespace["doc_to_text"](doc) == ours.context
+    # lm-eval's COPA choices carry their own leading space *and* get target_delimiter " ";
+    # we keep a single space (the text the model would read), see PROMPT_FORMATS["copa"].
+    assert namespace["doc_to_choice"](doc) == [" " + c for c in ours.choices]
+
+
+# ---- few-shot sampling ------------------------------------------------------------------------
+
+
+def test_fewshot_never_shows_the_asked_item(shared_data_dir):
+    task = tasks.load_task("copa", str(shared_data_dir))
+    model = FakeModel()
+    wl = workload.build_workload(task, model.tokenizer, workload.WorkloadSpec(fewshot=(8, 10), seed=3))
+    texts = wl.prefix_texts
+    assert len(wl.requests) == 100
+    for r in wl.requests:
+        assert task.docs[r.doc_index].fewshot_block() not in texts[r.prefix_id]
+
+
+def test_fewshot_is_class_balanced(shared_data_dir):
+    task = tasks.load_task("sst2", str(shared_data_dir))
+    picked = tasks.sample_fewshot(task, 6, np.random.default_rng(0))
+    labels = [task.fewshot_pool[i].label for i in picked]
+    assert sorted(labels) == ["0", "0", "0", "1", "1", "1"]
+    assert picked == tasks.sample_fewshot(task, 6, np.random.default_rng(0))
+
+
+# ---- mc_jsonl -------------------------------------------------------------------------------------
+
+
+def test_mc_jsonl(tmp_path):
+    path = tmp_path / "items.jsonl"
+    rows = [{"query": f"Q{i}: 2+{i} =", "choices": [str(2 + i), str(3 + i), "x"], "gold": 0} for i in range(12)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = tasks.load_task("mc_jsonl", data_path=str(path))
+    assert len(task.docs) == 12 and task.fewshot_same_split
+    assert task.docs[3].context == "Q3: 2+3 =" and task.docs[3].continuations() == [" 5", " 6", " x"]
+    wl = workload.build_workload(task, FakeModel().tokenizer, workload.WorkloadSpec(fewshot=(2, 2)))
+    assert len(wl.requests) == 12
+
+
+def test_mc_jsonl_errors(tmp_path):
+    with pytest.raises(EvalError, match="needs --data_path"):
+        tasks.load_task("mc_jsonl")
+    with pytest.raises(EvalError, match="no such file"):
+        tasks.load_task("mc_jsonl", data_path=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "q", "choices": ["a"], "gold": 3}\n')
+    with pytest.raises(EvalError, match=r"bad.jsonl:1: gold 3"):
+        tasks.load_task("mc_jsonl", data_path=str(bad))
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_unknown_task():
+    with pytest.raises(EvalError, match="unknown task 'nope'; known tasks: piqa"):
+        tasks.load_task("nope")
+
+
+def test_missing_data_dir_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_DATA", str(tmp_path / "elsewhere"))
+    with pytest.raises(EvalError) as e:
+        tasks.load_task("piqa", str(tmp_path))
+    message = str(e.value)
+    assert "piqa/valid.jsonl" in message and f"--data_dir={tmp_path}" in message
+    assert f"$SPECJAX_DATA={tmp_path / 'elsewhere'}" in message and "\n" not in message
+    with pytest.raises(EvalError, match="is not a directory"):
+        tasks.load_task("piqa", str(tmp_path / "nope"))
+
+
+# ---- needle ---------------------------------------------------------------------------------------
+
+
+TOKENIZER = FakeModel().tokenizer
+
+
+def _needle(seed, **kw):
+    spec = workload.WorkloadSpec(limit=24, seed=seed, **kw)
+    return workload.build_workload(tasks.load_task("needle"), TOKENIZER, spec)
+
+
+def test_needle_is_deterministic_and_answer_is_in_prefix():
+    a, b, c = _needle(0), _needle(0), _needle(1)
+    assert a == b and a.requests != c.requests
+    for r in a.requests:
+        prefix = a.prefix_texts[r.prefix_id]
+        key = re.search(r"secret word of ([\w ]+)\?", TOKENIZER.decode(r.query_ids)).group(1)
+        assert f"The secret word of {key} is {r.choices[r.gold]}.\n" in prefix
+        assert len(set(r.choices)) == 4
+        assert all(f" {c}." in prefix for c in r.choices)  # distractors come from the same prefix
+        assert prefix.count(f"of {key} is") == 1
+
+
+def test_needle_prefix_tokens_sets_length():
+    wl = _needle(0, prefix_tokens=2000)
+    assert 1900 <= wl.summary()["prefix_tokens_mean"] <= 2100
