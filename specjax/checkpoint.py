@@ -27,7 +27,7 @@ MANIFEST = "specjax_model.json"
 FORMAT = 1
 
 
-def _sha256(path: pathlib.Path) -> str:
+def sha256_file(path: pathlib.Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -62,7 +62,7 @@ def save_model_dir(
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp / "params", jax.tree.map(np.asarray, params))
     dtype = str(np.asarray(params["embed"]).dtype)
-    files = {str(p.relative_to(tmp)): [p.stat().st_size, _sha256(p)] for p in _data_files(tmp)}
+    files = {str(p.relative_to(tmp)): [p.stat().st_size, sha256_file(p)] for p in _data_files(tmp)}
     manifest = {"format": FORMAT, "weights": weights, "source": source, "dtype": dtype, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if out.exists():
@@ -95,7 +95,7 @@ def verify_files(model_dir: pathlib.Path, manifest: dict, *, checksums: bool = T
                 f"{model_dir}: file {rel} is truncated or altered ({actual} bytes, expected {size}); "
                 "convert the model again"
             )
-        if checksums and _sha256(path) != digest:
+        if checksums and sha256_file(path) != digest:
             raise CheckpointError(f"{model_dir}: file {rel} is corrupt (sha256 mismatch); convert the model again")
 
 

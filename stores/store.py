@@ -84,15 +84,6 @@ class Match:
         self._release = weakref.finalize(self, store._release_snapshot, generation,
                                          tuple(s.node_id for s in steps))
 
-    @property
-    def node_observations(self, node_id: int) -> int:
-        """How many requests reported importance for this node since it was last repacked."""
-        with self._lock:
-            node = self._tree.nodes[node_id]
-            seg = self._segments[node.seg_id]
-            counts = seg.imp_count[node.seg_start:node.seg_start + len(node)]
-            return int(counts.max()) if len(counts) else 0
-
     def node_ids(self) -> list[int]:
         return [s.node_id for s in self.steps]
 
