@@ -269,7 +269,8 @@ class Engine:
             if match is not None:
                 match.close()
         first = np.asarray(logits, np.float32)
-        conts = [self._score(layers_kv, first, m, n, c) for c in request.continuations]
+        contexts = [_context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
+        conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n, io={}, layers=_layer_report(state, m), prefetch=io.prefetch_report(),
@@ -316,7 +317,8 @@ class Engine:
 
     # -- continuation scoring against the same (pruned) KV ----------------------------------------
 
-    def _score(self, layers_kv: list[_LayerKV], first_logits, m, n, continuation) -> tuple[float, bool]:
+    def _score(self, contexts: list[tuple], first_logits, m, n, continuation) -> tuple[float, bool]:
+        """(sum logprob, greedy) of a continuation attending to each layer's context (prefix selection + computed)."""
         cfg, params = self.cfg, self.model.params
         cont = [int(t) for t in continuation]
         if not cont:
@@ -327,8 +329,7 @@ class Engine:
         ids[:c] = cont
         positions = jnp.arange(m + n, m + n + c_pad, dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        for lp, kv in zip(params["layers"], layers_kv):
-            prefix_k, prefix_v, selection = _context_for_continuation(kv, n)
+        for lp, (prefix_k, prefix_v, selection) in zip(params["layers"], contexts):
             q, own_k, own_v = _project(cfg, lp, h, positions)
             h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
                         impl=self.config.kernel_impl)
