@@ -23,12 +23,16 @@ from specjax.models import inference
 from specjax.models import transformer as T
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
-flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"], "Weights: converted checkpoint, or random of the model's shape.")
-flags.DEFINE_string("dtype", None, "Compute dtype (float32, bfloat16); default: stored dtype (random: float32 on CPU).")
-flags.DEFINE_integer("tokens", 2048, "Prompt length in tokens.")
-flags.DEFINE_integer("repeats", 3, "Timed repetitions after one warm-up (compile) run; the median is reported.")
-flags.DEFINE_string("output_dir", None, "If set, append the result as JSON lines to OUTPUT_DIR/prefill_<device>.jsonl.")
+
+
+def define_flags() -> None:
+    """Flags of this command; defined only when it runs, so importing the module defines none."""
+    flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
+    flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"], "Weights: converted checkpoint, or random of the model's shape.")
+    flags.DEFINE_string("dtype", None, "Compute dtype (float32, bfloat16); default: stored dtype (random: float32 on CPU).")
+    flags.DEFINE_integer("tokens", 2048, "Prompt length in tokens.")
+    flags.DEFINE_integer("repeats", 3, "Timed repetitions after one warm-up (compile) run; the median is reported.")
+    flags.DEFINE_string("output_dir", None, "If set, append the result as JSON lines to OUTPUT_DIR/prefill_<device>.jsonl.")
 
 
 def device_name() -> str:
@@ -76,4 +80,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     run(main)

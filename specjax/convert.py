@@ -291,11 +291,15 @@ def convert_gguf(path: pathlib.Path, out: pathlib.Path, dtype: str = "bfloat16",
 # ---- command line -----------------------------------------------------------------------------
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors or .bin).")
-flags.DEFINE_string("gguf", None, "llama-architecture GGUF file to convert instead of --hf_dir.")
-flags.DEFINE_string("out", None, "Output model directory (e.g. ~/.cache/specjax/models/NAME).")
-flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Stored parameter dtype.")
-flags.DEFINE_string("tokenizer", None, "tokenizer.json to use instead of the GGUF's embedded vocabulary.")
+
+
+def define_flags() -> None:
+    """Flags of this command; defined only when it runs, so importing the module defines none."""
+    flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors or .bin).")
+    flags.DEFINE_string("gguf", None, "llama-architecture GGUF file to convert instead of --hf_dir.")
+    flags.DEFINE_string("out", None, "Output model directory (e.g. ~/.cache/specjax/models/NAME).")
+    flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Stored parameter dtype.")
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json to use instead of the GGUF's embedded vocabulary.")
 
 
 def main(argv):
@@ -313,4 +317,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     run(main)

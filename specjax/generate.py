@@ -11,10 +11,14 @@ from specjax.api import load_model
 from specjax.cli import run
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
-flags.DEFINE_string("prompt", "The capital of France is", "Text to continue.")
-flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate (greedy).")
-flags.DEFINE_string("dtype", None, "Compute dtype (float32, bfloat16); default: the stored dtype.")
+
+
+def define_flags() -> None:
+    """Flags of this command; defined only when it runs, so importing the module defines none."""
+    flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
+    flags.DEFINE_string("prompt", "The capital of France is", "Text to continue.")
+    flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate (greedy).")
+    flags.DEFINE_string("dtype", None, "Compute dtype (float32, bfloat16); default: the stored dtype.")
 
 
 def main(argv):
@@ -25,4 +29,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     run(main)
