@@ -26,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from specjax.kernels import itf_threshold, probe_scores
 from specjax.models import transformer as T
@@ -34,28 +34,31 @@ from specjax.models.inference import bucket
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
-flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"], "Weights (random: for tests only).")
-flags.DEFINE_string("task", "needle", "Task name (see python -m specjax.eval --help).")
-flags.DEFINE_string("data_dir", None, "Folder laid out like ../shared/data.")
-flags.DEFINE_integer("limit", 30, "Number of requests.")
-flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per prefix: N or A-B.")
-flags.DEFINE_integer("prefix_tokens", 800, "Extend every prefix to at least this many tokens (0: do not).")
-flags.DEFINE_float("reuse_mean", 8.0, "Mean number of queries per prefix.")
-flags.DEFINE_integer("seed", 0, "Workload seed.")
-flags.DEFINE_string("retentions", "0.1,0.25,0.4", "Retention ratios for the similarity measurements.")
-flags.DEFINE_float("main_retention", 0.25, "Retention for single-retention measurements (layers, ITF).")
-flags.DEFINE_float("density_retention", 0.5, "Extra retention for chunk density (SPEC Fig. 5a uses 50%).")
-flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored chunk (SPEC: 64).")
-flags.DEFINE_integer("period_chunk_tokens", 16, "ContiguousChunk size for period coverage (ContiguousKV: 16).")
-flags.DEFINE_integer("period_layers", 8, "Layers per period (ContiguousKV: 8).")
-flags.DEFINE_string("alphas", "0,0.3,0.6,1,2", "ITF threshold exponents to sweep.")
-flags.DEFINE_bool("accuracy", True, "Also measure loglikelihood accuracy under the selections (slower).")
-flags.DEFINE_bool("engine", True, "Also run the engine (items 5-6: alpha sweep, reordering, cache policy).")
-flags.DEFINE_integer("reorder_every", 4, "Engine: run SPEC's reordering pass after every N requests.")
-flags.DEFINE_float("gpu_cache", 0.15, "Engine: device cache as a fraction of the stored prefix KV (SPEC: 10 of ~60 GB).")
-flags.DEFINE_float("cpu_cache", 0.5, "Engine: host cache as a fraction of the stored prefix KV.")
-flags.DEFINE_string("output_dir", None, "Where to write; default results/observe-<model>-<task>.")
+
+def define_flags() -> None:
+    """Flags of this command; defined only when it runs, so importing the module defines none."""
+    flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
+    flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"], "Weights (random: for tests only).")
+    flags.DEFINE_string("task", "needle", "Task name (see python -m specjax.eval --help).")
+    flags.DEFINE_string("data_dir", None, "Folder laid out like ../shared/data.")
+    flags.DEFINE_integer("limit", 30, "Number of requests.")
+    flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per prefix: N or A-B.")
+    flags.DEFINE_integer("prefix_tokens", 800, "Extend every prefix to at least this many tokens (0: do not).")
+    flags.DEFINE_float("reuse_mean", 8.0, "Mean number of queries per prefix.")
+    flags.DEFINE_integer("seed", 0, "Workload seed.")
+    flags.DEFINE_string("retentions", "0.1,0.25,0.4", "Retention ratios for the similarity measurements.")
+    flags.DEFINE_float("main_retention", 0.25, "Retention for single-retention measurements (layers, ITF).")
+    flags.DEFINE_float("density_retention", 0.5, "Extra retention for chunk density (SPEC Fig. 5a uses 50%).")
+    flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored chunk (SPEC: 64).")
+    flags.DEFINE_integer("period_chunk_tokens", 16, "ContiguousChunk size for period coverage (ContiguousKV: 16).")
+    flags.DEFINE_integer("period_layers", 8, "Layers per period (ContiguousKV: 8).")
+    flags.DEFINE_string("alphas", "0,0.3,0.6,1,2", "ITF threshold exponents to sweep.")
+    flags.DEFINE_bool("accuracy", True, "Also measure loglikelihood accuracy under the selections (slower).")
+    flags.DEFINE_bool("engine", True, "Also run the engine (items 5-6: alpha sweep, reordering, cache policy).")
+    flags.DEFINE_integer("reorder_every", 4, "Engine: run SPEC's reordering pass after every N requests.")
+    flags.DEFINE_float("gpu_cache", 0.15, "Engine: device cache as a fraction of the stored prefix KV (SPEC: 10 of ~60 GB).")
+    flags.DEFINE_float("cpu_cache", 0.5, "Engine: host cache as a fraction of the stored prefix KV.")
+    flags.DEFINE_string("output_dir", None, "Where to write; default results/observe-<model>-<task>.")
 
 PAPER = {  # the papers' numbers, only ever shown in their own column
     "head_jaccard": "> 0.95 (OPT-6.7B middle layer, SPEC Fig. 7b)",
@@ -291,8 +294,8 @@ class Record:
     logprobs: dict = dataclasses.field(default_factory=dict)  # mode -> [choices]
 
 
-def engine_probe_heads(cfg, count: int = 3) -> tuple[int, ...]:
-    """The engine's probe choice: first heads spanning as many KV heads as possible (design 4.2)."""
+def spread_probe_heads(cfg, count: int = 3) -> tuple[int, ...]:
+    """Probe heads spanning as many KV heads as possible (one per KV head first)."""
     group = cfg.num_heads // cfg.num_kv_heads
     order = [kv * group + j for j in range(group) for kv in range(cfg.num_kv_heads)]
     return tuple(order[: min(count, cfg.num_heads)])
@@ -354,7 +357,7 @@ def collect(model, requests, settings: dict, progress=print) -> list[Record]:
     if not settings["accuracy"]:
         return records
     partners = partner_of(records)
-    probes = engine_probe_heads(cfg)
+    probes = spread_probe_heads(cfg)
     started = time.time()
     for i, rec in enumerate(records):
         r = by_id[rec.request_id]
@@ -429,8 +432,8 @@ def head_similarity(records: list[Record], cfg, retentions) -> dict:
 def probe_choice(records: list[Record], cfg, retention: float, alpha: float = 0.6) -> dict:
     """How well a probe-head choice stands in for all heads: the probes' Jaccard, the ITF pass
     rate, how much of every head's own set the shared set recovers, and the keys it must load."""
-    choices = {"spread (engine: one per KV head)": engine_probe_heads(cfg),
-               "same KV group (SPEC: first 3 heads)": same_group_probe_heads(cfg),
+    choices = {"spread (one per KV head)": spread_probe_heads(cfg),
+               "same KV group (first 3 heads)": same_group_probe_heads(cfg),
                "all heads": tuple(range(cfg.num_heads))}
     group = cfg.num_heads // cfg.num_kv_heads
     out = {}
@@ -538,7 +541,7 @@ def itf_sweep(records: list[Record], cfg, retention: float, alphas) -> dict:
     fallback rate per layer (engine probe heads; same-KV-group probes for comparison)."""
     out = {}
     group = cfg.num_heads // cfg.num_kv_heads
-    for probes_name, probes in (("spread", engine_probe_heads(cfg)), ("same_group", same_group_probe_heads(cfg))):
+    for probes_name, probes in (("spread", spread_probe_heads(cfg)), ("same_group", same_group_probe_heads(cfg))):
         probe_kv = len({p // group for p in probes})
         for alpha in alphas:
             fell_layers, keys, kept = [], [], []
@@ -635,7 +638,7 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
             "disk_bytes_per_request": totals.get("disk_bytes", 0) / n,
             "device_hit_ratio": totals.get("device_hits", 0) / lookups if lookups else float("nan"),
             "host_hit_ratio": totals.get("host_hits", 0) / lookups if lookups else float("nan"),
-            "wall_s": time.time() - started,
+            "wall_s": time.time() - started, "probe_heads": [int(h) for h in engine.probe_q],
         }
         progress(f"engine {label}: {time.time() - started:.1f} s")
     return {"runs": out, "gpu_cache_bytes": gpu, "cpu_cache_bytes": cpu, "store_bytes": int(kv_bytes)}
@@ -883,8 +886,8 @@ def gqa_notes(res: dict, cfg) -> str:
     h = res["heads"][main]
     within = float(np.nanmean(h["within_per_layer"]))
     across = float(np.nanmean(h["across_per_layer"])) if h["across_per_layer"] is not None else float("nan")
-    spread = res["probes"]["spread (engine: one per KV head)"]
-    same = res["probes"]["same KV group (SPEC: first 3 heads)"]
+    spread = res["probes"]["spread (one per KV head)"]
+    same = res["probes"]["same KV group (first 3 heads)"]
     every = res["probes"]["all heads"]
     lines = [f"**Probe heads on a grouped-query model** ({cfg.num_heads} query heads sharing {cfg.num_kv_heads} KV heads, "
              f"retention {main:.0%}, alpha 0.6):\n",
@@ -1029,7 +1032,9 @@ def engine_section(res: dict) -> str:
         L.append(f"**pending / partial**: {eng['error']}\n")
     alphas = [a for a in res["alphas"] if f"spec alpha={a}" in runs]
     if alphas:
-        L.append(f"`spec` system (speculative prefetch, score cache, reordering) at retention {res['main_retention']:.0%}; "
+        probes = runs[f"spec alpha={alphas[0]}"].get("probe_heads")
+        L.append(f"`spec` system (speculative prefetch, score cache, reordering; the engine's probe heads {probes}) "
+                 f"at retention {res['main_retention']:.0%}; "
                  "accuracy from the engine's continuation log-likelihoods; fallback and retention from its per-layer "
                  "record; prefix keys read derived from that record (probe KV heads' keys, then selected or all keys).\n")
         L.append("| alpha | accuracy | fallback (layers) | prefix keys read | chunks read / request | paper |")
@@ -1184,6 +1189,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from specjax.errors import exit_on_error
+    from specjax.cli import run as run_cli
 
-    app.run(exit_on_error(main))
+    define_flags()
+    run_cli(main)

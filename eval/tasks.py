@@ -279,91 +279,165 @@ def load_mc_jsonl(path: str | None) -> Task:
 
 # ---------------------------------------------------------------- needle (synthetic)
 
-# Keys are first names (one token each with most tokenizers, so the key in the question matches
-# one line of the prefix exactly); beyond the names, "<adjective> <animal>" pairs. Values are
-# common nouns. Neither is guessable from the other: the answer is only in the prefix.
-NEEDLE_NAMES = tuple(
-    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter Quinn Rachel "
-    "Steve Tina Victor Wendy Xavier Yvonne Zach Adam Bella Chris Diana Ethan Fiona George Hannah Isaac Julia Kevin "
-    "Laura Martin Nina Oscar Paula Robert Sarah Thomas Ursula Vincent William Anna Brian Claire Daniel Elena Felix "
-    "Gloria Hugo Ivan Jessica Kyle Linda Mark Nora Owen Patrick Rose Simon Teresa Walter Amy Ben Cindy Derek Eric "
-    "Helen James Kate Leo Mike Nick Paul Ryan Sam Tom Victoria".split())
+# A document interleaves plain filler sentences with facts "The secret code of the <adjective>
+# <object> is <4-digit code>.", one sentence per line; a question repeats one fact's own words
+# up to the code ("The secret code of the red door is") and the choices are codes of other facts
+# of the same document, so only retrieval from the prefix tells them apart (all choices have the
+# same length, so acc and acc_norm agree). Design notes, measured with recompute on smollm2-135m
+# (Q4_1 GGUF) over 40-item seeded workloads:
+# - facts must read as natural text and the question must be a near-copy of the fact: the model
+#   copies natural text but not lists of unrelated words; a "Question: ...? Answer: ..." wrapper
+#   or one-token name keys ("The secret word of Alice is apple.", 60 facts) stay near 60%;
+# - keys whose adjective and object each occur once in the document (unique words, not merely
+#   unique pairs) and numeric codes rather than word values: about 95-100% vs 75-85%;
+# - filler sentences between facts and one sentence per line help a little more, and make it a
+#   needle in a haystack: about half the prefix tokens are facts, the rest can be dropped.
+# Past len(adjectives) facts per document, adjectives and objects are reused in distinct pairs
+# (long --prefix_tokens prefixes), which makes retrieval harder.
 NEEDLE_ADJECTIVES = (
     "red", "blue", "green", "black", "white", "silver", "golden", "brown", "purple", "orange",
-    "quiet", "loud", "happy", "angry", "brave", "calm", "clever", "eager", "fancy", "gentle",
-    "jolly", "kind", "lazy", "proud", "silly", "tiny", "giant", "wild", "young", "old",
-    "swift", "slow", "bright", "dark", "sharp", "soft", "warm", "cold", "rich", "poor",
+    "yellow", "pink", "gray", "wooden", "iron", "old", "new", "small", "big", "tall",
+    "round", "heavy", "broken", "painted", "narrow", "wide", "dark", "bright", "plain", "square",
+    "front", "back", "upper", "lower", "hidden", "main", "little", "long", "short", "empty",
 )
-NEEDLE_ANIMALS = (
-    "fox", "owl", "cat", "dog", "wolf", "bear", "deer", "duck", "goat", "hawk",
-    "lion", "mouse", "horse", "tiger", "whale", "shark", "snake", "eagle", "frog", "crab",
-    "seal", "swan", "bee", "ant", "moth", "crow", "dove", "hare", "lamb", "pig",
-    "cow", "bat", "rat", "ox", "yak", "elk", "toad", "wasp", "fish", "bird",
+NEEDLE_OBJECTS = (
+    "door", "box", "gate", "room", "car", "house", "boat", "book", "chest", "lamp",
+    "clock", "bag", "desk", "shelf", "bottle", "tower", "bridge", "window", "cabinet", "drawer",
+    "safe", "locker", "garage", "shed", "trunk", "case", "barn", "cellar", "office", "kitchen",
+    "garden", "wall", "truck", "train", "van", "table", "basket", "tent", "cart", "phone",
 )
-NEEDLE_VALUES = (
-    "apple", "table", "river", "window", "garden", "pencil", "bottle", "candle", "mirror", "basket",
-    "hammer", "ladder", "pillow", "carpet", "wallet", "jacket", "button", "rocket", "castle", "bridge",
-    "island", "forest", "desert", "valley", "harbor", "tunnel", "market", "school", "church", "temple",
-    "guitar", "piano", "violin", "drum", "trumpet", "camera", "laptop", "phone", "radio", "clock",
-    "coffee", "butter", "cheese", "bread", "sugar", "honey", "pepper", "salt", "rice", "lemon",
-    "cotton", "silk", "paper", "glass", "stone", "metal", "wood", "sand", "snow", "rain",
-    "doctor", "farmer", "artist", "pilot", "sailor", "singer", "author", "judge", "baker", "nurse",
-    "engine", "wheel", "anchor", "arrow", "shield", "sword", "crown", "ring", "coin", "key",
-    "cloud", "storm", "thunder", "sunset", "planet", "comet", "galaxy", "ocean", "lake", "mountain",
-    "train", "truck", "boat", "plane", "bicycle", "wagon", "ticket", "letter", "stamp", "map",
+NEEDLE_FILLER = (
+    "The morning was cool and the streets were still quiet.",
+    "A small bakery on the corner opened its doors at seven.",
+    "Children walked to school with their bags on their backs.",
+    "The river ran slowly past the old stone mill.",
+    "Farmers in the valley were busy bringing in the harvest.",
+    "A light rain fell for most of the afternoon.",
+    "The library was full of students preparing for their exams.",
+    "Trains to the city left every half hour from the station.",
+    "Most of the shops on the main street closed early on Sunday.",
+    "A group of tourists stopped to take pictures of the bridge.",
+    "The museum opened a new exhibition about ancient maps.",
+    "In the park, an old man fed the pigeons with bread crumbs.",
+    "The town council met on Tuesday to discuss the new road.",
+    "Fresh vegetables were sold at the market every Saturday.",
+    "The wind picked up in the evening and the sky grew dark.",
+    "A cat slept in the sun on the steps of the post office.",
+    "The football team trained on the field behind the school.",
+    "Many people in the village kept chickens in their gardens.",
+    "The old clock tower rang the hour across the square.",
+    "A fishing boat came back to the harbor late at night.",
+    "The teacher read a story to the class after lunch.",
+    "Snow covered the hills for most of the winter.",
+    "The hospital added a new wing for children last year.",
+    "Two friends sat in the cafe and talked for hours.",
+    "The road through the forest was narrow and full of turns.",
+    "A new bookshop opened next to the pharmacy.",
+    "The festival drew visitors from all over the region.",
+    "Workers repaired the roof of the church during the summer.",
+    "The lake froze early that year, and people went skating.",
+    "A long line of cars waited at the border crossing.",
+    "The orchestra practiced every evening in the town hall.",
+    "Birds sang in the trees along the edge of the field.",
+    "The bus was late again because of the heavy traffic.",
+    "An old woman sold flowers from a cart near the fountain.",
+    "The factory on the hill had been closed for many years.",
+    "Students painted a large mural on the wall of the gym.",
+    "The price of bread went up slightly in the spring.",
+    "A storm knocked down several trees near the river.",
+    "The neighbors held a small party to welcome the new family.",
+    "Lights in the windows came on one by one as night fell.",
+    "The baker's son delivered bread to the houses on the hill.",
+    "A dog barked at the mail carrier every single morning.",
+    "The ferry crossed the bay twice a day in good weather.",
+    "Apple trees bloomed in the orchard behind the farmhouse.",
+    "The mayor gave a short speech at the opening of the park.",
+    "A thick fog rolled in from the sea before dawn.",
+    "The children built a snowman in front of the school.",
+    "Old photographs of the town hung in the hallway of the inn.",
+    "The market square was crowded on the first day of summer.",
+    "A young couple opened a small restaurant near the station.",
 )
-NEEDLE_HEADER = "Here is a list of secret words, one for each person. Remember them.\n"
+NEEDLE_HEADER = "Read the notes below and remember the secret codes.\n"
 
 
 @dataclasses.dataclass(frozen=True)
 class NeedleDoc:
-    """One synthetic document: key -> value facts; its text is a request prefix."""
+    """One synthetic document: key -> value facts, each after its filler text; its text is a request prefix."""
 
-    keys: tuple[str, ...]
-    values: tuple[str, ...]
+    keys: tuple[str, ...]  # "the red door"
+    values: tuple[str, ...]  # "4821"
+    filler: tuple[str, ...] = ()  # text on the line(s) before each fact ("" for none)
+
+    def fact(self, i: int) -> str:
+        return f"The secret code of {self.keys[i]} is {self.values[i]}."
 
     def text(self) -> str:
-        lines = [f"The secret word of {k} is {v}.\n" for k, v in zip(self.keys, self.values)]
+        filler = self.filler or ("",) * len(self.keys)
+        lines = [(f + "\n" if f else "") + self.fact(i) + "\n" for i, f in enumerate(filler)]
         return NEEDLE_HEADER + "".join(lines) + "\n"
 
     def question(self, i: int, choices: Sequence[str], gold: int) -> Example:
-        key = self.keys[i]
-        text = f"Question: What is the secret word of {key}?\nAnswer: The secret word of {key} is"
-        return Example(text, tuple(choices), gold)
+        """The fact's own words up to its value: the answer is a near-copy from the prefix."""
+        return Example(f"The secret code of {self.keys[i]} is", tuple(choices), gold)
 
 
 @dataclasses.dataclass(frozen=True)
 class NeedleSpec:
-    num_facts: int = 60  # default prefix ~ 700 tokens
+    num_facts: int = 28  # default prefix ~ 790 tokens with smollm2's tokenizer (20: ~565)
     num_choices: int = 4
-    values: tuple[str, ...] = NEEDLE_VALUES
-    names: tuple[str, ...] = NEEDLE_NAMES
+    values: tuple[str, ...] = ()  # word values instead of codes (retrieved worse, see above); () = codes
+    names: tuple[str, ...] = NEEDLE_OBJECTS  # the objects in keys "the <adjective> <object>"
+    adjectives: tuple[str, ...] = NEEDLE_ADJECTIVES
+    code_digits: int = 4
+    filler_per_fact: int = 1  # filler sentences before each fact
+    filler: tuple[str, ...] = NEEDLE_FILLER
 
 
 def single_token_words(tokenizer, words: Sequence[str], minimum: int = 20) -> tuple[str, ...]:
-    """The words that are one token after a space (a one-token answer needs no extra forward;
-    a one-token key matches exactly one line of the prefix)."""
+    """The words that are one token after a space (so a key's words cannot merge with their
+    neighbours differently in the prefix and in the question); all of them if fewer than
+    `minimum` are."""
     kept = tuple(w for w in words if len(tokenizer.encode(" " + w)) == 1)
     return kept if len(kept) >= minimum else tuple(words)
 
 
-def single_token_values(tokenizer, values: Sequence[str] = NEEDLE_VALUES) -> tuple[str, ...]:
-    return single_token_words(tokenizer, values)
+def _needle_keys(rng: np.random.Generator, adjectives: Sequence[str], objects: Sequence[str], n: int) -> list[str]:
+    """n distinct "the <adjective> <object>" keys; while n <= min(len(adjectives), len(objects)),
+    every adjective and every object occurs in one key only (measured: shared words confuse
+    retrieval); past that, each word is reused as evenly as possible."""
+    adj = [str(a) for a in rng.permutation(adjectives)]
+    obj = [str(o) for o in rng.permutation(objects)]
+    a, b = len(adj), len(obj)
+    if n > a * b:
+        raise EvalError(f"needle: at most {a * b} facts per prefix (asked {n})")
+    # round r pairs adjective i with object (i + r) mod b: distinct pairs across rounds
+    if a <= b:
+        pairs = [(j % a, (j % a + j // a) % b) for j in range(n)]
+    else:
+        pairs = [((j % b + j // b) % a, j % b) for j in range(n)]
+    keys = [f"the {adj[i]} {obj[k]}" for i, k in pairs]
+    return [keys[i] for i in rng.permutation(n)]
 
 
 def make_needle_doc(rng: np.random.Generator, spec: NeedleSpec) -> NeedleDoc:
-    if spec.num_facts <= len(spec.names):
-        pool = list(spec.names)
+    n = spec.num_facts
+    keys = _needle_keys(rng, spec.adjectives or NEEDLE_ADJECTIVES, spec.names or NEEDLE_OBJECTS, n)
+    if spec.values:
+        # distinct values while they last, so the candidates of a question are different words
+        values = [str(v) for v in rng.permutation(spec.values)]
+        while len(values) < n:
+            values += [str(v) for v in rng.permutation(spec.values)]
     else:
-        pool = [f"the {a} {b}" for a in NEEDLE_ADJECTIVES for b in NEEDLE_ANIMALS]
-    if spec.num_facts > len(pool):
-        raise EvalError(f"needle: at most {len(pool)} facts per prefix (asked {spec.num_facts})")
-    keys = [pool[i] for i in rng.choice(len(pool), spec.num_facts, replace=False)]
-    # distinct values while they last, so the 4 candidates of a question are 4 different words
-    values = list(rng.permutation(spec.values))
-    while len(values) < spec.num_facts:
-        values += list(rng.permutation(spec.values))
-    return NeedleDoc(tuple(keys), tuple(str(v) for v in values[: spec.num_facts]))
+        low = 10 ** (spec.code_digits - 1)
+        if n > 9 * low:
+            raise EvalError(f"needle: at most {9 * low} facts with {spec.code_digits}-digit codes (asked {n})")
+        values = [str(low + int(c)) for c in rng.choice(9 * low, n, replace=False)]
+    pool = list(spec.filler or NEEDLE_FILLER)
+    order = [str(pool[i]) for i in rng.permutation(len(pool))]
+    k = spec.filler_per_fact
+    filler = tuple(" ".join(order[(i * k + j) % len(order)] for j in range(k)) for i in range(n))
+    return NeedleDoc(tuple(keys), tuple(values[:n]), filler)
 
 
 def needle_question(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choices: int) -> Example:
@@ -379,7 +453,8 @@ def needle_question(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choice
 def needle_task() -> Task:
     """Placeholder task object: needle items are generated with their prefixes by the workload."""
     return Task("needle", (), (), False, False,
-                "synthetic key-value retrieval; answer only in the prefix", "synthetic (seeded)", synthetic=True)
+                "synthetic key-value retrieval among filler text; answer only in the prefix",
+                "synthetic (seeded)", synthetic=True)
 
 
 # ---------------------------------------------------------------- registry
@@ -393,7 +468,7 @@ TASKS: dict[str, str] = {
     "subj": "SUBJ test (2000), ordered-prompt format, few-shot from train",
     "trec": "TREC coarse test (500), ordered-prompt format, few-shot from train",
     "mc_jsonl": "any {query, choices, gold} JSONL given by --data_path",
-    "needle": "synthetic long-context key-value retrieval (no data files)",
+    "needle": "synthetic long-context key-value retrieval: secret codes among filler sentences (no data files)",
 }
 
 PROMPT_FORMATS = {

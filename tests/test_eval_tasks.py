@@ -1,5 +1,6 @@
 """Tasks: loading the shared data, lm-eval prompt formats, few-shot sampling, mc_jsonl, needle."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -209,16 +210,48 @@ def _needle(seed, **kw):
     return workload.build_workload(tasks.load_task("needle"), TOKENIZER, spec)
 
 
+def _asked_key(r) -> str:
+    return re.fullmatch(r"The secret code of ([\w ]+) is", TOKENIZER.decode(r.query_ids)).group(1)
+
+
 def test_needle_is_deterministic_and_answer_is_in_prefix():
     a, b, c = _needle(0), _needle(0), _needle(1)
     assert a == b and a.requests != c.requests
     for r in a.requests:
         prefix = a.prefix_texts[r.prefix_id]
-        key = re.search(r"secret word of ([\w ]+)\?", TOKENIZER.decode(r.query_ids)).group(1)
-        assert f"The secret word of {key} is {r.choices[r.gold]}.\n" in prefix
+        key, gold = _asked_key(r), r.choices[r.gold]
+        assert f"The secret code of {key} is {gold}.\n" in prefix
+        assert gold not in TOKENIZER.decode(r.query_ids)  # the answer is only in the prefix
         assert len(set(r.choices)) == 4
-        assert all(f" {c}." in prefix for c in r.choices)  # distractors come from the same prefix
+        assert all(f" is {c}.\n" in prefix for c in r.choices)  # distractors are codes of the same prefix
+        assert len({len(c) for c in r.choices}) == 1  # same length: acc_norm cannot prefer one
         assert prefix.count(f"of {key} is") == 1
+
+
+def test_needle_keys_use_each_word_once_and_filler_separates_facts():
+    wl = _needle(0)
+    spec = tasks.NeedleSpec()
+    for text in wl.prefix_texts:
+        lines = text.strip("\n").split("\n")
+        assert lines[0] == tasks.NEEDLE_HEADER.strip()
+        facts = [re.fullmatch(r"The secret code of the (\w+) (\w+) is (\d{4})\.", line) for line in lines[1:]]
+        found = [m.groups() for m in facts if m]
+        assert len(found) == spec.num_facts
+        adjectives, objects, codes = zip(*found)
+        assert len(set(adjectives)) == len(set(objects)) == len(set(codes)) == spec.num_facts
+        fillers = [line for line, m in zip(lines[1:], facts) if not m]
+        assert len(fillers) == spec.num_facts and set(fillers) <= set(tasks.NEEDLE_FILLER)
+        assert not any(ch.isdigit() for line in fillers for ch in line)  # no code can hide in the filler
+
+
+def test_needle_many_facts_keep_distinct_keys():
+    spec = tasks.NeedleSpec(num_facts=300)
+    doc = tasks.make_needle_doc(np.random.default_rng(0), spec)
+    assert len(set(doc.keys)) == len(set(doc.values)) == 300
+    per_adjective = np.bincount([spec.adjectives.index(k.split()[1]) for k in doc.keys])
+    assert per_adjective.max() - per_adjective.min() <= 1  # words reused as evenly as possible
+    with pytest.raises(EvalError, match="at most"):
+        tasks.make_needle_doc(np.random.default_rng(0), dataclasses.replace(spec, num_facts=40 * 40 + 1))
 
 
 def test_needle_prefix_tokens_sets_length():

@@ -1,0 +1,146 @@
+"""The observation measurements on hand-built index sets, and the command on a tiny random model."""
+
+import numpy as np
+import pytest
+
+from specjax.eval import observe as O
+
+
+def test_jaccard_spec_example():
+    # SPEC section III: h0 = {0, 2}, h1 = {0, 1} -> 1/3
+    assert O.jaccard([0, 2], [0, 1]) == pytest.approx(1 / 3)
+    assert O.jaccard([], []) == 1.0
+    assert O.jaccard([1, 2, 3], [4, 5]) == 0.0
+
+
+def test_jaccard_matrix_and_group_means():
+    sets = [[0, 1], [0, 1], [0, 2], [3, 4]]
+    mat = O.jaccard_matrix(sets)
+    assert np.allclose(np.diag(mat), 1.0)
+    assert mat[0, 1] == 1.0 and mat[0, 2] == pytest.approx(1 / 3) and mat[0, 3] == 0.0
+    assert np.allclose(mat, mat.T)
+    # groups {0,1}, {2,3}: within = mean(1, 0), across = mean(1/3, 0, 1/3, 0)
+    within, across = O.group_pair_means(mat, np.array([0, 0, 1, 1]))
+    assert within == pytest.approx(0.5)
+    assert across == pytest.approx(1 / 6)
+
+
+def test_top_k_and_shared_scores():
+    scores = np.array([[0.1, 0.9, 0.5, 0.0], [0.8, 0.1, 0.7, 0.2]])
+    assert O.top_k(scores, 2).tolist() == [[1, 2], [0, 2]]
+    # head 1 has 9x the total mass of head 0, but after normalising each head votes equally
+    skewed = np.array([[1.0, 0.0, 0.0], [0.0, 9.0, 0.0]])
+    assert np.allclose(O.shared_scores(skewed), [1.0, 1.0, 0.0])
+
+
+def test_recall_and_coverage():
+    assert O.recall(found=[0, 1, 2], wanted=[1, 2, 3, 4]) == 0.5
+    assert O.recall(found=[5], wanted=[]) == 1.0
+    assert O.coverage([0, 1], [1]) == 1.0
+
+
+def test_chunk_density_spec_style():
+    # 8 important tokens of a 256-token prefix in 64-token chunks: 4 in chunk 0, 4 in chunk 2
+    idx = [0, 1, 2, 3, 130, 131, 132, 133]
+    fractions, amp = O.chunk_density(idx, 256, 64)
+    assert fractions.tolist() == [4 / 64, 4 / 64]
+    assert amp == pytest.approx(128 / 8)
+    # half the tokens, packed into whole chunks: no amplification
+    fractions, amp = O.chunk_density(list(range(128)), 256, 64)
+    assert fractions.tolist() == [1.0, 1.0] and amp == 1.0
+    # a partial last chunk counts only its real tokens (prefix of 70 tokens: chunk 1 has 6)
+    fractions, amp = O.chunk_density([64, 65, 66], 70, 64)
+    assert fractions.tolist() == [0.5] and amp == pytest.approx(2.0)
+
+
+def test_chunk_scores():
+    assert O.chunk_scores(np.arange(5.0), 2).tolist() == [1.0, 5.0, 4.0]
+
+
+def test_random_jaccard_matches_formula():
+    k, n = 25, 100
+    overlap = k * k / n
+    assert O.random_jaccard(k, n) == pytest.approx(overlap / (2 * k - overlap), rel=1e-5)
+
+
+def test_keys_fraction():
+    # 3 KV heads, probes on 1 of them, 25 of 100 tokens selected: 100 + 2 * 25 of 300 keys
+    assert O.keys_fraction(1, 3, 100, 25, fallback=False) == pytest.approx(150 / 300)
+    assert O.keys_fraction(3, 3, 100, 25, fallback=False) == 1.0
+    assert O.keys_fraction(1, 3, 100, 25, fallback=True) == 1.0
+
+
+def test_probe_choices_on_gqa():
+    class Cfg:
+        num_heads, num_kv_heads = 9, 3
+
+    assert O.spread_probe_heads(Cfg) == (0, 3, 6)
+    assert O.same_group_probe_heads(Cfg) == (0, 1, 2)
+
+
+def test_itf_sets_shares_when_probes_agree_and_falls_back_otherwise():
+    agree = np.tile(np.array([5.0, 4.0, 0.1, 0.2, 0.3, 0.0]), (4, 1))
+    disagree = np.zeros((4, 6))
+    for head in range(4):  # head h prefers tokens 2h, 2h+1 (mod 6): disjoint probe sets
+        disagree[head, [2 * head % 6, (2 * head + 1) % 6]] = [2.0, 1.0]
+    scores = np.stack([agree, disagree])  # [L=2, H=4, m=6]
+    sets, jac, fell = O.itf_sets(scores, 2, probes=(0, 1, 2), alpha=0.6)
+    assert fell.tolist() == [False, True]
+    assert sets[0].tolist() == [0, 1] and sets[1].shape == (4, 2)
+    assert jac[0] == 1.0
+
+
+def test_partner_of_pairs_requests_on_the_same_prefix():
+    recs = [O.Record(i, p, 0, np.zeros((1, 1, 4))) for i, p in enumerate([0, 0, 1, 0])]
+    assert O.partner_of(recs) == {0: 1, 1: 0, 3: 0}
+
+
+def test_masked_pass_matches_plain_forward_and_selection_changes_it():
+    import specjax
+    from specjax.models import inference
+
+    model = specjax.load_model("tiny-llama", init="random")
+    rng = np.random.default_rng(0)
+    prefix, query, cont = (rng.integers(0, 500, n).tolist() for n in (40, 6, 3))
+    kv = O.prefix_kv(model, prefix)
+    ours = O.choice_logprobs(model, kv, query, [cont])[0]
+    ids = prefix + query + cont
+    logits = inference.forward_logits(model.config, model.params, ids)
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    n = len(prefix) + len(query)
+    assert ours == pytest.approx(float(logp[np.arange(n - 1, len(ids) - 1), cont].sum()), abs=1e-3)
+    cfg = model.config
+    everything = np.ones((cfg.num_layers, cfg.num_heads, len(prefix)), bool)
+    assert O.choice_logprobs(model, kv, query, [cont], everything)[0] == pytest.approx(ours, abs=1e-4)
+    few = O.mask_from_sets([np.arange(4)] * cfg.num_layers, cfg.num_heads, len(prefix))
+    assert few.sum() == cfg.num_layers * cfg.num_heads * 4
+    assert O.choice_logprobs(model, kv, query, [cont], few)[0] != pytest.approx(ours, abs=1e-4)
+    scores = O.query_importance(model, kv, query)
+    assert scores.shape == (cfg.num_layers, cfg.num_heads, len(prefix))
+    # each query row's softmax mass over the prefix is at most 1
+    assert np.all(scores.sum(-1) <= len(query) + 1e-4)
+
+
+def test_command_on_tiny_random_model(tmp_path):
+    values = {"model": "tiny-llama", "init": "random", "task": "needle", "data_dir": None, "limit": 4,
+              "num_fewshot": "2-10", "prefix_tokens": 100, "reuse_mean": 4.0, "seed": 0,
+              "retentions": "0.1,0.25", "main_retention": 0.25, "density_retention": 0.5, "chunk_tokens": 16,
+              "period_chunk_tokens": 8, "period_layers": 1, "alphas": "0,0.6,2", "accuracy": True,
+              "engine": False, "output_dir": str(tmp_path), "command": "test"}
+    res = O.run(values, progress=lambda *_: None)
+    md = (tmp_path / "observations.md").read_text()
+    for name in ("fig7b_head_jaccard_heatmap.png", "fig8_head_jaccard_per_layer.png", "obs3_layer_similarity.png",
+                 "fig4_static_preidentification.png", "fig5a_chunk_density.png", "fig11_19_22_itf_threshold.png",
+                 "observations.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert f"`{name}`" in md
+    assert "| paper |" in md and "tiny-llama" in md
+    assert set(res["accuracy"]) >= {"full", "own@0.25", "itf@0.6"}
+    assert 0.0 <= res["heads"][0.25]["per_layer"].min() <= 1.0
+
+
+def test_engine_section_marks_missing_engine_results_pending():
+    res = {"alphas": [0.6], "main_retention": 0.25, "engine": {"error": "engine not importable: boom"}}
+    text = O.engine_section(res)
+    assert "pending" in text and "boom" in text
