@@ -152,6 +152,11 @@ class TieredCache:
         s.last = next(self._clock)
         if important_fraction is None and n_needed is not None and chunk_tokens:
             important_fraction = n_needed / chunk_tokens
+        self._record_importance(key, important_fraction, importance)
+
+    def _record_importance(self, key, important_fraction: float | None, importance: float | None) -> None:
+        """Fold one observation into the chunk's moving-average fraction and cumulative importance; re-rank it."""
+        s = self.stats[key]
         if important_fraction is not None:
             s.important_fraction = (important_fraction if s.important_fraction is None
                                     else self.ema * important_fraction + (1 - self.ema) * s.important_fraction)
@@ -164,15 +169,7 @@ class TieredCache:
     def feedback(self, key, important_fraction: float | None = None, importance: float | None = None) -> None:
         """Importance feedback without an access (e.g. after the engine scored a chunk it already used)."""
         with self._lock:
-            s = self.stats[key]
-            if important_fraction is not None:
-                s.important_fraction = (important_fraction if s.important_fraction is None
-                                        else self.ema * important_fraction + (1 - self.ema) * s.important_fraction)
-            if importance is not None:
-                s.importance += float(importance)
-            tier = self.where(key)
-            if tier is not None:
-                self.tiers[tier].push(key, self.score(key))
+            self._record_importance(key, important_fraction, importance)
 
     # -- placement -----------------------------------------------------------------------------
 
