@@ -288,4 +288,18 @@ def test_disk_throttle_within_five_percent(memory_location):
             elapsed = time.perf_counter() - start
     assert got.ok.all()
     rate = got.array.nbytes / elapsed
-    assert abs(rate - bandwidth) / bandwidth < 0.05, f"throttled rate {rate / 1e6:.2f} MB/s"
+    # Never faster than the emulated link; on a loaded machine it may be slower, so the lower bound is loose
+    # (the exact schedule is checked in test_throttle_books_the_link_back_to_back; the benchmark measures it).
+    assert 0.5 * bandwidth < rate <= 1.05 * bandwidth, f"throttled rate {rate / 1e6:.2f} MB/s"
+
+
+def test_throttle_books_the_link_back_to_back():
+    """Transfers booked together finish at start + cumulative bytes / bandwidth."""
+    from specjax.stores import Throttle
+
+    throttle = Throttle(10e6)
+    before = time.monotonic()
+    finish = [throttle.reserve(1_000_000) for _ in range(5)]
+    after = time.monotonic()
+    np.testing.assert_allclose(np.diff(finish), 0.1, rtol=1e-9)
+    assert before + 0.1 <= finish[0] <= after + 0.1
