@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib

@@ -496,7 +496,7 @@ def static_preidentification(records: list[Record], cfg, retentions) -> dict:
     partners = partner_of(records)
     out = {}
     for ret in retentions:
-        recalls, self_recalls = [], []
+        recalls = []
         for i, j in partners.items():
             a, b = records[j].scores, records[i].scores
             m = b.shape[-1]
