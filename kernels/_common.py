@@ -233,3 +233,20 @@ def column_sums(q_ref, lse_ref, keys, col_valid, any_valid, q_len, *, scale, blo
 
     init = jnp.zeros((keys.shape[0],), jnp.float32)
     return lax.fori_loop(0, num_q_blocks, body, init)
+
+
+def pallas_tiling(n_q: int, n_keys: int, rows: int, head_dim: int, block_q, block_k, k_splits, *,
+                  interpret: bool) -> tuple[int, int, int]:
+    """(block_q, block_k, k_splits) for a kernel with `rows` heads of n_q queries over n_keys keys:
+    defaults filled in, every value checked, and the key loop split only as far as there are key blocks."""
+    block_q = default_block_q(n_q, interpret=interpret) if block_q is None else block_q
+    block_k = default_block_k(interpret=interpret) if block_k is None else block_k
+    check_block_size("block_q", block_q, interpret=interpret)
+    check_block_size("block_k", block_k, interpret=interpret)
+    check_head_dim(head_dim, interpret=interpret)
+    q_blocks, k_blocks = -(-n_q // block_q), max(1, -(-n_keys // block_k))
+    if k_splits is None:
+        k_splits = auto_k_splits(rows * q_blocks, k_blocks, interpret=interpret)
+    if not isinstance(k_splits, int) or k_splits < 1:
+        raise ValueError(f"k_splits={k_splits!r} must be a positive int.")
+    return block_q, block_k, min(k_splits, k_blocks)

@@ -228,21 +228,13 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
                                             q_len=q_len, scale=scale,
                                             return_importance=return_importance)
     interpret = dispatch.interpret
-    block_q = c.default_block_q(n_q, interpret=interpret) if block_q is None else block_q
-    block_k = c.default_block_k(interpret=interpret) if block_k is None else block_k
-    c.check_block_size("block_q", block_q, interpret=interpret)
-    c.check_block_size("block_k", block_k, interpret=interpret)
-    c.check_head_dim(head_dim, interpret=interpret)
     idx, count = selection.token_indices(num_heads)
-    q_blocks, k_blocks = -(-n_q // block_q), max(1, -(-idx.shape[1] // block_k))
-    if k_splits is None:
-        k_splits = c.auto_k_splits(num_heads * q_blocks, k_blocks, interpret=interpret)
-    if not isinstance(k_splits, int) or k_splits < 1:
-        raise ValueError(f"k_splits={k_splits!r} must be a positive int.")
+    block_q, block_k, k_splits = c.pallas_tiling(n_q, idx.shape[1], num_heads, head_dim, block_q, block_k,
+                                                 k_splits, interpret=interpret)
     return gathered_attention_pallas(
         q, prefix_k, prefix_v, own_k, own_v, idx, count, c.length_or_full(q_len, n_q),
         scale=scale, return_importance=return_importance, block_q=block_q, block_k=block_k,
-        k_splits=min(k_splits, k_blocks), interpret=interpret)
+        k_splits=k_splits, interpret=interpret)
 
 
 def _check_attention_args(q, prefix_k, prefix_v, own_k, own_v) -> None:

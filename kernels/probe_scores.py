@@ -190,20 +190,12 @@ def probe_scores(q, prefix_k, own_k, *, kv_head_of_probe: Sequence[int], prefix_
         return probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe,
                                       prefix_len=prefix_len, q_len=q_len, scale=scale)
     interpret = dispatch.interpret
-    block_q = c.default_block_q(n_q, interpret=interpret) if block_q is None else block_q
-    block_k = c.default_block_k(interpret=interpret) if block_k is None else block_k
-    c.check_block_size("block_q", block_q, interpret=interpret)
-    c.check_block_size("block_k", block_k, interpret=interpret)
-    c.check_head_dim(head_dim, interpret=interpret)
-    q_blocks, k_blocks = -(-n_q // block_q), -(-m // block_k)
-    if k_splits is None:
-        k_splits = c.auto_k_splits(num_probes * q_blocks, k_blocks, interpret=interpret)
-    if not isinstance(k_splits, int) or k_splits < 1:
-        raise ValueError(f"k_splits={k_splits!r} must be a positive int.")
+    block_q, block_k, k_splits = c.pallas_tiling(n_q, m, num_probes, head_dim, block_q, block_k, k_splits,
+                                                 interpret=interpret)
     return probe_scores_pallas(
         q, prefix_k, own_k, c.length_or_full(prefix_len, m), c.length_or_full(q_len, n_q),
         kv_head_of_probe=kv_head_of_probe, scale=scale, block_q=block_q, block_k=block_k,
-        k_splits=min(k_splits, k_blocks), interpret=interpret)
+        k_splits=k_splits, interpret=interpret)
 
 
 def _check_probe_args(q, prefix_k, own_k, kv_head_of_probe) -> tuple[int, ...]:
