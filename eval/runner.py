@@ -1,7 +1,8 @@
 """Runs several systems on one request sequence, each from the same store contents.
 
 The base store is written once (by the first system that needs a store) from every unique
-prefix of the workload; each (system, retention) run then gets its own fresh copy of that
+prefix of the workload; systems that lay out their store differently (another chunk size, independently
+cached text chunks) name it with a `store_key` attribute and get a base store of their own. Each (system, retention) run then gets its own fresh copy of that
 directory, so write-behind, reordering or checksum repairs of one run cannot leak into
 another. Caches start empty and are warmed with the same warm-up pass (each unique prefix
 once, in order of first arrival) before any request is timed.
@@ -59,8 +60,7 @@ def warmup_requests(workload: Workload) -> list:
 def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
             store_dir: pathlib.Path, progress: Progress | None = None) -> list[Run]:
     warm = warmup_requests(workload)
-    base = store_dir / "base"
-    base_ready = False
+    bases_ready: set[str] = set()
     results = []
     for name, retention in runs:
         run_settings = dataclasses.replace(settings, retention=retention if retention is not None else settings.retention)
@@ -70,10 +70,12 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             progress.set_label(label + " (warm)")
         t0 = time.perf_counter()
         if system.needs_store:
-            if not base_ready:
+            key = getattr(system, "store_key", "default")
+            base = store_dir / f"base-{key}"
+            if key not in bases_ready:
                 base.mkdir(parents=True, exist_ok=True)
                 system.populate(str(base), [r.prefix_ids for r in warm])
-                base_ready = True
+                bases_ready.add(key)
             private = store_dir / label.replace(" ", "_").replace("=", "")
             if private.exists():
                 shutil.rmtree(private)
