@@ -51,11 +51,18 @@ class EngineSystem:
         self.engine = Engine(self.model, self.system, self.store, self.config)
 
     def warm(self, requests) -> None:
-        """Compile every shape the run will use and fill the caches: one pass over the warm-up requests."""
+        """Compile every shape the run will use and fill the caches: two passes over the warm-up requests.
+
+        Systems that reorder repack the store between the passes (from the importance the first pass
+        observed), so the second pass fills their caches with the repacked chunks; every system gets both
+        passes, so their caches see the same warm-up traffic.
+        """
         for r in requests:
             self.engine.run(_engine_request(r))
         if self.system.reorder:
             self.engine.reorder()
+        for r in requests:
+            self.engine.run(_engine_request(r))
 
     def run(self, request) -> Outcome:
         r = self.engine.run(_engine_request(request))

@@ -4,7 +4,7 @@ The base store is written once (by the first system that needs a store) from eve
 prefix of the workload; systems that lay out their store differently (another chunk size, independently
 cached text chunks) name it with a `store_key` attribute and get a base store of their own. Each (system, retention) run then gets its own fresh copy of that
 directory, so write-behind, reordering or checksum repairs of one run cannot leak into
-another. Caches start empty and are warmed with the same warm-up pass (each unique prefix
+another. Caches start empty and are warmed with the same warm-up passes (each unique prefix
 once, in order of first arrival) before any request is timed.
 """
 

@@ -46,7 +46,11 @@ def _check_structure(store: KVStore, report: FsckReport) -> None:
             report.problems.append(f"segment {s.seg_id}: {s.n_tokens} tokens do not fit {s.n_chunks} chunks")
         if s.checksums.shape != (lay.num_layers, len(lay.kinds()), s.n_chunks):
             report.problems.append(f"segment {s.seg_id}: checksum table has shape {s.checksums.shape}")
-        if s.mapping is not None and not np.array_equal(np.sort(s.mapping), np.arange(s.n_tokens)):
+        if s.mapping is not None and s.mapping.ndim == 2 and len(s.mapping) != lay.num_layers:
+            report.problems.append(f"segment {s.seg_id}: {len(s.mapping)} per-layer mapping lists for "
+                                   f"{lay.num_layers} layers")
+        elif s.mapping is not None and not all(np.array_equal(np.sort(row), np.arange(s.n_tokens))
+                                               for row in np.atleast_2d(s.mapping)):
             report.problems.append(f"segment {s.seg_id}: mapping list is not a permutation")
     children_seen = {}
     for node in tree.nodes.values():

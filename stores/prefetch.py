@@ -101,7 +101,7 @@ class Prefetcher:
     def request(self, match: Match, layer: int, kind: int, positions, *, speculative: bool = False) -> Ticket:
         """Start reading the chunks of `positions` not already cached; returns immediately. A new request for
         the same (layer, kind) supersedes earlier speculative ones (their unshared reads are dropped)."""
-        chunks = self.store.locate(match, positions).unique_chunks()
+        chunks = self.store.locate(match, positions, layer).unique_chunks()
         keys = []
         with self._lock:
             for c in chunks:
@@ -139,7 +139,7 @@ class Prefetcher:
         buckets its sizes compiles each device op once per bucket.
         """
         positions = np.asarray(positions, np.int64)
-        loc = self.store.locate(match, positions)
+        loc = self.store.locate(match, positions, layer)
         chunks, inverse = np.unique(loc.chunks, return_inverse=True)
         lay = self.store.layout
         self.store.metrics.add(used_token_bytes=len(positions) * lay.token_nbytes(kind))

@@ -1,5 +1,9 @@
 """KV reordering (SPEC IV-D): within one radix node, sort tokens by average importance and repack their KV
 so important tokens share chunks; copy-on-write into new chunks, then an atomic metadata swap.
+
+By default every layer gets its own order (its own mapping list), as SPEC's implementation keeps reordered
+KV and mapping lists per layer: layers pick different tokens, so one order for all layers packs each layer's
+important tokens less densely. `per_layer=False` sorts once by importance averaged over layers.
 """
 
 from __future__ import annotations
@@ -19,29 +23,37 @@ def importance_order(avg_importance: np.ndarray) -> np.ndarray:
     return np.argsort(-avg_importance, kind="stable")
 
 
-def reorder_node(store: KVStore, node_id: int, *, min_tokens: int | None = None) -> bool:
+def reorder_node(store: KVStore, node_id: int, *, min_tokens: int | None = None, per_layer: bool = True) -> bool:
     """Repack one node by importance; returns True if the store now serves the reordered version.
 
     Readers are never blocked: they keep reading the old chunks until the swap, and any match opened before
     it keeps the old version (its chunks are deleted only after such matches close).
     """
     min_tokens = store.layout.chunk_tokens + 1 if min_tokens is None else min_tokens
-    avg = store.node_importance(node_id)
-    if len(avg) < min_tokens:
+    avg = store.node_importance(node_id, per_layer=True)  # [layers, n]
+    if avg.shape[1] < min_tokens:
         return False  # fits in about one chunk: nothing to gain
-    order = importance_order(avg)
+    orders = np.stack([importance_order(row) for row in avg]) if per_layer else importance_order(avg.mean(0))
+    layer_orders = orders if per_layer else [orders] * len(avg)
+    try:
+        return _repack(store, node_id, orders, layer_orders)
+    finally:
+        store.collect_garbage()  # the old chunks, now that the copy's own snapshot is closed (caches drop them)
+
+
+def _repack(store: KVStore, node_id: int, orders: np.ndarray, layer_orders) -> bool:
     seg_id, seg_start, n, snapshot = store.node_view(node_id)
     with snapshot:
-        locations = store.locate(snapshot, order)
-        if _already_in_order(store, locations):
+        locations = [store.locate(snapshot, order, layer) for layer, order in enumerate(layer_orders)]
+        if all(_already_in_order(store, loc) for loc in locations):
             return False
         writer = store.new_segment_writer(n)
         try:
-            if not _copy(store, snapshot, locations, writer):
+            if not _copy(store, locations, writer):
                 writer.abort()
                 return False
             writer.wait_durable()
-            mapping = np.argsort(order)  # m[i] = new stored position of original token i
+            mapping = np.argsort(orders, axis=-1)  # m[(layer,) i] = new stored position of original token i
             if store.swap_segment(node_id, (seg_id, seg_start, n), writer, mapping):
                 return True
         except BaseException:
@@ -57,10 +69,10 @@ def _already_in_order(store: KVStore, loc: Locations) -> bool:
     return bool(np.all(np.diff(flat) == 1))
 
 
-def _copy(store: KVStore, snapshot, loc: Locations, writer) -> bool:
-    """Copy every layer's K, V (and probe keys) in the new order; False if a source chunk is bad."""
+def _copy(store: KVStore, locations: list[Locations], writer) -> bool:
+    """Copy every layer's K, V (and probe keys) in its new order; False if a source chunk is bad."""
     kinds = store.layout.kinds()
-    for layer in range(store.layout.num_layers):
+    for layer, loc in enumerate(locations):
         futures = [store.read_locations(layer, kind, loc) for kind in kinds]
         gathered = [f.result() for f in futures]
         if not all(g.ok.all() for g in gathered):

@@ -39,20 +39,28 @@ class Segment:
     n_chunks: int
     n_tokens: int
     checksums: np.ndarray             # uint32 [num_layers, kinds, n_chunks]
-    mapping: np.ndarray | None = None  # m[i] = stored position of original token i (None: identity)
+    # m[i] = stored position of original token i: None (identity), [n] (one order for every layer) or
+    # [layers, n] (each layer its own order, as SPEC's per-layer PrefixKVLayer keeps it)
+    mapping: np.ndarray | None = None
     refs: int = 0                      # radix nodes pointing into this segment
     committed: bool = False
     retired: bool = False
-    imp_sum: np.ndarray | None = None  # accumulated importance per original token
-    imp_count: np.ndarray | None = None
+    imp_sum: np.ndarray | None = None  # accumulated importance per layer and original token [layers, n]
+    imp_count: np.ndarray | None = None  # observations per original token [n]
 
     def __post_init__(self):
         if self.imp_sum is None:
-            self.imp_sum = np.zeros(self.n_tokens, np.float64)
+            self.imp_sum = np.zeros((self.checksums.shape[0], self.n_tokens), np.float64)
             self.imp_count = np.zeros(self.n_tokens, np.int64)
 
-    def stored(self, original: np.ndarray) -> np.ndarray:
-        return original if self.mapping is None else self.mapping[original]
+    def stored(self, original: np.ndarray, layer: int | None) -> np.ndarray:
+        if self.mapping is None:
+            return original
+        if self.mapping.ndim == 1:
+            return self.mapping[original]
+        if layer is None:
+            raise ValueError(f"segment {self.seg_id} is reordered per layer: locate() needs the layer")
+        return self.mapping[layer, original]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,8 +516,9 @@ class KVStore:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def locate(self, match: Match, positions) -> Locations:
-        """Chunk id and offset of each original prefix position (through each node's mapping list)."""
+    def locate(self, match: Match, positions, layer: int | None = None) -> Locations:
+        """Chunk id and offset of each original prefix position of `layer` (through each node's mapping list;
+        `layer` may be None only while no node on the path is reordered per layer)."""
         pos = np.asarray(positions, np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= match.length):
             raise IndexError(f"positions must lie in [0, {match.length}) of the matched prefix")
@@ -522,7 +531,7 @@ class KVStore:
                 step = match.steps[i]
                 sel = step_of == i
                 seg = self._segments[step.seg_id]
-                stored = seg.stored(step.seg_start + pos[sel] - step.prefix_start)
+                stored = seg.stored(step.seg_start + pos[sel] - step.prefix_start, layer)
                 chunks[sel] = seg.first_chunk + stored // c
                 offsets[sel] = stored % c
         return Locations(chunks, offsets)
@@ -594,20 +603,21 @@ class KVStore:
     def read(self, match: Match, layer: int, kind: int, positions=None) -> concurrent.futures.Future:
         """Future of `Gathered` vectors of `positions` (original prefix order; default all) of one layer."""
         positions = np.arange(match.length) if positions is None else positions
-        return self.read_locations(layer, kind, self.locate(match, positions))
+        return self.read_locations(layer, kind, self.locate(match, positions, layer))
 
     # -- importance feedback and reordering ----------------------------------------------------
 
     def record_importance(self, match: Match, importance, positions=None) -> None:
-        """Add one request's importance of matched tokens (`[n]`, or `[layers, n]` averaged over layers).
+        """Add one request's importance of matched tokens: `[layers, n]`, or `[n]` counted for every layer.
 
         Every matched token counts one observation; `positions` (default: all) receive `importance`.
         """
         imp = np.asarray(importance, np.float64)
-        imp = imp.mean(axis=0) if imp.ndim == 2 else imp
+        imp = np.broadcast_to(imp, (self.layout.num_layers, imp.shape[-1])) if imp.ndim == 1 else imp
         pos = np.arange(match.length) if positions is None else np.asarray(positions, np.int64)
-        if imp.shape != pos.shape:
-            raise ValueError(f"importance has {imp.shape[0]} tokens for {pos.shape[0]} positions")
+        if imp.shape != (self.layout.num_layers,) + pos.shape:
+            raise ValueError(f"importance has shape {imp.shape} for {self.layout.num_layers} layers and "
+                             f"{pos.shape[0]} positions")
         with self._lock:
             for step in match.steps:
                 seg = self._segments.get(step.seg_id)
@@ -615,15 +625,17 @@ class KVStore:
                     continue
                 seg.imp_count[step.seg_start:step.seg_start + step.length] += 1
                 sel = (pos >= step.prefix_start) & (pos < step.prefix_start + step.length)
-                np.add.at(seg.imp_sum, step.seg_start + pos[sel] - step.prefix_start, imp[sel])
+                np.add.at(seg.imp_sum, (slice(None), step.seg_start + pos[sel] - step.prefix_start), imp[:, sel])
 
-    def node_importance(self, node_id: int) -> np.ndarray:
-        """Average observed importance of each token of a node (0 where never observed)."""
+    def node_importance(self, node_id: int, per_layer: bool = False) -> np.ndarray:
+        """Average observed importance of each token of a node (0 where never observed): `[n]` averaged over
+        layers, or `[layers, n]` with `per_layer`."""
         with self._lock:
             node = self._tree.nodes[node_id]
             seg = self._segments[node.seg_id]
             lo, hi = node.seg_start, node.seg_start + len(node)
-            return seg.imp_sum[lo:hi] / np.maximum(seg.imp_count[lo:hi], 1)
+            avg = seg.imp_sum[:, lo:hi] / np.maximum(seg.imp_count[lo:hi], 1)
+            return avg if per_layer else avg.mean(axis=0)
 
     def node_observations(self, node_id: int) -> int:
         """How many requests reported importance for this node since it was last repacked."""
@@ -660,7 +672,7 @@ class KVStore:
             old = self._segments[node.seg_id]
             lo, hi = node.seg_start, node.seg_start + len(node)
             new.mapping = mapping.astype(np.int32)
-            new.imp_sum[:] = old.imp_sum[lo:hi]
+            new.imp_sum[:] = old.imp_sum[:, lo:hi]
             new.imp_count[:] = old.imp_count[lo:hi]
             node.seg_id, node.seg_start = new.seg_id, 0
             new.refs, new.committed = 1, True

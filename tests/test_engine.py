@@ -195,8 +195,13 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     expected = cfg.num_layers * per_token_head * (probe_heads * m + 2 * cfg.num_kv_heads * k)
     assert spec.io["used_token_bytes"] == expected < full.io["used_token_bytes"]
     p = spec.prefetch
-    # Layers 1..L-1 were guessed from the previous layer's set (k tokens each).
-    assert p["prefetched_tokens"] == (cfg.num_layers - 1) * k and p["used_tokens"] == (cfg.num_layers - 1) * k
+    # Layers 1..L-1 were guessed from the previous layer's set: with no reordering, every token of the
+    # chunks that set occupies (16-token chunks) is prefetched.
+    c, sets = 16, [np.asarray(sel).ravel() for sel in spec.selections]
+    guessed = [np.unique(prev // c) for prev in sets[:-1]]
+    assert p["prefetched_tokens"] == c * sum(len(g) for g in guessed)
+    assert p["used_tokens"] == (cfg.num_layers - 1) * k
+    assert p["hit_tokens"] == sum(np.isin(cur // c, g).sum() for g, cur in zip(guessed, sets[1:]))
     assert p["precision"] == pytest.approx(p["hit_tokens"] / p["prefetched_tokens"])
     assert p["recall"] == pytest.approx(p["hit_tokens"] / p["used_tokens"])
     assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
@@ -220,8 +225,13 @@ def test_reordered_store_serves_the_same_kv(model):
     req = _request(model, prefix_len=100, seed=11)
     engine = _engine(model, "impress", retention=0.25)
     engine.warm(req.prefix)
-    engine.run(req)  # records importance for the node
+    engine.run(req)  # records importance for the node; fills the caches
+    cached_before = {k[2] for tier in engine.cache.tiers.values() for k in tier.items}
     assert engine.reorder() >= 1
+    live = {c for seg in engine.store._segments.values() if seg.refs > 0
+            for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)}
+    assert cached_before and not cached_before & live  # every chunk cached before was repacked away ...
+    assert all(k[2] in live for tier in engine.cache.tiers.values() for k in tier.items)  # ... and dropped
     full = Engine(model, make_system("impress"), engine.store, EngineConfig(retention=1.0))
     r = full.run(req)
     np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)

@@ -128,7 +128,7 @@ def test_reorder_preserves_original_order(memory_location, background):
         with store.match(tokens) as m:
             for _ in range(3):
                 store.record_importance(m, np.ones(16), positions=important)
-            chunks_before = len(store.locate(m, important).unique_chunks())
+            chunks_before = len(store.locate(m, important, 0).unique_chunks())
         reader = store.match(tokens)              # an old reader keeps its consistent version
         old = store.read(reader, 0, K).result().array
         node = reader.steps[0].node_id
@@ -148,7 +148,39 @@ def test_reorder_preserves_original_order(memory_location, background):
         assert_serves(store, tokens, kv)
         assert_serves(store, tail, concat_kv(kv, kv_tail))
         with store.match(tokens) as m:
-            assert len(store.locate(m, important).unique_chunks()) == 1 < chunks_before
+            assert len(store.locate(m, important, 0).unique_chunks()) == 1 < chunks_before
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_reorder_packs_each_layers_important_tokens(memory_location, per_layer):
+    """Per-layer reordering (SPEC keeps mapping lists per layer) packs every layer's own important set into one
+    chunk; one order for all layers cannot when the layers disagree."""
+    location, ctx = memory_location
+    rng = np.random.default_rng(5)
+    fp = dict(FP, chunk_tokens=16)
+    tokens = rng.integers(0, 1000, 96)
+    kv = random_kv(rng, 96)
+    layers = FP["num_layers"]
+    important = [rng.choice(96, 16, replace=False) for _ in range(layers)]
+    imp = np.zeros((layers, 96))
+    for layer, idx in enumerate(important):
+        imp[layer, idx] = 1.0
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(tokens, kv)
+        with store.match(tokens) as m:
+            store.record_importance(m, imp)
+            node = m.steps[0].node_id
+        assert reorder_node(store, node, per_layer=per_layer)
+        assert_serves(store, tokens, kv)
+        with store.match(tokens) as m:
+            chunks = [len(store.locate(m, idx, layer).unique_chunks()) for layer, idx in enumerate(important)]
+            if per_layer:
+                with pytest.raises(ValueError, match="needs the layer"):
+                    store.locate(m, important[0])
+    if per_layer:
+        assert chunks == [1] * layers
+    else:
+        assert max(chunks) > 1
 
 
 def test_reorder_persists(tmp_path):

@@ -404,9 +404,25 @@ class _LayerIO:
         elif kind in ("probe", "speculative"):
             pf.request(self.match, layer, PROBE, self.all_positions)
             if kind == "speculative" and previous is not None and len(previous):
-                pf.request(self.match, layer, K, previous, speculative=True)
-                pf.request(self.match, layer, V, previous, speculative=True)
-                self.prefetched[layer] = previous
+                guess = self._speculate(layer, previous)
+                pf.request(self.match, layer, K, guess, speculative=True)
+                pf.request(self.match, layer, V, guess, speculative=True)
+                self.prefetched[layer] = guess
+
+    def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
+        """Positions whose K/V to read ahead for `layer`, guessed from the previous layer's important set.
+
+        Reads are whole chunks, and a reordered store lays each layer out in its own importance order, so
+        the previous set's tokens can sit scattered over this layer's chunks. The guess is therefore chunk
+        by chunk: the chunks of `layer` holding most of the previous set, as many chunks as that set
+        occupied in its own layer (the same I/O budget), and every token in them is prefetched. Without
+        reordering (or with one order for all layers) this is exactly the chunks of the previous set.
+        """
+        store = self.engine.store
+        budget = len(store.locate(self.match, previous, layer - 1).unique_chunks())
+        chunks, counts = np.unique(store.locate(self.match, previous, layer).chunks, return_counts=True)
+        ahead = chunks[np.argsort(-counts, kind="stable")[:budget]]
+        return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, ahead)]
 
     def prefetch_first(self) -> None:
         self._request_ahead(0, None)
