@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from absl import flags
 
 from specjax.eval import presets as presets_lib
@@ -72,6 +73,12 @@ flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identifi
 flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
 flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
 flags.DEFINE_bool("no_prefetch", False, "spec ablation: no layer-aware speculative prefetch.")
+flags.DEFINE_integer("ckv_chunk_tokens", None, "contiguous_kv: tokens per ContiguousChunk, its unit of scoring, "
+                     "storage, transfer and caching (c; default 16, the paper's). It gets a store of its own.")
+flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the chunk set chosen at a period's "
+                     "first layer (p; default 8).")
+flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
+                     "period computes (sp; default 4, at most p).")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -92,6 +99,8 @@ flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_band
 flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
 flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
 flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
+for _name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
+    flags.register_validator(_name, lambda v: v is None or v > 0, "must be positive")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
@@ -100,7 +109,8 @@ NEEDLE_DEFAULT_LIMIT = 40
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
-             "no_score_cache", "no_prefetch", "store", "output_dir", "preset")
+             "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers", "store",
+             "output_dir", "preset")
 
 
 def _ok(parse, value) -> bool:
@@ -165,7 +175,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         raise EvalError(f"the longest request has {max_len} tokens but {model.name} takes at most "
                         f"{model.config.max_positions}; lower --prefix_tokens or --num_fewshot")
 
-    kv_per_token = model.config.num_layers * 2 * model.config.num_kv_heads * model.config.head_dim * 2
+    # the model's own dtype: cache budgets given as a share of the store must match the bytes it holds
+    kv_per_token = model.config.kv_bytes_per_token(np.dtype(model.dtype).itemsize)
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
     settings = systems_lib.SystemSettings(
         retention=retentions[0], chunk_tokens=values["chunk_tokens"],
@@ -174,7 +185,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
-        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")})
+        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
+                                        "period_layers", "subperiod_layers")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
@@ -198,7 +210,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
         "same_store_contents": "base store written once from every unique prefix; each run opens its own "
                                "copy; caches warmed with each unique prefix once, in first-arrival order, "
-                               "before timing",
+                               "then one untimed request per unseen shape (no compilation is timed)",
         "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
     }
     results = report.build_results(

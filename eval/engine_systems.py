@@ -22,9 +22,14 @@ class EngineSystem:
     def __init__(self, name: str, model, settings: SystemSettings):
         options = dict(settings.options)
         ablations = {a: bool(options.get(a)) for a in ABLATIONS}
-        self.system = make_system(name, alpha=options.get("alpha"), **ablations)
+        self.system = make_system(name, alpha=options.get("alpha"), chunk_tokens=options.get("ckv_chunk_tokens"),
+                                  period_layers=options.get("period_layers"),
+                                  subperiod_layers=options.get("subperiod_layers"), **ablations)
         self.name = self.system.name
         self.needs_store = self.system.reuse
+        # systems reading another chunk size (contiguous_kv) get a base store of their own
+        self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens
+        self.store_key = f"chunk{self.chunk_tokens}"
         self.model, self.settings = model, settings
         self.config = EngineConfig(
             retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
@@ -34,7 +39,7 @@ class EngineSystem:
         self.engine = None if self.needs_store else Engine(model, self.system, None, self.config)
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
-        return KVStore.open(path, fingerprint(self.model, self.settings.chunk_tokens), **kwargs)
+        return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
 
     def populate(self, store_path: str, prefixes) -> None:
         store = self._open_store(store_path)

@@ -129,6 +129,14 @@ class Prefetcher:
         with self._lock:
             self._cancel_locked(ticket)
 
+    def wait(self, tickets) -> None:
+        """Block until every read the tickets hold has landed (e.g. the layers that must arrive before computing)."""
+        with self._lock:
+            futures = [self._entries[key].future for t in tickets if not t.released for key in t.keys
+                       if key in self._entries]
+        for future in futures:
+            future.result()
+
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
              pad_to: int | None = None) -> Taken:
         """Vectors of `positions` on the device; waits only for reads still in flight.

@@ -19,6 +19,9 @@ class FakeConfig:
     vocab_size: int = 512
     max_positions: int = 100_000
 
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
 
 class FakeTokenizer:
     """Word-level: each word / punctuation / whitespace run (with a leading space) is one id."""
@@ -53,6 +56,7 @@ class FakeModel:
         self.name = name
         self.weights = weights
         self.config = FakeConfig()
+        self.dtype = np.dtype(np.float32)
         self.tokenizer = FakeTokenizer(self.config.vocab_size)
         self.calls = 0
 

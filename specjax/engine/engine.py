@@ -136,6 +136,12 @@ def _scatter_tokens(like, idx, rows):
     return jnp.zeros_like(like).at[:, idx].set(rows.astype(like.dtype), mode="drop")
 
 
+@jax.jit
+def _gather_tokens(x, idx):
+    """x [heads, M, d] rows at idx (positions >= M are padding and give zeros)."""
+    return jnp.take(x, idx, axis=1, mode="fill", fill_value=0)
+
+
 @dataclasses.dataclass
 class _LayerKV:
     """What one layer's attention saw: prefix arrays + selection, and the computed tokens' own K/V."""
@@ -155,6 +161,9 @@ class Engine:
             raise SpecjaxError(f"system {system.name!r} reuses prefix KV and needs a store")
         if not 0.0 < config.retention <= 1.0:
             raise SpecjaxError(f"retention must be in (0, 1], got {config.retention}")
+        if store is not None and system.chunk_tokens and store.layout.chunk_tokens != system.chunk_tokens:
+            raise SpecjaxError(f"system {system.name!r} reads {system.chunk_tokens}-token chunks but the store "
+                               f"holds {store.layout.chunk_tokens}-token chunks; give it a store of its own")
         self.model, self.cfg, self.system, self.store, self.config = model, model.config, system, store, config
         probe_q = probe_query_heads(self.cfg, system.num_probe_heads)
         probe_kv = probe_kv_heads(self.cfg, system.num_probe_heads)
@@ -281,6 +290,8 @@ class Engine:
     def _select(self, io: "_LayerIO", state, layer, q, own_k, n, k, k_cap):
         """(state, prefix_k, prefix_v, selection, importance of R [m], chosen positions of R [1 or H, k])."""
         system, impl, m, m_pad = self.system, self.config.kernel_impl, io.m, io.m_pad
+        if system.identify == "chunks":
+            return self._select_chunks(io, state, layer, q, own_k, n, k)
         if system.identify == "none":
             keys, values = io.take_all(layer, K), io.take_all(layer, V)
             io.after_selection(layer, np.arange(m))
@@ -314,6 +325,34 @@ class Engine:
         io.after_selection(layer, union)
         importance = _normalised_importance(scores, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, chosen
+
+    def _select_chunks(self, io: "_LayerIO", state, layer, q, own_k, n, k):
+        """ContiguousKV (design 4.6): a period's first layer scores every head on all keys and keeps the best
+        whole chunks; the period's other layers reuse that set from the state and find it prefetched."""
+        c, m, m_pad = self.store.layout.chunk_tokens, io.m, io.m_pad
+        first = layer - layer % self.system.period_layers
+        n_chunks = -(-k // c)
+        k_cap = min(bucket(n_chunks * c), m_pad)
+        if layer == first:
+            keys = io.take_all(layer, K)
+            scores = io.clock.timed("identify", _scores, q, keys, own_k, m, n, kv_head_of_probe=self.kv_of_head,
+                                    impl=self.config.kernel_impl)
+            state, positions, count, importance = io.clock.timed(
+                "identify", st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
+                chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
+            chosen, io.period_importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
+            io.credit(layer, K, chosen)
+            io.after_selection(layer, chosen)
+            io.plan_period(layer, chosen)
+            keys = _gather_tokens(keys, positions)
+        else:
+            state = st.reuse_selection(state, layer, first)
+            chosen = np.asarray(state.selected[layer])[: int(state.count[layer])]
+            io.after_selection(layer, chosen)
+            keys = io.take(layer, K, chosen, k_cap, importance=io.period_importance[chosen])
+        values = io.take(layer, V, chosen, k_cap, importance=io.period_importance[chosen])
+        selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), len(chosen))
+        return state, keys, values, selection, io.period_importance, chosen[None]
 
     # -- continuation scoring against the same (pruned) KV ----------------------------------------
 
@@ -390,6 +429,7 @@ class _LayerIO:
         self.all_positions = np.arange(m)
         self.prefetched: dict[int, np.ndarray] = {}
         self.stats = {"prefetched": 0, "used": 0, "hit": 0}
+        self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
 
     # what the system reads for a layer before it is needed
     def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
@@ -399,7 +439,8 @@ class _LayerIO:
         if kind == "kv":
             pf.request(self.match, layer, K, self.all_positions)
             pf.request(self.match, layer, V, self.all_positions)
-        elif kind == "keys":
+        elif kind == "keys" or (kind == "periods" and previous is None):
+            # "periods": the first period's keys; plan_period reads ahead for every later layer
             pf.request(self.match, layer, K, self.all_positions)
         elif kind in ("probe", "speculative"):
             pf.request(self.match, layer, PROBE, self.all_positions)
@@ -427,6 +468,40 @@ class _LayerIO:
     def prefetch_first(self) -> None:
         self._request_ahead(0, None)
 
+    def plan_period(self, first: int, chosen: np.ndarray) -> None:
+        """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
+
+        Intra-period: the set's K/V for every layer of the period, waiting only until the first `sp` layers
+        have arrived. Inter-period: the next period's first-layer keys, and this set speculatively for the
+        next period's layers; once that period chooses its own set only the difference is read.
+        """
+        pf, system, num_layers = self.engine.prefetcher, self.engine.system, self.engine.cfg.num_layers
+        p, sp = system.period_layers, system.subperiod_layers
+        tickets = []
+        for layer in range(first, min(first + p, num_layers)):
+            for kind in (V,) if layer == first else (K, V):
+                ticket = pf.request(self.match, layer, kind, chosen)
+                if layer < first + sp:
+                    tickets.append(ticket)
+        following = first + p
+        if following < num_layers:
+            pf.request(self.match, following, K, self.all_positions)
+            for layer in range(following, min(following + p, num_layers)):
+                for kind in (V,) if layer == following else (K, V):
+                    pf.request(self.match, layer, kind, chosen, speculative=True)
+                self.prefetched[layer] = chosen
+        self.clock.timed("kv_io_stall", pf.wait, tickets)
+
+    def credit(self, layer: int, kind: int, positions: np.ndarray) -> None:
+        """Feed the period's importance of `positions` to their cached chunks without reading them again."""
+        cache = self.engine.cache
+        if cache is None or self.period_importance is None:
+            return
+        chunks = self.engine.store.locate(self.match, positions, layer).chunks
+        for chunk in np.unique(chunks):
+            importance = self.period_importance[positions[chunks == chunk]].sum()
+            cache.feedback((layer, kind, int(chunk)), importance=float(importance))
+
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
         """The layer's token set is known: score the speculation made for it, then speculate for the next."""
         guess = self.prefetched.pop(layer, None)
@@ -437,10 +512,11 @@ class _LayerIO:
             self.stats["hit"] += hit
         self._request_ahead(layer + 1, chosen)
 
-    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall"):
-        """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing."""
+    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
+        """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
+        `importance` (per position) feeds the attention-score cache."""
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
-                                 pad_to=pad_to)
+                                 importance=importance, pad_to=pad_to)
         if not taken.ok.all():
             raise _BadChunk()
         return taken.array

@@ -112,3 +112,44 @@ def record_union(state: ImportanceState, layer, union, count):
 def record_prefetch(state: ImportanceState, layer, prefetched, count):
     return state.replace(prefetched=state.prefetched.at[layer].set(_row(state.prefetched[layer], prefetched, count)),
                          prefetched_count=state.prefetched_count.at[layer].set(count))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_tokens", "chunk_cap", "k_cap"))
+def chunk_select(state: ImportanceState, layer, head_scores, n_chunks, prefix_len, *, chunk_tokens: int,
+                 chunk_cap: int, k_cap: int):
+    """ContiguousKV's identification at a period's first layer (design 4.6): whole chunks of `chunk_tokens`.
+
+    head_scores: f32 [H, m_pad] H2O importance of every head. A token's importance is its share of each head's
+    attention averaged over heads; a chunk's score is the sum over its tokens (ContiguousKV eq. 1). The
+    `n_chunks` (<= chunk_cap) best chunks are kept. Returns (state, positions int32[k_cap] ascending, the first
+    `count` valid, count, importance f32 [m_pad] of each token for the cache score); k_cap must hold them.
+    """
+    c = chunk_tokens
+    valid = jnp.arange(head_scores.shape[-1]) < prefix_len
+    masked = jnp.where(valid, head_scores, 0.0)
+    importance = (masked / jnp.maximum(masked.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)).mean(0)
+    chunk_scores = jnp.pad(importance, (0, -importance.shape[0] % c)).reshape(-1, c).sum(-1)
+    stored_chunks = (prefix_len + c - 1) // c
+    ranked = min(chunk_cap, chunk_scores.shape[0])
+    _, best = jax.lax.top_k(
+        jnp.where(jnp.arange(chunk_scores.shape[0]) < stored_chunks, chunk_scores, -jnp.inf), ranked)
+    tokens = (best[:, None] * c + jnp.arange(c)[None, :]).reshape(-1)
+    keep = (jnp.repeat(jnp.arange(ranked), c) < n_chunks) & (tokens < prefix_len)
+    big = jnp.iinfo(jnp.int32).max
+    positions = jnp.sort(jnp.where(keep, tokens, big)).astype(jnp.int32)[:k_cap]
+    positions = jnp.pad(positions, (0, k_cap - positions.shape[0]), constant_values=big)
+    count = keep.sum().astype(jnp.int32)
+    state = state.replace(
+        selected=state.selected.at[layer].set(_row(state.selected[layer], positions, count)),
+        count=state.count.at[layer].set(count),
+        retained=state.retained.at[layer].set(count / jnp.maximum(prefix_len, 1)),
+    )
+    return state, positions, count, importance
+
+
+@jax.jit
+def reuse_selection(state: ImportanceState, layer, source_layer):
+    """A later layer of a period keeps the chunk set its first layer chose (ContiguousKV periods)."""
+    return state.replace(selected=state.selected.at[layer].set(state.selected[source_layer]),
+                         count=state.count.at[layer].set(state.count[source_layer]),
+                         retained=state.retained.at[layer].set(state.retained[source_layer]))

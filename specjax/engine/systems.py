@@ -9,8 +9,9 @@ import dataclasses
 
 from specjax.errors import SpecjaxError
 
-IDENTIFY = ("none", "h2o", "itf")  # load everything | all keys then per-head top-k | probe heads + threshold
-PREFETCH = ("none", "kv", "keys", "probe", "speculative")
+# load everything | all keys then per-head top-k | probe heads + threshold | whole chunks chosen once per period
+IDENTIFY = ("none", "h2o", "itf", "chunks")
+PREFETCH = ("none", "kv", "keys", "probe", "speculative", "periods")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,9 @@ class System:
     reorder: bool = False  # repack each radix node's chunks by importance between requests
     alpha: float = 0.6  # ITF threshold exponent, t = j ** alpha
     num_probe_heads: int = 3
+    chunk_tokens: int | None = None  # the store chunk this system needs (None: the run's --chunk_tokens)
+    period_layers: int = 8  # "chunks": layers sharing the chunk set chosen at the period's first layer
+    subperiod_layers: int = 4  # "periods" prefetch: layers of a period loaded before the period computes
 
     @property
     def prunes(self) -> bool:
@@ -38,11 +42,13 @@ SYSTEMS: dict[str, System] = {
         System("as_h2o_lfu", identify="h2o", prefetch="keys", cache_policy="lfu"),
         System("impress", identify="itf", prefetch="probe", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+        System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
+               chunk_tokens=16),
     )
 }
 
 # Known systems whose mechanisms are not implemented yet, with the issue that builds them.
-NOT_BUILT = {"contiguous_kv": 6, "cake": 6, "cacheblend": 6, "full_reuse": 6}
+NOT_BUILT = {"cake": 6, "cacheblend": 6, "full_reuse": 6}
 
 
 def system_names() -> list[str]:
@@ -50,8 +56,10 @@ def system_names() -> list[str]:
 
 
 def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
-                no_prefetch: bool = False, alpha: float | None = None) -> System:
-    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense."""
+                no_prefetch: bool = False, alpha: float | None = None, chunk_tokens: int | None = None,
+                period_layers: int | None = None, subperiod_layers: int | None = None) -> System:
+    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, and
+    ContiguousKV's chunk, period and sub-period sizes (c, p, sp) for the systems that choose chunks."""
     if name in NOT_BUILT:
         raise SpecjaxError(f"system {name!r} is not built yet (see issue {NOT_BUILT[name]}); "
                            f"available: {', '.join(SYSTEMS)}")
@@ -70,10 +78,26 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
             changes["prefetch"] = "probe"
         if alpha is not None:
             changes["alpha"] = alpha
+    if system.identify == "chunks":
+        return _with_chunk_sizes(system, chunk_tokens, period_layers, subperiod_layers)
     if changes:
         suffix = "".join(f"-no_{flag}" for flag, on in
                          (("itf", no_itf), ("reorder", no_reorder), ("score_cache", no_score_cache),
                           ("prefetch", no_prefetch)) if on)
         changes["name"] = name + suffix
         return dataclasses.replace(system, **changes)
+    return system
+
+
+def _with_chunk_sizes(system: System, chunk_tokens, period_layers, subperiod_layers) -> System:
+    """ContiguousKV with other c / p / sp (None keeps the paper's 16 / 8 / 4); the name stays, results record them."""
+    sizes = {"chunk_tokens": chunk_tokens, "period_layers": period_layers, "subperiod_layers": subperiod_layers}
+    sizes = {k: int(v) for k, v in sizes.items() if v is not None}
+    for field, value in sizes.items():
+        if value < 1:
+            raise SpecjaxError(f"{field} must be at least 1, got {value}")
+    system = dataclasses.replace(system, **sizes)
+    if system.subperiod_layers > system.period_layers:
+        raise SpecjaxError(f"subperiod_layers ({system.subperiod_layers}) must not exceed period_layers "
+                           f"({system.period_layers})")
     return system
