@@ -5,7 +5,8 @@ prefix of the workload; systems that lay out their store differently (another ch
 cached text chunks) name it with a `store_key` attribute and get a base store of their own. Each (system, retention) run then gets its own fresh copy of that
 directory, so write-behind, reordering or checksum repairs of one run cannot leak into
 another. Caches start empty and are warmed with the same warm-up passes (each unique prefix
-once, in order of first arrival) before any request is timed.
+once, in order of first arrival), then requests of shapes not seen yet run once untimed, so no
+timed request includes JIT compilation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import time
 
 from specjax.eval import systems as systems_lib
+from specjax.models.inference import bucket
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
 
@@ -57,9 +59,25 @@ def warmup_requests(workload: Workload) -> list:
     return first
 
 
+def compile_requests(workload: Workload) -> list:
+    """Requests with shapes the warm-up requests lack: one per (prefix, query-length bucket, longest-choice bucket)
+    beyond them. They run untimed after the warm-up, so that no timed request pays for JIT compilation
+    (otherwise the first system of a run would pay for shapes the later ones reuse)."""
+    def shape(r):
+        return r.prefix_ids, bucket(len(r.query_ids)), bucket(max(map(len, r.choice_ids), default=1), minimum=8)
+
+    seen = {shape(r) for r in warmup_requests(workload)}
+    extra = []
+    for r in workload.requests:
+        if shape(r) not in seen:
+            seen.add(shape(r))
+            extra.append(r)
+    return extra
+
+
 def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
             store_dir: pathlib.Path, progress: Progress | None = None) -> list[Run]:
-    warm = warmup_requests(workload)
+    warm, compile_only = warmup_requests(workload), compile_requests(workload)
     bases_ready: set[str] = set()
     results = []
     for name, retention in runs:
@@ -84,8 +102,10 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
         else:
             private = None
         system.warm(warm)
+        for request in compile_only:
+            system.run(request)
         if progress:
-            progress.update(len(warm))
+            progress.update(len(warm) + len(compile_only))
             progress.set_label(label)
         t1 = time.perf_counter()
         outcomes = []
@@ -104,4 +124,4 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
 
 
 def total_steps(workload: Workload, runs) -> int:
-    return len(runs) * (len(workload.requests) + len(warmup_requests(workload)))
+    return len(runs) * (len(workload.requests) + len(warmup_requests(workload)) + len(compile_requests(workload)))

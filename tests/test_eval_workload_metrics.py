@@ -82,3 +82,18 @@ def test_paired_difference():
     assert d["only_system"] == 2 and d["only_reference"] == 1 and d["n"] == 4
     # differences [0, 1, -1, 1]: mean 0.25, sample var = (0.0625+0.5625+1.5625+0.5625)/3
     assert d["stderr"] == pytest.approx(math.sqrt(2.75 / 3) / 2)
+
+
+def test_compile_requests_cover_every_unseen_shape_once():
+    from specjax.eval import runner
+
+    def req(rid, prefix, query_len, choice_len):
+        return workload.Request(rid, prefix, rid, (prefix,) * 5, (1,) * query_len, ((2,) * choice_len,), ("a",), 0)
+
+    # prefix 0: query buckets 16 (first), 16 again, 32 (new); prefix 1: only its warm-up shape;
+    # a longer choice (bucket 16 instead of 8) is a new shape too
+    reqs = (req(0, 0, 10, 1), req(1, 0, 12, 2), req(2, 1, 10, 1), req(3, 0, 20, 1), req(4, 0, 25, 1),
+            req(5, 0, 10, 9))
+    wl = workload.Workload(reqs, ("p0", "p1"), (1, 1))
+    assert [r.request_id for r in runner.warmup_requests(wl)] == [0, 2]
+    assert [r.request_id for r in runner.compile_requests(wl)] == [3, 5]
