@@ -7,6 +7,7 @@ needed vectors to the device through the caches (score update, placement, host->
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -128,6 +129,16 @@ class Prefetcher:
     def cancel(self, ticket: Ticket) -> None:
         with self._lock:
             self._cancel_locked(ticket)
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> bool:
+        """Block until every read `ticket` started has landed (at most `timeout` seconds); True if they have.
+
+        Lets a caller that may have to give up (e.g. Cake's loader, once the device has computed the chunk)
+        wait in short slices instead of inside `take`."""
+        with self._lock:
+            futures = [self._entries[key].future for key in ticket.keys if key in self._entries]
+        _, pending = concurrent.futures.wait(futures, timeout=timeout)
+        return not pending
 
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
              pad_to: int | None = None) -> Taken:

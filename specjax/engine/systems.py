@@ -11,6 +11,7 @@ from specjax.errors import SpecjaxError
 
 IDENTIFY = ("none", "h2o", "itf")  # load everything | all keys then per-head top-k | probe heads + threshold
 PREFETCH = ("none", "kv", "keys", "probe", "speculative")
+SCHEDULES = ("layers", "cake")  # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class System:
     reorder: bool = False  # repack each radix node's chunks by importance between requests
     alpha: float = 0.6  # ITF threshold exponent, t = j ** alpha
     num_probe_heads: int = 3
+    schedule: str = "layers"
 
     @property
     def prunes(self) -> bool:
@@ -38,11 +40,12 @@ SYSTEMS: dict[str, System] = {
         System("as_h2o_lfu", identify="h2o", prefetch="keys", cache_policy="lfu"),
         System("impress", identify="itf", prefetch="probe", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+        System("cake", identify="none", cache_policy="lru", schedule="cake"),
     )
 }
 
 # Known systems whose mechanisms are not implemented yet, with the issue that builds them.
-NOT_BUILT = {"contiguous_kv": 6, "cake": 6, "cacheblend": 6, "full_reuse": 6}
+NOT_BUILT = {"contiguous_kv": 6, "cacheblend": 6, "full_reuse": 6}
 
 
 def system_names() -> list[str]:
