@@ -72,6 +72,8 @@ flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identifi
 flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
 flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
 flags.DEFINE_bool("no_prefetch", False, "spec ablation: no layer-aware speculative prefetch.")
+flags.DEFINE_integer("cake_chunk_tokens", 512, "cake: tokens per chunk computed from the front or loaded from the "
+                     "back (Cake: 512); a multiple of --chunk_tokens.")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -92,6 +94,7 @@ flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_band
 flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
 flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
 flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
+flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
@@ -100,7 +103,7 @@ NEEDLE_DEFAULT_LIMIT = 40
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
-             "no_score_cache", "no_prefetch", "store", "output_dir", "preset")
+             "no_score_cache", "no_prefetch", "store", "output_dir", "preset", "cake_chunk_tokens")
 
 
 def _ok(parse, value) -> bool:
@@ -174,7 +177,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
-        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")})
+        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch",
+                                        "cake_chunk_tokens")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
