@@ -190,8 +190,13 @@ class CakeEngine(Engine):
         super().__init__(model, system, store, config)
         check_chunk_tokens(config.cake_chunk_tokens, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
-        self._compiled: set[int] = set()
-        self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
+        self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
+        self._no_prefix = self._committed(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
+
+    def _committed(self, x):
+        """Pinned to the device, as the loader's arrays are: jit compiles again for uncommitted arguments, and
+        which buffers went through the loader depends on the meeting point."""
+        return jax.device_put(x, self.cache.device)
 
     def _run(self, request: Request, *, reuse: bool) -> RequestResult:
         if not reuse:
@@ -204,16 +209,18 @@ class CakeEngine(Engine):
         m = match.length
         n_chunks = -(-m // c)
         width = max(n_chunks * c, 16)  # prefix buffer: whole chunks, so no write is clipped
-        if width not in self._compiled:
-            self._compile(width, n_chunks)
+        shapes = (width, m % self.store.layout.chunk_tokens)
+        if shapes not in self._compiled:
+            self._compile(width, n_chunks, m)
+            self._compiled.add(shapes)
             clock = _Clock()  # compiling is no request's time to first token
         n, new_prefix = len(tokens) - m, len(prefix) - m
         writer = self.store.begin_insert(prefix, base=match) if new_prefix > 0 else None
         meeting = _Meeting(n_chunks)
         loader = _Loader(self, match, meeting, m)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        keys = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
-        values = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        keys = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
+        values = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
         absorbed: set[int] = set()
         device_gave_up = False
         try:
@@ -321,22 +328,27 @@ class CakeEngine(Engine):
             jax.block_until_ready((keys, values))
         return keys, values
 
-    def _compile(self, width: int, n_chunks: int) -> None:
-        """Compile the chunk step for every chunk index a prefix buffer of `width` tokens can need, outside any
-        request's time: the meeting point moves with the measured speeds, so a timed request may reach a chunk
-        index that no warm-up request reached."""
+    def _compile(self, width: int, n_chunks: int, m: int) -> None:
+        """Compile the device steps of both sides for a prefix of m tokens, outside any request's time: the chunk
+        step for every chunk index (the meeting point moves with the measured speeds, so a timed request may
+        reach an index no warm-up request reached), and the loader's assembly of whole and partial store chunks
+        (compiled on the loader thread mid-request, it would hold up the device side)."""
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
-        lp = self.model.params["layers"][0]
-        h = jnp.zeros((c, cfg.hidden_size), dtype)
+        lay = self.store.layout
+        for rows in {lay.chunk_tokens, m % lay.chunk_tokens} - {0}:
+            part = jax.device_put(np.zeros((lay.kv_heads, lay.chunk_tokens, lay.head_dim), lay.np_dtype))
+            part = part[:, np.arange(rows)]  # as a device-cache hit slices it
+            jax.block_until_ready(self.prefetcher._assemble([part], [np.arange(rows)], c, lay, K))
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        buffers = _zero_buffers(cfg.num_layers, shape, dtype)
+        buffers = self._committed(_zero_buffers(cfg.num_layers, shape, dtype))
         for j in range(n_chunks):
-            out, own_k, _ = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
-            buffers[0] = _put_rows(buffers[0], own_k, 0)
-        rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
+            h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
+            for lp in self.model.params["layers"][:2]:  # the first layer's inputs are uncommitted, later ones not
+                h, own_k, _ = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
+                buffers[0] = _put_rows(buffers[0], own_k, 0)
+        rows = self._committed([jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers)
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
-        self._compiled.add(width)
 
 
 def _layer_report(num_layers: int, m: int, computed: int) -> dict:
