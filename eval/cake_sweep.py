@@ -24,6 +24,8 @@ from specjax.eval.errors import EvalError
 from specjax.eval.units import parse_bandwidth
 
 flags.DEFINE_list("bandwidths", ["4MB/s", "8MB/s", "16MB/s", "32MB/s"], "Emulated disk bandwidths to sweep.")
+flags.DEFINE_bool("summarize_only", False, "Run nothing: rebuild sweep.json / .md / .png from the results.json "
+                  "files already in OUTPUT_DIR/disk-*/ (e.g. after an interrupted sweep).")
 FLAGS = flags.FLAGS
 
 SYSTEMS = ("recompute", "as_full", "cake")
@@ -88,15 +90,24 @@ def main(argv):
     bandwidths = [parse_bandwidth(b) for b in FLAGS.bandwidths]
     values = eval_cli._values()
     values["systems"] = ",".join(SYSTEMS)
-    model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"])
     out = pathlib.Path(values["output_dir"] or f"results/cake-sweep-{pathlib.Path(values['model']).name}")
     per_bandwidth = {}
-    for bandwidth in bandwidths:
-        values["disk_bandwidth"] = f"{bandwidth:g}"
-        per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values), out / f"disk-{bandwidth / 1e6:g}MBps")
+    if FLAGS.summarize_only:
+        for path in sorted(out.glob("disk-*/results.json")):
+            results = json.loads(path.read_text())
+            per_bandwidth[results["emulation"]["disk_bandwidth"]] = results
+        if not per_bandwidth:
+            raise EvalError(f"no {out}/disk-*/results.json to summarize; run the sweep first")
+    else:
+        model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"])
+        for bandwidth in bandwidths:
+            values["disk_bandwidth"] = f"{bandwidth:g}"
+            per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values), out / f"disk-{bandwidth / 1e6:g}MBps")
+    first = next(iter(per_bandwidth.values()))
     sweep = summarize(per_bandwidth)
-    sweep.update(command=shlex.join(sys.argv), model=model.name, task=values["task"],
-                 device=eval_cli.device_description(), emulated="disk bandwidth (token-bucket throttle)")
+    sweep.update(command=shlex.join(sys.argv), model=first["model"], task=first["task"], device=first["device"],
+                 emulated="disk bandwidth (token-bucket throttle)",
+                 runs={f"{b / 1e6:g}MB/s": r.get("command") for b, r in per_bandwidth.items()})
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
     (out / "sweep.md").write_text(markdown(sweep))
