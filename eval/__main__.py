@@ -79,6 +79,8 @@ flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the c
                      "first layer (p; default 8).")
 flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
                      "period computes (sp; default 4, at most p).")
+flags.DEFINE_integer("cake_chunk_tokens", 512, "cake: tokens per chunk computed from the front or loaded from the "
+                     "back (Cake: 512); a multiple of --chunk_tokens.")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -101,6 +103,7 @@ flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be
 flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
 for _name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
     flags.register_validator(_name, lambda v: v is None or v > 0, "must be positive")
+flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
@@ -109,8 +112,8 @@ NEEDLE_DEFAULT_LIMIT = 40
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
-             "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers", "store",
-             "output_dir", "preset")
+             "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
+             "cake_chunk_tokens", "store", "output_dir", "preset")
 
 
 def _ok(parse, value) -> bool:
@@ -186,7 +189,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
-                                        "period_layers", "subperiod_layers")})
+                                        "period_layers", "subperiod_layers", "cake_chunk_tokens")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)

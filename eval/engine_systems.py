@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine import cake
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
@@ -34,9 +35,12 @@ class EngineSystem:
         self.config = EngineConfig(
             retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
             cpu_cache_bytes=settings.cpu_cache_bytes or 0, pcie_bandwidth=settings.pcie_bandwidth,
-            kernel_impl=options.get("kernel_impl", "auto"), reorder_every=int(options.get("reorder_every", 0)))
+            kernel_impl=options.get("kernel_impl", "auto"), reorder_every=int(options.get("reorder_every", 0)),
+            cake_chunk_tokens=int(options.get("cake_chunk_tokens") or EngineConfig.cake_chunk_tokens))
+        if self.system.schedule == "cake":  # a bad flag fails before any store is written
+            cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None
-        self.engine = None if self.needs_store else Engine(model, self.system, None, self.config)
+        self.engine = None if self.needs_store else make_engine(model, self.system, None, self.config)
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
@@ -53,7 +57,7 @@ class EngineSystem:
     def open(self, store_path: str) -> None:
         self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
                                       disk_bandwidth=self.settings.disk_bandwidth)
-        self.engine = Engine(self.model, self.system, self.store, self.config)
+        self.engine = make_engine(self.model, self.system, self.store, self.config)
 
     def warm(self, requests) -> None:
         """Compile every shape the run will use and fill the caches: two passes over the warm-up requests.
@@ -104,7 +108,13 @@ def _counters(r, prefix_tokens: int) -> dict:
         "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
         "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
         "checksum_failures": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
+        **_split_counters(r),
     }
+
+
+def _split_counters(r) -> dict:
+    """Cake: stored prefix tokens computed on the device instead of loaded (the rest of reused_tokens was loaded)."""
+    return {} if r.split is None else {"computed_prefix_tokens": r.split["computed_prefix_tokens"]}
 
 
 def _layers(r) -> dict:

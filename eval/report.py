@@ -144,6 +144,8 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) 
     if get("prefetch_issued") or get("prefetch_needed"):
         entry["prefetch"] = {"precision": _ratio(get("prefetch_used"), get("prefetch_issued")),
                              "recall": _ratio(get("prefetch_used"), get("prefetch_needed"))}
+    if "computed_prefix_tokens" in totals:  # cake: where computing from the front met loading from the back
+        entry["split"] = _split(outs, get)
     layers = _mean_layers(outs)
     if layers:
         entry["layers"] = layers
@@ -152,6 +154,16 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) 
         paired["stderr"] = _stderr(paired["stderr"])
         entry["paired_vs_recompute"] = paired
     return entry
+
+
+def _split(outs, get) -> dict:
+    """Cake's split of the stored prefix: the fraction computed on the device (the rest was loaded)."""
+    per_request = [o.counters["computed_prefix_tokens"] / o.counters["reused_tokens"]
+                   for o in outs if o.counters.get("reused_tokens")]
+    return {"computed_fraction": _ratio(get("computed_prefix_tokens"), get("reused_tokens")),
+            "computed_fraction_per_request_mean": float(np.mean(per_request)) if per_request else 0.0,
+            "computed_prefix_tokens_mean": _ratio(get("computed_prefix_tokens"), len(outs)),
+            "loaded_prefix_tokens_mean": _ratio(get("reused_tokens") - get("computed_prefix_tokens"), len(outs))}
 
 
 def _mean_layers(outs) -> dict[str, list[float]]:
@@ -257,6 +269,12 @@ def markdown(results: dict) -> str:
                      f"{pf['precision']:.2f} / {pf['recall']:.2f}" if pf else "-"])
     out.append(_table(["system", "disk read", "CPU->GPU", "chunks read", "read ampl.", "GPU hit", "CPU hit",
                        "ITF fallback / Jaccard", "prefetch precision / recall"], rows))
+    split = {k: s["split"] for k, s in systems.items() if s.get("split")}
+    if split:
+        out += ["", "## Cake: stored prefix computed on the device vs loaded (mean per request)", ""]
+        out.append(_table(["system", "computed fraction", "computed tokens", "loaded tokens"], [
+            [k, f"{x['computed_fraction']:.2f}", f"{x['computed_prefix_tokens_mean']:.0f}",
+             f"{x['loaded_prefix_tokens_mean']:.0f}"] for k, x in split.items()]))
     out += ["", "## Settings", "", "```", json.dumps(results["config"], indent=2, sort_keys=True), "```", ""]
     return "\n".join(out)
 

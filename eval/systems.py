@@ -37,12 +37,14 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   gpu_hit_ratio = gpu_hits / cache_lookups; cpu_hit_ratio = cpu_hits / cache_lookups
 #   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
 #   prefetch precision = prefetch_used / prefetch_issued; recall = prefetch_used / prefetch_needed
+#   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 COUNTER_KEYS = (
     "disk_bytes", "cpu_to_gpu_bytes", "chunks_read", "used_bytes",
     "cache_lookups", "gpu_hits", "cpu_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_used", "prefetch_needed",
     "prefix_tokens", "reused_tokens", "retained_tokens", "checksum_failures",
+    "computed_prefix_tokens",
 )
 
 

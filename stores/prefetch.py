@@ -7,6 +7,7 @@ needed vectors to the device through the caches (score update, placement, host->
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -129,13 +130,15 @@ class Prefetcher:
         with self._lock:
             self._cancel_locked(ticket)
 
-    def wait(self, tickets) -> None:
-        """Block until every read the tickets hold has landed (e.g. the layers that must arrive before computing)."""
+    def wait(self, tickets, timeout: float | None = None) -> bool:
+        """Block until every read the tickets started has landed (at most `timeout` seconds); True if they have.
+
+        For the layers that must arrive before computing (ContiguousKV's sub-period), and for a caller that may
+        have to give up (Cake's loader, once the device has computed the chunk) and so waits in short slices."""
         with self._lock:
-            futures = [self._entries[key].future for t in tickets if not t.released for key in t.keys
-                       if key in self._entries]
-        for future in futures:
-            future.result()
+            futures = [self._entries[key].future for t in tickets for key in t.keys if key in self._entries]
+        _, pending = concurrent.futures.wait(futures, timeout=timeout)
+        return not pending
 
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
              pad_to: int | None = None) -> Taken:

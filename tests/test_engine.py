@@ -211,7 +211,7 @@ def test_unknown_and_unbuilt_systems():
     with pytest.raises(SpecjaxError, match="unknown system 'magic'"):
         make_system("magic")
     with pytest.raises(SpecjaxError, match="not built yet"):
-        make_system("cake")
+        make_system("full_reuse")
 
 
 def test_ablations_change_the_policy():

@@ -36,6 +36,7 @@ class EngineConfig:
     pcie_bandwidth: float | None = None  # bytes/s of emulated host->device copies (None: not throttled)
     kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
     reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
+    cake_chunk_tokens: int = 512  # cake: tokens per chunk of its compute / load schedule (a multiple of the store's)
     trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
 
 
@@ -59,6 +60,7 @@ class RequestResult:
     prefetch: dict  # prefetched / used / hit token counts (speculative prefetch)
     recomputed_bad_chunks: bool = False
     selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
+    split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
 
 
 def fingerprint(model, chunk_tokens: int) -> dict:

@@ -12,6 +12,7 @@ from specjax.errors import SpecjaxError
 # load everything | all keys then per-head top-k | probe heads + threshold | whole chunks chosen once per period
 IDENTIFY = ("none", "h2o", "itf", "chunks")
 PREFETCH = ("none", "kv", "keys", "probe", "speculative", "periods")
+SCHEDULES = ("layers", "cake")  # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class System:
     chunk_tokens: int | None = None  # the store chunk this system needs (None: the run's --chunk_tokens)
     period_layers: int = 8  # "chunks": layers sharing the chunk set chosen at the period's first layer
     subperiod_layers: int = 4  # "periods" prefetch: layers of a period loaded before the period computes
+    schedule: str = "layers"
 
     @property
     def prunes(self) -> bool:
@@ -44,11 +46,12 @@ SYSTEMS: dict[str, System] = {
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
+        System("cake", identify="none", cache_policy="lru", schedule="cake"),
     )
 }
 
 # Known systems whose mechanisms are not implemented yet, with the issue that builds them.
-NOT_BUILT = {"cake": 6, "cacheblend": 6, "full_reuse": 6}
+NOT_BUILT = {"cacheblend": 6, "full_reuse": 6}
 
 
 def system_names() -> list[str]:

@@ -1,0 +1,368 @@
+"""Cake (design 4.7): the device prefills the stored prefix chunk by chunk from the front while a loader thread
+reads its stored KV chunk by chunk from the back; they stop where they meet, then the new tokens are prefilled
+over the assembled prefix KV. Exact (nothing is pruned) and without a knob: the meeting point is wherever the
+measured compute and I/O speeds put it.
+
+Device work is the engine's jitted steps: chunk j is prefilled exactly as the engine prefills new tokens over a
+stored prefix, the "stored prefix" being the chunks before j that the device computed itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine.engine import (Engine, EngineConfig, Request, RequestResult, _Clock, _context_for_continuation,
+                                   _finish, _head_row, _LayerKV, _project)
+from specjax.errors import SpecjaxError
+from specjax.kernels import SharedIndices
+from specjax.models import transformer as T
+from specjax.models.inference import bucket
+from specjax.stores import K, V
+
+# Layers of a chunk the loader keeps in flight: enough to keep the (emulated) disk busy between reads, few enough
+# that little is left queued on it when the device finishes the chunk first.
+LOADER_WINDOW_LAYERS = 4
+_POLL_S = 0.005  # how often a waiting loader looks whether the device made its chunk unnecessary
+
+
+def check_chunk_tokens(cake_chunk_tokens: int, store_chunk_tokens: int) -> None:
+    if cake_chunk_tokens <= 0 or cake_chunk_tokens % store_chunk_tokens:
+        raise SpecjaxError(f"cake chunks of {cake_chunk_tokens} tokens must be a positive multiple of the store's "
+                           f"{store_chunk_tokens}-token chunks: set --cake_chunk_tokens to a multiple of "
+                           f"--chunk_tokens ({store_chunk_tokens})")
+
+
+# ---- jitted device steps -----------------------------------------------------------------------
+
+
+def _put(buf, rows, start):
+    return jax.lax.dynamic_update_slice_in_dim(buf, rows.astype(buf.dtype), start, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(buf, rows, start):
+    """buf [H, M, d] with rows [H, C, d] written at token `start`, in place."""
+    return _put(buf, rows, start)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_chunk(bufs, rows, start):
+    """Every layer's buffer [H, M, d] with that layer's rows [H, C, d] written at token `start`, in place."""
+    return [_put(b, r, start) for b, r in zip(bufs, rows)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zero_buffers(count: int, shape: tuple, dtype):
+    return [jnp.zeros(shape, dtype) for _ in range(count)]
+
+
+# ---- who does which chunk ----------------------------------------------------------------------
+
+
+class _Meeting:
+    """Which cake chunks are done, and by whom. The device takes chunks from the front, the loader from the back.
+    The last chunk left may be worked on by both at once; whichever finishes it first owns it."""
+
+    def __init__(self, n_chunks: int):
+        self._lock = threading.Lock()
+        self.front = 0  # chunks [0, front) are computed on the device
+        self.back = n_chunks  # chunks [back, n_chunks) are loaded; their KV is in `loaded`
+        self.loaded: dict[int, tuple[list, list]] = {}  # chunk -> per-layer K and V [kv_heads, chunk, d]
+        self.stopped = False  # the device met the loader: stop loading
+        self.bad_chunk = False  # the loader met a chunk failing its checksum and stopped before it
+        self.error: BaseException | None = None
+
+    # the device's side
+    def next_to_compute(self) -> int | None:
+        with self._lock:
+            return self.front if self.front < self.back else None
+
+    def loaded_from(self, chunk: int) -> bool:
+        with self._lock:
+            return self.back <= chunk
+
+    def computed(self, chunk: int) -> None:
+        with self._lock:
+            self.front = max(self.front, chunk + 1)
+
+    def published(self, since: set) -> list[int]:
+        with self._lock:
+            return sorted(j for j in self.loaded if j >= self.back and j not in since)
+
+    def stop(self) -> int:
+        """No more loading; returns the split: chunks before it are the device's, the rest the loader's."""
+        with self._lock:
+            self.stopped = True
+            return self.back
+
+    # the loader's side
+    def next_to_load(self) -> int | None:
+        with self._lock:
+            j = self.back - 1
+            ok = not (self.stopped or self.bad_chunk or self.error) and j >= self.front
+            return j if ok else None
+
+    def unneeded(self, chunk: int) -> bool:
+        with self._lock:
+            return self.stopped or self.front > chunk
+
+    def publish(self, chunk: int, keys: list, values: list) -> bool:
+        with self._lock:
+            if self.stopped or self.front > chunk:
+                return False  # the device finished it first
+            self.loaded[chunk] = (keys, values)
+            self.back = chunk
+            return True
+
+    def fail(self, bad_chunk: bool = False, error: BaseException | None = None) -> None:
+        with self._lock:
+            self.bad_chunk |= bad_chunk
+            self.error = self.error or error
+
+
+class _Loader(threading.Thread):
+    """Reads every layer's stored K and V of cake chunks, the last chunk first, through the engine's prefetcher
+    and caches (so bytes, chunks and hits are counted as for every system), until it meets the device."""
+
+    def __init__(self, engine: "CakeEngine", match, meeting: _Meeting, m: int):
+        super().__init__(name="cake-loader", daemon=True)
+        self.engine, self.match, self.meeting, self.m = engine, match, meeting, m
+        self.gave_up_chunk = False
+
+    def run(self) -> None:
+        try:
+            while (j := self.meeting.next_to_load()) is not None:
+                if not self._load(j):
+                    break
+        except BaseException as e:  # noqa: BLE001 -- handed to the request, which raises it
+            self.meeting.fail(error=e)
+
+    def _load(self, j: int) -> bool:
+        engine, meeting, pf, c = self.engine, self.meeting, self.engine.prefetcher, self.engine.chunk_tokens
+        positions = np.arange(j * c, min((j + 1) * c, self.m))
+        num_layers = engine.cfg.num_layers
+        tickets: dict[int, tuple] = {}
+
+        def ask(layer: int) -> None:
+            if layer < num_layers:
+                tickets[layer] = (pf.request(self.match, layer, K, positions),
+                                  pf.request(self.match, layer, V, positions))
+
+        for layer in range(LOADER_WINDOW_LAYERS):
+            ask(layer)
+        keys, values = [], []
+        for layer in range(num_layers):
+            for ticket in tickets.pop(layer):
+                while not pf.wait([ticket], _POLL_S):
+                    if meeting.unneeded(j):
+                        return self._give_up()
+            if meeting.unneeded(j):
+                return self._give_up()
+            ask(layer + LOADER_WINDOW_LAYERS)
+            k = pf.take(self.match, layer, K, positions, pad_to=c)
+            v = pf.take(self.match, layer, V, positions, pad_to=c)
+            if not (k.ok.all() and v.ok.all()):
+                meeting.fail(bad_chunk=True)  # never served: the device computes this chunk and those before it
+                pf.close()
+                return False
+            keys.append(k.array)
+            values.append(v.array)
+        return meeting.publish(j, keys, values) or self._give_up()
+
+    def _give_up(self) -> bool:
+        self.gave_up_chunk = True
+        self.engine.prefetcher.close()  # forget this chunk's remaining reads
+        return False
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+class CakeEngine(Engine):
+    """The engine with Cake's schedule for the stored prefix; storing prefixes, caches and scoring are the engine's."""
+
+    def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
+        super().__init__(model, system, store, config)
+        check_chunk_tokens(config.cake_chunk_tokens, store.layout.chunk_tokens)
+        self.chunk_tokens = config.cake_chunk_tokens
+        self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
+        self._no_prefix = self._committed(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
+
+    def _committed(self, x):
+        """Pinned to the device, as the loader's arrays are: jit compiles again for uncommitted arguments, and
+        which buffers went through the loader depends on the meeting point."""
+        return jax.device_put(x, self.cache.device)
+
+    def _run(self, request: Request, *, reuse: bool) -> RequestResult:
+        if not reuse:
+            return super()._run(request, reuse=False)
+        cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
+        prefix = [int(t) for t in request.prefix]
+        tokens = prefix + [int(t) for t in request.query]
+        clock = _Clock()
+        match = self.store.match(prefix)
+        m = match.length
+        n_chunks = -(-m // c)
+        width = max(n_chunks * c, 16)  # prefix buffer: whole chunks, so no write is clipped
+        shapes = (width, m % self.store.layout.chunk_tokens)
+        if shapes not in self._compiled:
+            self._compile(width, n_chunks, m)
+            self._compiled.add(shapes)
+            clock = _Clock()  # compiling is no request's time to first token
+        n, new_prefix = len(tokens) - m, len(prefix) - m
+        writer = self.store.begin_insert(prefix, base=match) if new_prefix > 0 else None
+        meeting = _Meeting(n_chunks)
+        loader = _Loader(self, match, meeting, m)
+        shape = (cfg.num_kv_heads, width, cfg.head_dim)
+        keys = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
+        values = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
+        absorbed: set[int] = set()
+        device_gave_up = False
+        try:
+            loader.start()
+            while (j := meeting.next_to_compute()) is not None:
+                keys, values = self._absorb(meeting, absorbed, keys, values)
+                if self._compute_chunk(j, prefix, m, keys, values, meeting):
+                    meeting.computed(j)
+                else:
+                    device_gave_up = True  # the loader finished this chunk first
+            split = meeting.stop()
+            keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
+            # The new tokens (unstored prefix tail + query) over the whole prefix, as the engine does for as_full.
+            n_pad = bucket(n)
+            ids = np.zeros(n_pad, np.int32)
+            ids[:n] = tokens[m:]
+            positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
+            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
+            layers_kv = []
+            for layer, lp in enumerate(params["layers"]):
+                q, own_k, own_v = _project(cfg, lp, h, positions)
+                h = _finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
+                            impl=self.config.kernel_impl)
+                layers_kv.append(_LayerKV(keys[layer], values[layer], selection, own_k, own_v))
+                if writer is not None:
+                    writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
+                                       own_k[self.probe_kv, :new_prefix])
+            logits = _head_row(cfg, params, h, n - 1).block_until_ready()
+            ttft, breakdown = clock.finish()
+            meeting.stop()
+            loader.join()
+            if meeting.error is not None:
+                raise meeting.error
+            if writer is not None:
+                writer.commit()  # also releases `match`, which the writer owns
+                writer = match = None
+        finally:
+            meeting.stop()
+            if loader.ident is not None:  # started
+                loader.join()
+            self.prefetcher.close()
+            if writer is not None:
+                writer.abort()
+            if match is not None:
+                match.close()
+        first = np.asarray(logits, np.float32)
+        contexts = [_context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
+        conts = [self._score(contexts, first, m, n, cont) for cont in request.continuations]
+        computed = min(split * c, m)
+        return RequestResult(
+            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
+            reused_tokens=m, computed_tokens=n + computed, io={}, layers=_layer_report(cfg.num_layers, m, computed),
+            prefetch={"prefetched_tokens": 0, "used_tokens": 0, "hit_tokens": 0, "precision": None, "recall": None},
+            recomputed_bad_chunks=meeting.bad_chunk,
+            split={"stored_tokens": m, "computed_prefix_tokens": computed, "loaded_prefix_tokens": m - computed,
+                   "chunk_tokens": c, "chunks": n_chunks, "computed_chunks": split,
+                   "loaded_chunks": n_chunks - split, "device_gave_up_chunk": device_gave_up,
+                   "loader_gave_up_chunk": loader.gave_up_chunk, "bad_chunk": meeting.bad_chunk})
+
+    # -- the device's side ---------------------------------------------------------------------------
+
+    def _chunk_layer(self, j: int, lp, h, positions, keys, values, count):
+        """One layer of chunk j: attends to the device's chunks before it (in keys/values) and causally to itself."""
+        lo = j * self.chunk_tokens
+        if j == 0:
+            prefix_k = prefix_v = self._no_prefix
+            selection = SharedIndices(jnp.asarray(np.arange(16, dtype=np.int32)), 0)
+        else:
+            prefix_k, prefix_v = keys, values
+            selection = SharedIndices(jnp.asarray(np.arange(lo, dtype=np.int32)), lo)
+        q, own_k, own_v = _project(self.cfg, lp, h, positions)
+        h = _finish(self.cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, count,
+                    impl=self.config.kernel_impl)
+        return h, own_k, own_v
+
+    def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
+        """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader
+        finished the chunk first (checked between layers)."""
+        cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
+        lo = j * c
+        count = min(c, m - lo)
+        ids = np.zeros(c, np.int32)
+        ids[:count] = prefix[lo:lo + count]
+        positions = jnp.asarray(np.arange(lo, lo + c, dtype=np.int32))
+        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        for layer, lp in enumerate(params["layers"]):
+            if meeting.loaded_from(j):
+                return False
+            h, own_k, own_v = self._chunk_layer(j, lp, h, positions, keys[layer], values[layer], count)
+            h.block_until_ready()  # layer by layer, so the check above follows the loader's progress
+            keys[layer] = _put_rows(keys[layer], own_k, lo)
+            values[layer] = _put_rows(values[layer], own_v, lo)
+        return True
+
+    def _absorb(self, meeting: _Meeting, absorbed: set, keys: list, values: list, wait: bool = False):
+        """Write the loader's newly published chunks into the prefix buffers."""
+        for j in meeting.published(absorbed):
+            chunk_keys, chunk_values = meeting.loaded[j]
+            start = j * self.chunk_tokens
+            keys = _put_chunk(keys, chunk_keys, start)
+            values = _put_chunk(values, chunk_values, start)
+            absorbed.add(j)
+        if wait:
+            jax.block_until_ready((keys, values))
+        return keys, values
+
+    def _compile(self, width: int, n_chunks: int, m: int) -> None:
+        """Compile the device steps of both sides for a prefix of m tokens, outside any request's time: the chunk
+        step for every chunk index (the meeting point moves with the measured speeds, so a timed request may
+        reach an index no warm-up request reached), and the loader's assembly of whole and partial store chunks
+        (compiled on the loader thread mid-request, it would hold up the device side)."""
+        cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
+        lay = self.store.layout
+        for rows in {lay.chunk_tokens, m % lay.chunk_tokens} - {0}:
+            part = jax.device_put(np.zeros((lay.kv_heads, lay.chunk_tokens, lay.head_dim), lay.np_dtype))
+            part = part[:, np.arange(rows)]  # as a device-cache hit slices it
+            jax.block_until_ready(self.prefetcher._assemble([part], [np.arange(rows)], c, lay, K))
+        positions = jnp.asarray(np.arange(c, dtype=np.int32))
+        shape = (cfg.num_kv_heads, width, cfg.head_dim)
+        buffers = self._committed(_zero_buffers(cfg.num_layers, shape, dtype))
+        for j in range(n_chunks):
+            h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
+            for lp in self.model.params["layers"][:2]:  # the first layer's inputs are uncommitted, later ones not
+                h, own_k, _ = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
+                buffers[0] = _put_rows(buffers[0], own_k, 0)
+        rows = self._committed([jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers)
+        jax.block_until_ready(_put_chunk(buffers, rows, 0))
+
+
+def _layer_report(num_layers: int, m: int, computed: int) -> dict:
+    """The engine's per-layer record: every layer used all of R, of which the loaded part came from the store."""
+    loaded = m - computed
+    nan = [float("nan")] * num_layers
+    return {"retained": [loaded / max(m, 1)] * num_layers, "fallback": [False] * num_layers, "jaccard": nan,
+            "threshold": list(nan), "loaded_tokens": [loaded] * num_layers, "prefix_tokens": m}
+
+
+def make_engine(model, system, store=None, config: EngineConfig = EngineConfig()) -> Engine:
+    """The engine that runs `system`: the engine's layer loop, or Cake's two-ended schedule."""
+    engine_class = CakeEngine if system.schedule == "cake" else Engine
+    return engine_class(model, system, store, config)
+
+
+__all__ = ["CakeEngine", "check_chunk_tokens", "make_engine"]
