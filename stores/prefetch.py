@@ -26,6 +26,7 @@ class _Entry:
     future: object            # concurrent future of the verified chunk (None if bad)
     nbytes: int
     holders: int = 0
+    taken: bool = False       # a `take` used it (and offered it to the caches)
 
 
 @dataclasses.dataclass
@@ -98,6 +99,15 @@ class Prefetcher:
                 # just forgotten, so its bytes leave the buffer when it lands.
                 del self._entries[key]
                 self._buffered -= entry.nbytes
+                if not entry.taken and self.cache is not None:
+                    entry.future.add_done_callback(functools.partial(self._keep_unused, key))
+
+    def _keep_unused(self, key, future) -> None:
+        """A read nobody took (a speculation the layer's real set superseded) was paid for: the caches place it
+        by its score like any chunk read from disk, so it evicts only what their policy values less."""
+        array = future.result()
+        if array is not None:
+            self.cache.admit(key, array)
 
     def request(self, match: Match, layer: int, kind: int, positions, *, speculative: bool = False) -> Ticket:
         """Start reading the chunks of `positions` not already cached; returns immediately. A new request for
@@ -170,6 +180,7 @@ class Prefetcher:
                         order.append(sel)
                         continue
                 self._hold(key, demand=True)
+                self._entries[key].taken = True
                 demand_keys.append(key)
                 waiting.append((key, sel, offsets, self._entries[key].future))
         start = time.perf_counter()

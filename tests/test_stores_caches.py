@@ -184,3 +184,26 @@ def test_prefetcher_speculation_superseded_and_bounded(filled_store):
     np.testing.assert_array_equal(np.asarray(probe.array), kv[1][2])
     snap = store.metrics.snapshot()
     assert snap["read_amplification"] >= 1.0 and snap["chunks_read"] > 0
+
+
+def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
+    """A speculative read nobody took was paid for: the caches place it by score, in free space only here."""
+    store, tokens, kv = filled_store
+    chunk_bytes = store.layout.chunk_nbytes(K)
+    cache = TieredCache(0, 2 * chunk_bytes, "lfu", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    prefetcher.take(m, 0, K, [0])  # used: cached with a frequency of 1
+    used_key = (0, K, int(store.locate(m, [0], 0).chunks[0]))
+    ticket = prefetcher.request(m, 1, K, [20, 40, 60], speculative=True)  # three chunks of layer 1
+    prefetcher.cancel(ticket)  # superseded before anything took it
+    deadline = time.perf_counter() + 5
+    while cache.host_bytes < 2 * chunk_bytes and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    kept = [key for key in cache.tiers[HOST].items if key[0] == 1]
+    assert len(kept) == 1 and used_key in cache.tiers[HOST].items  # one fits; it evicted nothing used
+    disk = store.metrics.snapshot()["disk_bytes"]
+    position = (kept[0][2] - int(store.locate(m, [0], 1).chunks[0])) * 16
+    again = prefetcher.take(m, 1, K, [position])
+    assert again.chunks_from_disk == 0 and store.metrics.snapshot()["disk_bytes"] == disk
+    np.testing.assert_array_equal(np.asarray(again.array), kv[1][K][:, [position]])
