@@ -72,6 +72,8 @@ flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identifi
 flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
 flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
 flags.DEFINE_bool("no_prefetch", False, "spec ablation: no layer-aware speculative prefetch.")
+flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
+                   "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -95,12 +97,13 @@ flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
+flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
 NEEDLE_DEFAULT_LIMIT = 40
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
-             "no_score_cache", "no_prefetch", "store", "output_dir", "preset")
+             "no_score_cache", "no_prefetch", "store", "output_dir", "preset", "blend_ratio")
 
 
 def _ok(parse, value) -> bool:
@@ -174,7 +177,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
-        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")})
+        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "blend_ratio")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)

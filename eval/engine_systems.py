@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import BlendEngine, Engine, EngineConfig, Request, fingerprint, make_system
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
@@ -22,7 +22,8 @@ class EngineSystem:
     def __init__(self, name: str, model, settings: SystemSettings):
         options = dict(settings.options)
         ablations = {a: bool(options.get(a)) for a in ABLATIONS}
-        self.system = make_system(name, alpha=options.get("alpha"), **ablations)
+        self.system = make_system(name, alpha=options.get("alpha"), blend_ratio=options.get("blend_ratio"),
+                                  **ablations)
         self.name = self.system.name
         self.needs_store = self.system.reuse
         self.model, self.settings = model, settings
@@ -65,19 +66,55 @@ class EngineSystem:
             self.engine.run(_engine_request(r))
 
     def run(self, request) -> Outcome:
-        r = self.engine.run(_engine_request(request))
-        logprobs = [lp for lp, _ in r.continuation_logprobs]
-        greedy = [g for _, g in r.continuation_logprobs]
-        return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)),
-                       _layers(r))
+        return _outcome(self.engine.run(_engine_request(request)), request)
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
 
 
+class BlendSystem(EngineSystem):
+    """full_reuse / cacheblend: a base store of independently cached text chunks (a request's `chunk_ids`;
+    the whole prefix as one chunk for tasks without chunks)."""
+
+    store_key = "text_chunks"
+
+    def stored_sequences(self, requests) -> list[tuple[int, ...]]:
+        """What the base store holds: every distinct chunk of the requests, in order of first use."""
+        chunks = [c for r in requests for c in (getattr(r, "chunk_ids", ()) or (r.prefix_ids,)) if c]
+        return list(dict.fromkeys(chunks))
+
+    def populate(self, store_path: str, chunks) -> None:
+        store = self._open_store(store_path)
+        try:
+            writer = BlendEngine(self.model, self.system, store, self.config)
+            for chunk in chunks:
+                writer.warm(chunk)
+        finally:
+            store.close()
+
+    def open(self, store_path: str) -> None:
+        super().open(store_path)
+        self.engine = BlendEngine(self.model, self.system, self.store, self.config)
+
+    def run(self, request) -> Outcome:
+        r = self.engine.run(_engine_request(request))
+        outcome = _outcome(r, request)
+        recomputed = r.layers.get("recomputed", [1.0] * self.model.config.num_layers)  # else recomputed all
+        outcome.layers["recomputed"] = [float(x) for x in recomputed]
+        outcome.counters["recomputed_tokens"] = float(np.mean(recomputed) * len(request.prefix_ids))
+        return outcome
+
+
+def _outcome(r, request) -> Outcome:
+    logprobs = [lp for lp, _ in r.continuation_logprobs]
+    greedy = [g for _, g in r.continuation_logprobs]
+    return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)), _layers(r))
+
+
 def _engine_request(r) -> Request:
-    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids])
+    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids],
+                   [list(c) for c in getattr(r, "chunk_ids", ())])
 
 
 def _counters(r, prefix_tokens: int) -> dict:
@@ -115,5 +152,8 @@ def _layers(r) -> dict:
 
 def factories() -> dict:
     """name -> factory(model, settings) for every system the engine builds."""
-    return {name: (lambda model, settings, name=name: EngineSystem(name, model, settings))
-            for name in engine_systems.SYSTEMS}
+    def factory(name):
+        cls = BlendSystem if engine_systems.SYSTEMS[name].blend is not None else EngineSystem
+        return lambda model, settings: cls(name, model, settings)
+
+    return {name: factory(name) for name in engine_systems.SYSTEMS}

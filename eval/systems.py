@@ -118,8 +118,8 @@ KNOWN_SYSTEMS = {s.name: s for s in (
     SystemInfo("spec", "SPEC: IMPRESS + layer-aware speculative prefetch", True),
     SystemInfo("contiguous_kv", "ContiguousKV: 16-token chunks, periods, I x F cache", True),
     SystemInfo("cake", "Cake: compute from the front, load from the back", False),
-    SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens", True),
-    SystemInfo("full_reuse", "reuse all stored prefix KV (upper bound on speed)", False),
+    SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)", False),
+    SystemInfo("full_reuse", "reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)", False),
 )}
 
 # the SPEC paper's line-up; `--systems default` runs those of them that are built

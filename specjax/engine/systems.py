@@ -23,6 +23,9 @@ class System:
     reorder: bool = False  # repack each radix node's chunks by importance between requests
     alpha: float = 0.6  # ITF threshold exponent, t = j ** alpha
     num_probe_heads: int = 3
+    # CacheBlend (specjax.engine.blend): the prefix is independently cached text chunks, all their KV is loaded
+    # and this fraction of context tokens is recomputed per layer (0: full KV reuse); None: prefix reuse
+    blend: float | None = None
 
     @property
     def prunes(self) -> bool:
@@ -38,11 +41,14 @@ SYSTEMS: dict[str, System] = {
         System("as_h2o_lfu", identify="h2o", prefetch="keys", cache_policy="lfu"),
         System("impress", identify="itf", prefetch="probe", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+        # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
+        System("full_reuse", prefetch="kv", cache_policy="lru", blend=0.0),
+        System("cacheblend", prefetch="kv", cache_policy="lru", blend=0.15),
     )
 }
 
 # Known systems whose mechanisms are not implemented yet, with the issue that builds them.
-NOT_BUILT = {"contiguous_kv": 6, "cake": 6, "cacheblend": 6, "full_reuse": 6}
+NOT_BUILT = {"contiguous_kv": 6, "cake": 6}
 
 
 def system_names() -> list[str]:
@@ -50,14 +56,19 @@ def system_names() -> list[str]:
 
 
 def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
-                no_prefetch: bool = False, alpha: float | None = None) -> System:
-    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense."""
+                no_prefetch: bool = False, alpha: float | None = None, blend_ratio: float | None = None) -> System:
+    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, and CacheBlend's
+    recompute ratio (`blend_ratio`, for cacheblend)."""
     if name in NOT_BUILT:
         raise SpecjaxError(f"system {name!r} is not built yet (see issue {NOT_BUILT[name]}); "
                            f"available: {', '.join(SYSTEMS)}")
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
     system = SYSTEMS[name]
+    if blend_ratio is not None and system.blend:
+        if not 0.0 <= blend_ratio <= 1.0:
+            raise SpecjaxError(f"blend ratio must be in [0, 1], got {blend_ratio}")
+        system = dataclasses.replace(system, blend=blend_ratio)
     changes = {}
     if system.identify == "itf":
         if no_itf:
