@@ -238,13 +238,15 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
     wl = dataclasses.replace(wl, requests=requests)
     settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20,
                                           options={"blend_ratio": 1.0})
-    runs = runner.run_all(base, wl, runner.plan(["recompute", "full_reuse", "cacheblend"], [0.25]), settings,
-                          tmp_path)
+    names = ["recompute", "full_reuse", "cacheblend", "as_full"]  # a prefix system runs on rag too
+    runs = runner.run_all(base, wl, runner.plan(names, [0.25]), settings, tmp_path)
     by_name = {run.system: run for run in runs}
-    assert [run.retention for run in runs] == [None, None, None]
+    assert [run.retention for run in runs] == [None] * 4
     for a, b in zip(by_name["recompute"].outcomes, by_name["cacheblend"].outcomes):
         np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
     reuse = by_name["full_reuse"].outcomes[0]
     assert reuse.counters["reused_tokens"] == len(requests[0].prefix_ids)
     assert reuse.counters["disk_bytes"] + reuse.counters["gpu_hits"] + reuse.counters["cpu_hits"] > 0
     assert by_name["cacheblend"].outcomes[0].layers["recomputed"] == [1.0] * base.config.num_layers
+    for a, b in zip(by_name["recompute"].outcomes, by_name["as_full"].outcomes):  # whole contexts stored
+        np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)

@@ -166,6 +166,7 @@ class BlendEngine(Engine):
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):
+                    deviation.block_until_ready()  # the layer's compute is not counted as identification
                     order = np.asarray(clock.timed("identify", _rank, deviation, len(recomputed)))
                     kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
                     recomputed = recomputed[kept]
