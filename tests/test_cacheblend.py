@@ -107,6 +107,10 @@ def test_full_reuse_of_later_chunks_misses_cross_attention(model):
     assert all(len(s) == 0 for s in r.selections)
 
 
+_project = jax.jit(T.project, static_argnums=0)
+_attend_and_mlp = jax.jit(T.attend_and_mlp, static_argnums=0)
+
+
 def _blend_reference(model, req, ratio):
     """CacheBlend written out plainly: per-chunk KV computed alone and re-rotated, every token on layers
     0..CHECK_LAYER, then per layer the previous set's tokens with the largest value deviation."""
@@ -131,10 +135,10 @@ def _blend_reference(model, req, ratio):
         sets.append(chosen)
         old_k = jnp.concatenate(reused_k[layer], axis=1)
         old_v = jnp.concatenate(reused_v[layer], axis=1)
-        q, k, v = T.project(cfg, lp, h, jnp.asarray(rows))
+        q, k, v = _project(cfg, lp, h, jnp.asarray(rows))
         keys = jnp.concatenate([old_k, jnp.zeros((cfg.num_kv_heads, n, cfg.head_dim))], axis=1).at[:, rows].set(k)
         values = jnp.concatenate([old_v, jnp.zeros((cfg.num_kv_heads, n, cfg.head_dim))], axis=1).at[:, rows].set(v)
-        h = T.attend_and_mlp(cfg, lp, h, q, keys, values, jnp.asarray(rows), jnp.arange(m + n))
+        h = _attend_and_mlp(cfg, lp, h, q, keys, values, jnp.asarray(rows), jnp.arange(m + n))
         if layer + 1 < cfg.num_layers and counts[layer + 1] < len(chosen):
             deviation = np.asarray(((v[:, : len(chosen)] - old_v[:, chosen]) ** 2).sum((0, 2)))
             keep = np.sort(np.argsort(-deviation, kind="stable")[: counts[layer + 1]])
