@@ -5,10 +5,9 @@ Every system, recompute included, runs through the same engine, so their TTFTs a
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine import cake
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
@@ -25,12 +24,11 @@ class EngineSystem:
         ablations = {a: bool(options.get(a)) for a in ABLATIONS}
         self.system = make_system(name, alpha=options.get("alpha"), chunk_tokens=options.get("ckv_chunk_tokens"),
                                   period_layers=options.get("period_layers"),
-                                  subperiod_layers=options.get("subperiod_layers"), **ablations)
+                                  subperiod_layers=options.get("subperiod_layers"),
+                                  blend_ratio=options.get("blend_ratio"), **ablations)
         self.name = self.system.name
         self.needs_store = self.system.reuse
-        # systems reading another chunk size (contiguous_kv) get a base store of their own
-        self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens
-        self.store_key = f"chunk{self.chunk_tokens}"
+        self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own
         self.model, self.settings = model, settings
         self.config = EngineConfig(
             retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
@@ -42,13 +40,18 @@ class EngineSystem:
         self.store = None
         self.engine = None if self.needs_store else make_engine(model, self.system, None, self.config)
 
+    @property
+    def store_key(self) -> str:
+        """Systems with the same key share one base store (the runner writes it once)."""
+        return f"prefixes-chunk{self.chunk_tokens}"
+
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
 
     def populate(self, store_path: str, prefixes) -> None:
         store = self._open_store(store_path)
         try:
-            writer = Engine(self.model, self.system, store, self.config)
+            writer = make_engine(self.model, self.system, store, self.config)
             for prefix in prefixes:
                 writer.warm(prefix)
         finally:
@@ -74,19 +77,44 @@ class EngineSystem:
             self.engine.run(_engine_request(r))
 
     def run(self, request) -> Outcome:
-        r = self.engine.run(_engine_request(request))
-        logprobs = [lp for lp, _ in r.continuation_logprobs]
-        greedy = [g for _, g in r.continuation_logprobs]
-        return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)),
-                       _layers(r))
+        return _outcome(self.engine.run(_engine_request(request)), request)
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
 
 
+class BlendSystem(EngineSystem):
+    """full_reuse / cacheblend: a base store of independently cached text chunks (a request's `chunk_ids`;
+    the whole prefix as one chunk for tasks without chunks)."""
+
+    @property
+    def store_key(self) -> str:
+        return f"text_chunks-chunk{self.chunk_tokens}"
+
+    def stored_sequences(self, requests) -> list[tuple[int, ...]]:
+        """What the base store holds: every distinct chunk of the requests, in order of first use."""
+        chunks = [c for r in requests for c in (getattr(r, "chunk_ids", ()) or (r.prefix_ids,)) if c]
+        return list(dict.fromkeys(chunks))
+
+    def run(self, request) -> Outcome:
+        r = self.engine.run(_engine_request(request))
+        outcome = _outcome(r, request)
+        recomputed = r.layers.get("recomputed", [1.0] * self.model.config.num_layers)  # else recomputed all
+        outcome.layers["recomputed"] = [float(x) for x in recomputed]
+        outcome.counters["recomputed_tokens"] = float(np.mean(recomputed) * len(request.prefix_ids))
+        return outcome
+
+
+def _outcome(r, request) -> Outcome:
+    logprobs = [lp for lp, _ in r.continuation_logprobs]
+    greedy = [g for _, g in r.continuation_logprobs]
+    return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)), _layers(r))
+
+
 def _engine_request(r) -> Request:
-    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids])
+    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids],
+                   [list(c) for c in getattr(r, "chunk_ids", ())])
 
 
 def _counters(r, prefix_tokens: int) -> dict:
@@ -130,5 +158,8 @@ def _layers(r) -> dict:
 
 def factories() -> dict:
     """name -> factory(model, settings) for every system the engine builds."""
-    return {name: (lambda model, settings, name=name: EngineSystem(name, model, settings))
-            for name in engine_systems.SYSTEMS}
+    def factory(name):
+        cls = BlendSystem if engine_systems.SYSTEMS[name].blend is not None else EngineSystem
+        return lambda model, settings: cls(name, model, settings)
+
+    return {name: factory(name) for name in engine_systems.SYSTEMS}

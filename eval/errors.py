@@ -5,7 +5,3 @@ from specjax.errors import SpecjaxError
 
 class EvalError(SpecjaxError):
     """A problem with the user's request (unknown name, missing data, bad value)."""
-
-
-class SystemNotBuiltError(EvalError):
-    """A known system whose implementation does not exist yet."""

@@ -75,6 +75,13 @@ def compile_requests(workload: Workload) -> list:
     return extra
 
 
+def _stored_sequences(system, warm: list) -> list:
+    """What a base store is written from: each unique prefix, unless the system says otherwise (text chunks)."""
+    if hasattr(system, "stored_sequences"):
+        return system.stored_sequences(warm)
+    return [r.prefix_ids for r in warm]
+
+
 def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
             store_dir: pathlib.Path, progress: Progress | None = None) -> list[Run]:
     warm, compile_only = warmup_requests(workload), compile_requests(workload)
@@ -92,7 +99,7 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             base = store_dir / f"base-{key}"
             if key not in bases_ready:
                 base.mkdir(parents=True, exist_ok=True)
-                system.populate(str(base), [r.prefix_ids for r in warm])
+                system.populate(str(base), _stored_sequences(system, warm))
                 bases_ready.add(key)
             private = store_dir / label.replace(" ", "_").replace("=", "")
             if private.exists():

@@ -372,10 +372,13 @@ class NeedleDoc:
     def fact(self, i: int) -> str:
         return f"The secret code of {self.keys[i]} is {self.values[i]}."
 
-    def text(self) -> str:
+    def body(self) -> str:
+        """The facts, each after its filler, one sentence per line (every line ends with a newline)."""
         filler = self.filler or ("",) * len(self.keys)
-        lines = [(f + "\n" if f else "") + self.fact(i) + "\n" for i, f in enumerate(filler)]
-        return NEEDLE_HEADER + "".join(lines) + "\n"
+        return "".join((f + "\n" if f else "") + self.fact(i) + "\n" for i, f in enumerate(filler))
+
+    def text(self) -> str:
+        return NEEDLE_HEADER + self.body() + "\n"
 
     def question(self, i: int, choices: Sequence[str], gold: int) -> Example:
         """The fact's own words up to its value: the answer is a near-copy from the prefix."""
@@ -457,6 +460,50 @@ def needle_task() -> Task:
                 "synthetic (seeded)", synthetic=True)
 
 
+# ---------------------------------------------------------------- rag (synthetic, CacheBlend)
+
+# A RAG-like request: a header chunk, then several text chunks drawn from a pool in a per-context order, then
+# a needle question about a fact in one of them. Each chunk is a needle document's body (facts after filler
+# lines, every line ending with a newline, so chunk texts join naturally) and is tokenized on its own: the
+# request's prefix is exactly the concatenation of its chunks' tokens, and each chunk's KV can be cached alone
+# (computed at positions 0..len-1) and reused wherever a request places it. The pool is one needle document
+# split into chunks, so keys never share a word within a request (see the needle notes above).
+RAG_HEADER = NEEDLE_HEADER
+
+
+@dataclasses.dataclass(frozen=True)
+class RagSpec:
+    pool_chunks: int = 10  # text chunks in the pool (all keys use distinct words up to 40 facts in all)
+    facts_per_chunk: int = 4
+    chunks_per_request: tuple[int, int] = (4, 6)  # inclusive range of retrieved chunks per context
+    num_choices: int = 4
+
+
+def make_rag_pool(rng: np.random.Generator, spec: RagSpec, needle: NeedleSpec) -> tuple[NeedleDoc, ...]:
+    """The pool's chunks: one needle document of pool_chunks * facts_per_chunk facts, cut into chunks."""
+    f = spec.facts_per_chunk
+    doc = make_needle_doc(rng, dataclasses.replace(needle, num_facts=spec.pool_chunks * f))
+    return tuple(NeedleDoc(doc.keys[i:i + f], doc.values[i:i + f], doc.filler[i:i + f])
+                 for i in range(0, len(doc.keys), f))
+
+
+def rag_question(chunks: Sequence[NeedleDoc], chunk: int, fact: int, rng: np.random.Generator,
+                 num_choices: int) -> Example:
+    """Ask about fact `fact` of chunks[chunk]; distractors are other codes of the same context. The
+    question starts on a new line after the last chunk."""
+    merged = NeedleDoc(tuple(k for c in chunks for k in c.keys), tuple(v for c in chunks for v in c.values))
+    index = sum(len(c.keys) for c in chunks[:chunk]) + fact
+    ex = needle_question(merged, index, rng, num_choices)
+    return dataclasses.replace(ex, context="\n" + ex.context)
+
+
+def rag_task() -> Task:
+    """Placeholder task object: rag items are generated with their chunks by the workload."""
+    return Task("rag", (), (), False, False,
+                "synthetic RAG: independently cached needle chunks in varying order, question about one fact",
+                "synthetic (seeded)", synthetic=True)
+
+
 # ---------------------------------------------------------------- registry
 
 TASKS: dict[str, str] = {
@@ -469,6 +516,7 @@ TASKS: dict[str, str] = {
     "trec": "TREC coarse test (500), ordered-prompt format, few-shot from train",
     "mc_jsonl": "any {query, choices, gold} JSONL given by --data_path",
     "needle": "synthetic long-context key-value retrieval: secret codes among filler sentences (no data files)",
+    "rag": "synthetic RAG: 4-6 independently cached needle chunks in varying order, one fact asked (no data files)",
 }
 
 PROMPT_FORMATS = {
@@ -490,6 +538,8 @@ def load_task(name: str, data_dir: str | None = None, data_path: str | None = No
         return load_mc_jsonl(data_path)
     if name == "needle":
         return needle_task()
+    if name == "rag":
+        return rag_task()
     root = resolve_task_dir(name, data_dir)
     if root is not None:
         docs, pool = _load_local(name, root)

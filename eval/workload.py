@@ -30,6 +30,8 @@ class Request:
     choice_ids: tuple[tuple[int, ...], ...]  # continuation tokens of each choice
     choices: tuple[str, ...]  # choice strings without the delimiter (acc_norm lengths)
     gold: int
+    # rag: the prefix as independently cached text chunks (prefix_ids is their concatenation); () otherwise
+    chunk_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def context_ids(self) -> tuple[int, ...]:
@@ -47,6 +49,7 @@ class WorkloadSpec:
     add_bos: bool = False  # lm-eval adds no BOS token by default
     seed: int = 0
     needle: tasks_lib.NeedleSpec = tasks_lib.NeedleSpec()
+    rag: tasks_lib.RagSpec = tasks_lib.RagSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,8 @@ class _Encoder:
 
 
 def build_workload(task: tasks_lib.Task, tokenizer, spec: WorkloadSpec) -> Workload:
+    if task.name == "rag":
+        return _build_rag(tokenizer, spec)
     if task.synthetic:
         return _build_needle(tokenizer, spec)
     return _build_fewshot(task, tokenizer, spec)
@@ -209,3 +214,34 @@ def _build_needle(tokenizer, spec: WorkloadSpec) -> Workload:
         query_ids, choice_ids = enc.query(ex.context, ex.continuations())
         requests.append(Request(rid, p, fact, prefix_ids[p], query_ids, choice_ids, ex.choices, ex.gold))
     return Workload(tuple(requests), tuple(d.text() for d in docs), tuple(needle.num_facts for _ in docs))
+
+
+def _build_rag(tokenizer, spec: WorkloadSpec) -> Workload:
+    """Contexts of a header chunk + 4-6 pool chunks in a seeded order, each asked `reuse_counts` questions."""
+    rng = np.random.default_rng(spec.seed)
+    needle = dataclasses.replace(spec.needle, names=tasks_lib.single_token_words(tokenizer, spec.needle.names))
+    rag = spec.rag
+    pool = tasks_lib.make_rag_pool(rng, rag, needle)
+    pool_ids = [tuple(tokenizer.encode(c.body())) for c in pool]
+    header_ids = _Encoder(tokenizer, spec.add_bos).prefix(tasks_lib.RAG_HEADER)
+    n = 50 if spec.limit is None else spec.limit
+    enc = _Encoder(tokenizer, False)
+    lo, hi = rag.chunks_per_request
+    contexts, questions = [], []
+    for count in reuse_counts(n, spec.reuse_mean, spec.reuse_std, rng):
+        picked = [int(i) for i in rng.choice(len(pool), int(rng.integers(lo, hi + 1)), replace=False)]
+        chunks = [pool[i] for i in picked]
+        facts = [(c, f) for c, chunk in enumerate(chunks) for f in range(len(chunk.keys))]
+        asked = rng.choice(len(facts), count, replace=count > len(facts))
+        contexts.append(picked)
+        questions.append([(picked[facts[a][0]] * rag.facts_per_chunk + facts[a][1],
+                           tasks_lib.rag_question(chunks, *facts[a], rng, rag.num_choices)) for a in asked])
+    requests = []
+    for rid, (p, j) in enumerate(_arrival_order(questions, rng, spec.interleave)):
+        fact, ex = questions[p][j]
+        chunk_ids = (header_ids,) + tuple(pool_ids[i] for i in contexts[p])
+        query_ids, choice_ids = enc.query(ex.context, ex.continuations())
+        requests.append(Request(rid, p, fact, sum(chunk_ids, ()), query_ids, choice_ids, ex.choices, ex.gold,
+                                chunk_ids))
+    texts = tuple(tasks_lib.RAG_HEADER + "".join(pool[i].body() for i in picked) for picked in contexts)
+    return Workload(tuple(requests), texts, tuple(len(picked) for picked in contexts))

@@ -210,15 +210,17 @@ class Prefetcher:
 
     @staticmethod
     def _assemble(parts, order, size, lay, kind) -> jax.Array:
-        """Scatter each chunk's vectors (at most chunk_tokens of them) to their rows of a [heads, size, d] array.
+        """Scatter each chunk's vectors to their rows of a [heads, size, d] array.
 
-        Every piece is padded to chunk_tokens rows, so the device ops compile once per output size."""
+        Every piece is padded to chunk_tokens rows (a multiple of it when a joined match asks for one stored
+        chunk at several places), so the device ops compile once per output size."""
         out = jnp.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
         c = lay.chunk_tokens
         for part, rows in zip(parts, order):
-            idx = np.full(c, size, np.int32)  # row `size` is out of range: its padding is dropped
+            width = c * max(1, -(-len(rows) // c))
+            idx = np.full(width, size, np.int32)  # row `size` is out of range: its padding is dropped
             idx[: len(rows)] = rows
-            out = _scatter_rows(out, _pad_rows(part, c), jnp.asarray(idx))
+            out = _scatter_rows(out, _pad_rows(part, width), jnp.asarray(idx))
         return out
 
     def close(self) -> None:

@@ -363,6 +363,22 @@ class KVStore:
                 self._pinned[s.node_id] += 1
             return Match(self, steps, tokens, self.generation)
 
+    def join(self, matches) -> Match:
+        """One match over several matched sequences laid end to end (text chunks cached independently and read
+        as one context, CacheBlend): its position p is position p - start of the part holding it. It pins what
+        it reads, as old a snapshot as its oldest part, until closed, independently of the parts."""
+        steps, tokens, start = [], [], 0
+        for m in matches:
+            steps += [dataclasses.replace(s, prefix_start=s.prefix_start + start) for s in m.steps]
+            tokens.append(m.tokens)
+            start += m.length
+        with self._lock:
+            generation = min((m.generation for m in matches), default=self.generation)
+            self._snapshots[generation] += 1
+            for s in steps:
+                self._pinned[s.node_id] += 1
+        return Match(self, steps, np.concatenate(tokens) if tokens else np.zeros(0, np.int64), generation)
+
     def _release_snapshot(self, generation: int, node_ids: tuple) -> None:
         with self._lock:
             self._snapshots[generation] -= 1

@@ -207,11 +207,9 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
 
 
-def test_unknown_and_unbuilt_systems():
-    with pytest.raises(SpecjaxError, match="unknown system 'magic'"):
+def test_unknown_system():
+    with pytest.raises(SpecjaxError, match="unknown system 'magic'; known systems: recompute, as_full"):
         make_system("magic")
-    with pytest.raises(SpecjaxError, match="not built yet"):
-        make_system("full_reuse")
 
 
 def test_ablations_change_the_policy():

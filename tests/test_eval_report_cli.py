@@ -129,7 +129,7 @@ def _cli(*args, timeout=120):
 @pytest.mark.parametrize("args, message", [
     (["--task=nope"], "unknown task 'nope'"),
     (["--systems=recompute,nope"], "unknown system 'nope'"),
-    (["--systems=recompute,full_reuse"], "system full_reuse is not built yet"),
+    (["--systems=recompute,spec,recompute"], "lists a system twice"),
     (["--preset=nope"], "unknown preset 'nope'"),
     (["--model=no-such-model"], "no-such-model"),
     (["--task=piqa", "--data_dir=/nonexistent/data"], "--data_dir /nonexistent/data is not a directory"),

@@ -1,9 +1,20 @@
 """The prefill engine over reused prefix KV, and the systems (policies) it runs."""
 
-from specjax.engine.cake import CakeEngine, make_engine
+from specjax.engine.blend import BlendEngine
+from specjax.engine.cake import CakeEngine
 from specjax.engine.engine import Engine, EngineConfig, Request, RequestResult, fingerprint
 from specjax.engine.state import ImportanceState
 from specjax.engine.systems import SYSTEMS, System, make_system, system_names
 
-__all__ = ["CakeEngine", "Engine", "EngineConfig", "ImportanceState", "Request", "RequestResult", "SYSTEMS", "System",
-           "fingerprint", "make_engine", "make_system", "system_names"]
+
+def make_engine(model, system: System, store=None, config: EngineConfig = EngineConfig()) -> Engine:
+    """The engine that runs `system`: the layer loop, Cake's two-ended schedule, or CacheBlend's chunk blending."""
+    if system.schedule == "cake":
+        return CakeEngine(model, system, store, config)
+    if system.blend is not None:
+        return BlendEngine(model, system, store, config)
+    return Engine(model, system, store, config)
+
+
+__all__ = ["BlendEngine", "CakeEngine", "Engine", "EngineConfig", "ImportanceState", "Request", "RequestResult",
+           "SYSTEMS", "System", "fingerprint", "make_engine", "make_system", "system_names"]

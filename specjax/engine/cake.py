@@ -359,10 +359,4 @@ def _layer_report(num_layers: int, m: int, computed: int) -> dict:
             "threshold": list(nan), "loaded_tokens": [loaded] * num_layers, "prefix_tokens": m}
 
 
-def make_engine(model, system, store=None, config: EngineConfig = EngineConfig()) -> Engine:
-    """The engine that runs `system`: the engine's layer loop, or Cake's two-ended schedule."""
-    engine_class = CakeEngine if system.schedule == "cake" else Engine
-    return engine_class(model, system, store, config)
-
-
-__all__ = ["CakeEngine", "check_chunk_tokens", "make_engine"]
+__all__ = ["CakeEngine", "check_chunk_tokens"]

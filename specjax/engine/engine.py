@@ -45,6 +45,8 @@ class Request:
     prefix: list[int]  # shared prefix (system prompt); its KV is stored and reused
     query: list[int]  # the request's own tokens; computed, never stored
     continuations: list[list[int]] = dataclasses.field(default_factory=list)  # scored against the same KV
+    # the prefix as independently cached text chunks (CacheBlend, full KV reuse); empty: one prefix
+    chunks: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -467,8 +469,8 @@ class _LayerIO:
         ahead = chunks[np.argsort(-counts, kind="stable")[:budget]]
         return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, ahead)]
 
-    def prefetch_first(self) -> None:
-        self._request_ahead(0, None)
+    def prefetch_first(self, layer: int = 0) -> None:
+        self._request_ahead(layer, None)
 
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
         """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).

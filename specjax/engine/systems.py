@@ -29,6 +29,9 @@ class System:
     period_layers: int = 8  # "chunks": layers sharing the chunk set chosen at the period's first layer
     subperiod_layers: int = 4  # "periods" prefetch: layers of a period loaded before the period computes
     schedule: str = "layers"
+    # CacheBlend (specjax.engine.blend): the prefix is independently cached text chunks, all their KV is loaded
+    # and this fraction of context tokens is recomputed per layer (0: full KV reuse); None: prefix reuse
+    blend: float | None = None
 
     @property
     def prunes(self) -> bool:
@@ -47,28 +50,30 @@ SYSTEMS: dict[str, System] = {
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
         System("cake", identify="none", cache_policy="lru", schedule="cake"),
+        # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
+        System("full_reuse", prefetch="kv", cache_policy="lru", blend=0.0),
+        System("cacheblend", prefetch="kv", cache_policy="lru", blend=0.15),
     )
 }
 
-# Known systems whose mechanisms are not implemented yet, with the issue that builds them.
-NOT_BUILT = {"cacheblend": 6, "full_reuse": 6}
-
 
 def system_names() -> list[str]:
-    return list(SYSTEMS) + list(NOT_BUILT)
+    return list(SYSTEMS)
 
 
 def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
                 no_prefetch: bool = False, alpha: float | None = None, chunk_tokens: int | None = None,
-                period_layers: int | None = None, subperiod_layers: int | None = None) -> System:
-    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, and
-    ContiguousKV's chunk, period and sub-period sizes (c, p, sp) for the systems that choose chunks."""
-    if name in NOT_BUILT:
-        raise SpecjaxError(f"system {name!r} is not built yet (see issue {NOT_BUILT[name]}); "
-                           f"available: {', '.join(SYSTEMS)}")
+                period_layers: int | None = None, subperiod_layers: int | None = None,
+                blend_ratio: float | None = None) -> System:
+    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, ContiguousKV's
+    chunk, period and sub-period sizes (c, p, sp), and CacheBlend's recompute ratio (`blend_ratio`)."""
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
     system = SYSTEMS[name]
+    if blend_ratio is not None and system.blend:
+        if not 0.0 <= blend_ratio <= 1.0:
+            raise SpecjaxError(f"blend ratio must be in [0, 1], got {blend_ratio}")
+        system = dataclasses.replace(system, blend=blend_ratio)
     changes = {}
     if system.identify == "itf":
         if no_itf:

@@ -1,0 +1,214 @@
+"""CacheBlend and full KV reuse: a context of independently cached text chunks, reused wherever a request places
+them (design.md section 4.8; CacheBlend, EuroSys'25).
+
+Each chunk's KV was computed alone (positions 0..len-1) and is stored under its own tokens. A request reads all
+its chunks' K/V per layer as one joined match, re-rotates every chunk's keys to the chunk's place in the request
+(RoPE is a rotation by position: rotating keys computed at p by delta gives the keys at p + delta) and computes
+only some tokens of each layer, attending causally to the reused KV with the recomputed rows scattered in:
+
+- `full_reuse` computes the query only (the lower bound on quality: no chunk sees the chunks before it, and each
+  chunk's first token was computed as the first token of a sequence);
+- `cacheblend` computes every token on layers 0..CHECK_LAYER (layer 0's KV equals the reused KV exactly, since a
+  RoPE model's layer-0 input is the position-free embedding, so deviation is first measured on layer 1), picks the
+  context tokens whose values deviate most from the reused ones there, and on each later layer recomputes only
+  those, keeping the most deviating of them for the next layer (the paper's gradual filtering).
+
+The next layer's reads are requested before a layer computes, so loading layer i+1 overlaps computing layer i.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine.engine import Engine, RequestResult, _Clock, _head_row, _LayerIO
+from specjax.errors import SpecjaxError
+from specjax.kernels import SharedIndices
+from specjax.models import transformer as T
+from specjax.models.inference import bucket
+from specjax.stores import K, V
+
+CHECK_LAYER = 1  # cacheblend computes layers 0..CHECK_LAYER in full and first selects on this one
+FILTER_SPREAD = 0.25  # the schedule's ratios go from (1 + s) r down to (1 - s) r (s scaled down near r = 1)
+
+
+def recompute_counts(num_layers: int, m: int, ratio: float, check_layer: int = CHECK_LAYER) -> list[int]:
+    """Context tokens recomputed on each layer, out of m.
+
+    ratio 0 (full KV reuse): none. Otherwise layers 0..check_layer recompute all m, and the later layers follow
+    CacheBlend's gradual filtering: each recomputes a subset of the previous layer's tokens, the ratio falling
+    linearly from r + s to r - s over those layers (mean r, the paper's "r1 slightly higher than r, r2 slightly
+    less than r1, ..."), with s = FILTER_SPREAD * min(r, 1 - r) so that r = 1 recomputes everything.
+    """
+    if ratio <= 0.0 or m == 0:
+        return [0] * num_layers
+    first = min(check_layer + 1, num_layers)
+    spread = FILTER_SPREAD * min(ratio, 1.0 - ratio)
+    span = max(num_layers - 1 - first, 1)
+    counts = [m] * first
+    for layer in range(first, num_layers):
+        r = ratio + spread * (1.0 - 2.0 * (layer - first) / span)
+        counts.append(min(m, math.ceil(r * m - 1e-9)))
+    return counts
+
+
+def reposition_keys(cfg, keys, shift):
+    """Keys [H_kv, T, d] computed at positions p, moved to p + shift ([T] int): one more RoPE rotation."""
+    return T.rope(keys, shift, cfg.rope_theta)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total):
+    """One layer over the computed rows of a request whose other tokens reuse cached KV.
+
+    h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
+    length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
+    at their stored positions), shift [S]: each token's chunk start; total: real tokens. Returns the next hidden
+    states [C, D], the mixed keys and values attended to [H_kv, S, d], and each row's value deviation [C]
+    (squared distance between its recomputed and reused values, summed over heads).
+    """
+    keys = reposition_keys(cfg, reused_k, shift)
+    q, k, v = T.project(cfg, lp, h, rows)
+    mixed_k = keys.at[:, rows].set(k.astype(keys.dtype), mode="drop")
+    mixed_v = reused_v.at[:, rows].set(v.astype(reused_v.dtype), mode="drop")
+    slots = jnp.arange(keys.shape[1])
+    h = T.attend_and_mlp(cfg, lp, h, q, mixed_k, mixed_v, rows, slots, slots < total)
+    old_v = jnp.take(reused_v, rows, axis=1, mode="fill", fill_value=0)
+    deviation = jnp.square(v.astype(jnp.float32) - old_v.astype(jnp.float32)).sum((0, 2))
+    return h, mixed_k, mixed_v, deviation
+
+
+@jax.jit
+def _rank(deviation, count):
+    """Row indices by decreasing deviation among the first `count` rows (the rest after them)."""
+    valid = jnp.arange(deviation.shape[0]) < count
+    return jnp.argsort(jnp.where(valid, -deviation, jnp.inf), stable=True).astype(jnp.int32)
+
+
+@jax.jit
+def _gather_rows(h, idx):
+    return h[idx]
+
+
+def _padded(x: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: len(x)] = x
+    return out
+
+
+class BlendEngine(Engine):
+    """Runs `full_reuse` / `cacheblend` requests (`Request.chunks`) over a store of independently cached chunks."""
+
+    def __init__(self, model, system, store, config=None):
+        if system.blend is None:
+            raise SpecjaxError(f"system {system.name!r} is not a chunk-reuse system")
+        if not model.config.uses_rope:
+            raise SpecjaxError(
+                f"system {system.name!r} moves cached keys to new positions by re-rotating them, which needs a "
+                f"RoPE model; {model.name} ({model.config.arch}) encodes absolute positions in its embeddings. "
+                f"Use a Llama / Qwen2 model, or a prefix-reuse system (as_full, spec, ...)")
+        super().__init__(model, system, store, *(() if config is None else (config,)))
+
+    def _run(self, request, *, reuse: bool) -> RequestResult:
+        if not reuse:  # a chunk failed its checksum: recompute the whole request as the engine does
+            return super()._run(request, reuse=False)
+        clock = _Clock()
+        cfg, params = self.cfg, self.model.params
+        prefix, query = [int(t) for t in request.prefix], [int(t) for t in request.query]
+        chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
+        if sum(chunks, []) != prefix:
+            raise SpecjaxError("a request's chunks must concatenate to its prefix")
+        if not query:
+            raise SpecjaxError(f"{self.system.name} computes the query on reused chunk KV: a request needs "
+                               f"query tokens")
+        m, n = len(prefix), len(query)
+        total = m + n
+        size = bucket(total)
+        starts = np.cumsum([0] + [len(c) for c in chunks])[:-1]
+        shift = np.zeros(size, np.int32)
+        for start, c in zip(starts, chunks):
+            shift[start:start + len(c)] = start
+        counts = recompute_counts(cfg.num_layers, m, self.system.blend)
+        # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
+        loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
+                 for i in range(cfg.num_layers)]
+        parts, match, io = [], None, None
+        try:
+            for c in chunks:
+                parts.append(self._match_or_store(c))
+            match = self.store.join(parts)
+            io = _LayerIO(self, match, m, size, clock)
+            if any(loads):
+                io.prefetch_first(loads.index(True))
+            tokens = np.asarray(prefix + query, np.int32)
+            recomputed = np.arange(counts[0]) if counts[0] == m else np.zeros(0, np.int64)
+            rows = np.concatenate([recomputed, np.arange(m, total)])
+            rows_pad = bucket(len(rows))
+            rows_dev = jnp.asarray(_padded(rows, rows_pad, size))
+            h = T.embed_step(cfg, params, jnp.asarray(_padded(tokens[rows], rows_pad, 0)), rows_dev)
+            zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
+            shift_dev = jnp.asarray(shift)
+            contexts, traced = [], []
+            for layer, lp in enumerate(params["layers"]):
+                traced.append(recomputed)
+                if loads[layer]:
+                    reused_k, reused_v = io.take_all(layer, K), io.take_all(layer, V)
+                    if layer + 1 < cfg.num_layers and loads[layer + 1]:
+                        io.prefetch_first(layer + 1)  # read layer i+1 while layer i computes
+                else:
+                    reused_k = reused_v = zeros
+                h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
+                                                             shift_dev, total)
+                contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
+                keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
+                if keep < len(recomputed):
+                    deviation.block_until_ready()  # the layer's compute is not counted as identification
+                    order = np.asarray(clock.timed("identify", _rank, deviation, len(recomputed)))
+                    kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
+                    recomputed = recomputed[kept]
+                    index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
+                    rows = rows[index]
+                    rows_pad = bucket(len(rows))
+                    rows_dev = jnp.asarray(_padded(rows, rows_pad, size))
+                    h = _gather_rows(h, jnp.asarray(_padded(index, rows_pad, 0)))
+            logits = _head_row(cfg, params, h, len(rows) - 1).block_until_ready()
+            ttft, breakdown = clock.finish()
+        finally:
+            if io is not None:
+                io.close()
+            for part in parts + ([match] if match is not None else []):
+                part.close()
+        first = np.asarray(logits, np.float32)
+        conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
+        return RequestResult(
+            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
+            reused_tokens=m, computed_tokens=n + len(traced[-1]), io={},
+            layers=_layer_report(counts, loads, m), prefetch=io.prefetch_report(),
+            selections=traced if self.config.trace else None)
+
+    def _match_or_store(self, chunk: list[int]):
+        """The chunk's stored KV; a chunk not stored yet is computed alone and stored first (part of this TTFT)."""
+        match = self.store.match(chunk)
+        if match.length < len(chunk):
+            match.close()
+            self.warm(chunk)
+            match = self.store.match(chunk)
+        return match
+
+
+def _layer_report(counts: list[int], loads: list[bool], m: int) -> dict:
+    """Per layer: reused fraction of the context (the rest recomputed), tokens read; no ITF measurements."""
+    num_layers = len(counts)
+    return {
+        "retained": [1.0 - c / max(m, 1) for c in counts],
+        "recomputed": [c / max(m, 1) for c in counts],
+        "fallback": [False] * num_layers,
+        "jaccard": [float("nan")] * num_layers,
+        "threshold": [float("nan")] * num_layers,
+        "loaded_tokens": [m if load else 0 for load in loads],
+        "prefix_tokens": m,
+    }

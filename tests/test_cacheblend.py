@@ -1,0 +1,256 @@
+"""cacheblend and full_reuse on a random 5-layer Llama with an in-memory store; the rag workload."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import specjax
+from specjax.api import Model
+from specjax.engine import BlendEngine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine.blend import CHECK_LAYER, recompute_counts, reposition_keys
+from specjax.errors import SpecjaxError
+from specjax.eval import tasks, workload
+from specjax.models import transformer as T
+from specjax.models.params import init_params
+from specjax.stores import K, KVStore
+
+from eval_fakes import FakeModel
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tiny-llama with 5 layers, so that several layers come after the check layer."""
+    base = specjax.load_model("tiny-llama", init="random", seed=1)
+    cfg = dataclasses.replace(base.config, num_layers=5)
+    return Model("tiny-llama-5", cfg, init_params(cfg, seed=1, dtype=jnp.float32), "random")
+
+
+def _store(model):
+    spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
+    return KVStore.open(spec, fingerprint(model, 16), context=ts.Context())
+
+
+def _engine(model, name, ratio=None, chunks=()):
+    config = EngineConfig(gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
+    engine = BlendEngine(model, make_system(name, blend_ratio=ratio), _store(model), config)
+    for c in chunks:
+        engine.warm(c)
+    return engine
+
+
+def _request(model, lengths=(37, 50, 23), query_len=7, seed=0):
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    chunks = [rng.integers(0, v, n).tolist() for n in lengths]
+    return Request(sum(chunks, []), rng.integers(0, v, query_len).tolist(),
+                   [rng.integers(0, v, 3).tolist(), rng.integers(0, v, 6).tolist()], chunks)
+
+
+def _layer_keys(model, ids, start):
+    """Keys of every layer of `ids` computed alone at positions start.. (nothing before them)."""
+    cfg = model.config
+    positions = jnp.arange(start, start + len(ids))
+    h = T.embed(cfg, model.params, jnp.asarray(ids), positions)
+    keys = []
+    for lp in model.params["layers"]:
+        h, k, _ = T.self_attention_layer(cfg, lp, h, positions, positions >= 0)
+        keys.append(k)
+    return keys
+
+
+def test_rerotated_keys_equal_keys_at_the_new_position(model):
+    chunk = _request(model).chunks[1]
+    engine = _engine(model, "full_reuse", chunks=[chunk])
+    start = 173
+    moved = _layer_keys(model, chunk, start)
+    with engine.store.match(chunk) as match:
+        assert match.length == len(chunk)
+        for layer in range(model.config.num_layers):
+            stored = jnp.asarray(engine.store.read(match, layer, K).result().array)
+            shifted = reposition_keys(model.config, stored, jnp.full(len(chunk), start, jnp.int32))
+            np.testing.assert_allclose(shifted, moved[layer], atol=TOL, rtol=0)
+            assert float(jnp.abs(stored - moved[layer]).max()) > 100 * TOL  # the rotation did something
+
+
+def test_full_blend_ratio_equals_recompute(model):
+    req = _request(model)
+    r = _engine(model, "cacheblend", 1.0, req.chunks).run(req)
+    np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+    for (ours, greedy), cont in zip(r.continuation_logprobs, req.continuations):
+        ref, ref_greedy = model.loglikelihood(req.prefix + req.query, cont)
+        assert ours == pytest.approx(ref, abs=TOL) and greedy == ref_greedy
+    assert r.io["disk_bytes"] == 0  # nothing reused, so nothing read
+
+
+def test_full_reuse_of_one_chunk_placed_first_equals_recompute(model):
+    req = _request(model)
+    chunk = req.chunks[0]
+    engine = _engine(model, "full_reuse", chunks=[chunk])
+    r = engine.run(Request(chunk, req.query, req.continuations, [chunk]))
+    np.testing.assert_allclose(r.first_token_logits, model.logits(chunk + req.query)[-1], atol=TOL, rtol=0)
+    for (ours, _), cont in zip(r.continuation_logprobs, req.continuations):
+        assert ours == pytest.approx(model.loglikelihood(chunk + req.query, cont)[0], abs=TOL)
+    assert r.reused_tokens == len(chunk) and r.computed_tokens == len(req.query)
+    assert r.io["disk_bytes"] + r.io["device_hits"] + r.io["host_hits"] > 0
+
+
+def test_full_reuse_of_later_chunks_misses_cross_attention(model):
+    req = _request(model)
+    r = _engine(model, "full_reuse", chunks=req.chunks).run(req)
+    assert np.abs(r.first_token_logits - model.logits(req.prefix + req.query)[-1]).max() > 1e-3
+    assert all(len(s) == 0 for s in r.selections)
+
+
+_project = jax.jit(T.project, static_argnums=0)
+_attend_and_mlp = jax.jit(T.attend_and_mlp, static_argnums=0)
+
+
+def _blend_reference(model, req, ratio):
+    """CacheBlend written out plainly: per-chunk KV computed alone and re-rotated, every token on layers
+    0..CHECK_LAYER, then per layer the previous set's tokens with the largest value deviation."""
+    cfg, params = model.config, model.params
+    m, n = len(req.prefix), len(req.query)
+    reused_k, reused_v, start = [[] for _ in params["layers"]], [[] for _ in params["layers"]], 0
+    for chunk in req.chunks:
+        positions = jnp.arange(len(chunk))
+        h = T.embed(cfg, params, jnp.asarray(chunk), positions)
+        for layer, lp in enumerate(params["layers"]):
+            h, k, v = T.self_attention_layer(cfg, lp, h, positions, positions >= 0)
+            reused_k[layer].append(T.rope(k, jnp.full(len(chunk), start), cfg.rope_theta))
+            reused_v[layer].append(v)
+        start += len(chunk)
+    counts = recompute_counts(cfg.num_layers, m, ratio)
+    tokens = np.asarray(req.prefix + req.query)
+    chosen = np.arange(m)
+    rows = np.arange(m + n)
+    h = T.embed(cfg, params, jnp.asarray(tokens), jnp.asarray(rows))
+    sets = []
+    for layer, lp in enumerate(params["layers"]):
+        sets.append(chosen)
+        old_k = jnp.concatenate(reused_k[layer], axis=1)
+        old_v = jnp.concatenate(reused_v[layer], axis=1)
+        q, k, v = _project(cfg, lp, h, jnp.asarray(rows))
+        keys = jnp.concatenate([old_k, jnp.zeros((cfg.num_kv_heads, n, cfg.head_dim))], axis=1).at[:, rows].set(k)
+        values = jnp.concatenate([old_v, jnp.zeros((cfg.num_kv_heads, n, cfg.head_dim))], axis=1).at[:, rows].set(v)
+        h = _attend_and_mlp(cfg, lp, h, q, keys, values, jnp.asarray(rows), jnp.arange(m + n))
+        if layer + 1 < cfg.num_layers and counts[layer + 1] < len(chosen):
+            deviation = np.asarray(((v[:, : len(chosen)] - old_v[:, chosen]) ** 2).sum((0, 2)))
+            keep = np.sort(np.argsort(-deviation, kind="stable")[: counts[layer + 1]])
+            chosen = chosen[keep]
+            index = np.concatenate([keep, np.arange(len(rows) - n, len(rows))])
+            rows, h = rows[index], h[index]
+    return sets, np.asarray(T.head(cfg, params, h[-1:]))[0]
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.5])
+def test_selection_is_the_top_deviation_subset_of_the_previous_set(model, ratio):
+    req = _request(model)
+    r = _engine(model, "cacheblend", ratio, req.chunks).run(req)
+    sets, logits = _blend_reference(model, req, ratio)
+    counts = recompute_counts(model.config.num_layers, len(req.prefix), ratio)
+    assert [len(s) for s in r.selections] == counts
+    assert counts[:CHECK_LAYER + 1] == [len(req.prefix)] * (CHECK_LAYER + 1) and counts[-1] < counts[CHECK_LAYER + 1]
+    for layer, (ours, ref) in enumerate(zip(r.selections, sets)):
+        np.testing.assert_array_equal(ours, ref, err_msg=f"layer {layer}")
+        if layer > CHECK_LAYER + 1:
+            assert set(ours) <= set(r.selections[layer - 1])
+    np.testing.assert_allclose(r.first_token_logits, logits, atol=TOL, rtol=0)
+
+
+def test_recompute_counts_schedule():
+    assert recompute_counts(30, 600, 0.0) == [0] * 30
+    assert recompute_counts(30, 600, 1.0) == [600] * 30
+    counts = recompute_counts(30, 600, 0.15)
+    later = counts[CHECK_LAYER + 1:]
+    assert counts[:CHECK_LAYER + 1] == [600] * (CHECK_LAYER + 1)
+    assert all(a >= b for a, b in zip(later, later[1:]))
+    assert np.mean(later) == pytest.approx(0.15 * 600, rel=0.02)
+    assert later[0] > 0.15 * 600 > later[-1]
+
+
+def test_opt_is_refused_with_a_clear_error():
+    opt = specjax.load_model("tiny-opt", init="random", seed=1)
+    for name in ("cacheblend", "full_reuse"):
+        with pytest.raises(SpecjaxError, match="RoPE"):
+            BlendEngine(opt, make_system(name), _store(opt))
+
+
+def test_chunks_must_concatenate_to_the_prefix(model):
+    req = _request(model)
+    with pytest.raises(SpecjaxError, match="concatenate"):
+        _engine(model, "full_reuse").run(dataclasses.replace(req, chunks=req.chunks[:2]))
+
+
+def test_missing_chunk_is_computed_and_stored(model):
+    req = _request(model)
+    engine = _engine(model, "full_reuse", chunks=req.chunks[:1])
+    first = engine.run(req)
+    assert first.io["disk_bytes_written"] > 0
+    again = engine.run(req)
+    assert again.io["disk_bytes_written"] == 0
+    np.testing.assert_allclose(again.first_token_logits, first.first_token_logits, atol=TOL, rtol=0)
+
+
+# ---- the rag workload ----------------------------------------------------------------------------
+
+TOKENIZER = FakeModel().tokenizer
+
+
+def _rag(seed=0, limit=30):
+    spec = workload.WorkloadSpec(limit=limit, seed=seed)
+    return workload.build_workload(tasks.load_task("rag"), TOKENIZER, spec)
+
+
+def test_rag_workload_is_deterministic_and_prefix_is_the_chunks():
+    a, b, c = _rag(0), _rag(0), _rag(1)
+    assert a == b and a.requests != c.requests
+    orders = set()
+    for r in a.requests:
+        assert r.prefix_ids == sum(r.chunk_ids, ())
+        assert 5 <= len(r.chunk_ids) <= 7  # the header chunk + 4-6 retrieved chunks
+        assert r.chunk_ids[0] == tuple(TOKENIZER.encode(tasks.RAG_HEADER))
+        orders.add(r.chunk_ids)
+        text = TOKENIZER.decode(list(r.prefix_ids))
+        question = TOKENIZER.decode(list(r.query_ids))
+        key = question.split("The secret code of ")[1].removesuffix(" is")
+        assert f"The secret code of {key} is {r.choices[r.gold]}." in text
+        for i, choice in enumerate(r.choices):
+            assert (f" is {choice}." in text) and (i == r.gold or f"{key} is {choice}." not in text)
+    assert len(orders) > 1 and len({len(r.chunk_ids) for r in a.requests}) > 1
+    pool = {c for r in a.requests for c in r.chunk_ids[1:]}
+    assert len(pool) <= tasks.RagSpec.pool_chunks
+    for chunk in pool:  # every chunk is a needle body tokenized on its own
+        assert TOKENIZER.decode(list(chunk)).endswith("\n")
+
+
+def test_rag_runs_through_the_eval_runner(tmp_path):
+    from specjax.eval import runner, systems as systems_lib
+
+    base = specjax.load_model("tiny-llama", init="random", seed=1)
+    wl = _rag(limit=3)
+    # the random model's vocabulary is smaller than the fake tokenizer's: fold the ids into it
+    fold = lambda ids: tuple(int(t) % base.config.vocab_size for t in ids)
+    requests = tuple(dataclasses.replace(r, prefix_ids=fold(r.prefix_ids), query_ids=fold(r.query_ids),
+                                         choice_ids=tuple(fold(c) for c in r.choice_ids),
+                                         chunk_ids=tuple(fold(c) for c in r.chunk_ids)) for r in wl.requests)
+    wl = dataclasses.replace(wl, requests=requests)
+    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20,
+                                          options={"blend_ratio": 1.0})
+    names = ["recompute", "full_reuse", "cacheblend", "as_full"]  # a prefix system runs on rag too
+    runs = runner.run_all(base, wl, runner.plan(names, [0.25]), settings, tmp_path)
+    by_name = {run.system: run for run in runs}
+    assert [run.retention for run in runs] == [None] * 4
+    for a, b in zip(by_name["recompute"].outcomes, by_name["cacheblend"].outcomes):
+        np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
+    reuse = by_name["full_reuse"].outcomes[0]
+    assert reuse.counters["reused_tokens"] == len(requests[0].prefix_ids)
+    assert reuse.counters["disk_bytes"] + reuse.counters["gpu_hits"] + reuse.counters["cpu_hits"] > 0
+    assert by_name["cacheblend"].outcomes[0].layers["recomputed"] == [1.0] * base.config.num_layers
+    for a, b in zip(by_name["recompute"].outcomes, by_name["as_full"].outcomes):  # whole contexts stored
+        np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
