@@ -102,9 +102,9 @@ def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total):
     h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
     length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
     at their stored positions), shift [S]: each token's position in the request minus its stored position;
-    total: real tokens. Returns the next hidden
-    states [C, D], the mixed keys and values attended to [H_kv, S, d], and each row's value deviation [C]
-    (squared distance between its recomputed and reused values, summed over heads).
+    total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
+    [H_kv, S, d], and each row's value deviation [C] (squared distance between its recomputed and reused values,
+    summed over heads).
     """
     keys = reposition_keys(cfg, reused_k, shift)
     q, k, v = T.project(cfg, lp, h, rows)
