@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine import cake
+from specjax.engine import blend, cake
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
@@ -86,16 +86,23 @@ class EngineSystem:
 
 class BlendSystem(EngineSystem):
     """full_reuse / cacheblend: a base store of independently cached text chunks (a request's `chunk_ids`;
-    the whole prefix as one chunk for tasks without chunks)."""
+    the whole prefix as one chunk for tasks without chunks), each context's first segment stored whole and
+    every later chunk computed after the model's sink token (specjax.engine.blend)."""
 
     @property
     def store_key(self) -> str:
-        return f"text_chunks-chunk{self.chunk_tokens}"
+        return f"text_chunks-sink-chunk{self.chunk_tokens}"
+
+    def _open_store(self, path: str, **kwargs) -> KVStore:
+        return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens), **kwargs)
 
     def stored_sequences(self, requests) -> list[tuple[int, ...]]:
-        """What the base store holds: every distinct chunk of the requests, in order of first use."""
-        chunks = [c for r in requests for c in (getattr(r, "chunk_ids", ()) or (r.prefix_ids,)) if c]
-        return list(dict.fromkeys(chunks))
+        """What the base store holds: the store key of every distinct chunk of the requests (the first segment
+        itself, a later chunk after the sink), in order of first use."""
+        sink = blend.chunk_sink(self.model.config)
+        keys = [tuple(k) for r in requests
+                for k in blend.chunk_keys([c for c in (getattr(r, "chunk_ids", ()) or (r.prefix_ids,)) if c], sink)]
+        return list(dict.fromkeys(keys))
 
     def run(self, request) -> Outcome:
         r = self.engine.run(_engine_request(request))

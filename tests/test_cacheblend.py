@@ -1,4 +1,8 @@
-"""cacheblend and full_reuse on a random 5-layer Llama with an in-memory store; the rag workload."""
+"""cacheblend and full_reuse on a random 5-layer Llama with an in-memory store; the rag workload.
+
+The precompute protocol (CacheBlend's reference): a context's first segment is stored whole, every later chunk's
+KV is computed after the model's sink token (BOS) and only its own rows are read, re-rotated by (position in the
+request - stored position)."""
 
 import dataclasses
 
@@ -11,8 +15,10 @@ import tensorstore as ts
 import specjax
 from specjax.api import Model
 from specjax.engine import BlendEngine, EngineConfig, Request, fingerprint, make_system
-from specjax.engine.blend import CHECK_LAYER, recompute_counts, reposition_keys
+from specjax.engine.blend import (CHECK_LAYER, blend_fingerprint, chunk_keys, chunk_sink, recompute_counts,
+                                  reposition_keys)
 from specjax.errors import SpecjaxError
+from specjax.stores.errors import StoreMismatchError
 from specjax.eval import tasks, workload
 from specjax.models import transformer as T
 from specjax.models.params import init_params
@@ -21,26 +27,28 @@ from specjax.stores import K, KVStore
 from eval_fakes import FakeModel
 
 TOL = 1e-4
+SINK = 3  # the test model's BOS token id
 
 
 @pytest.fixture(scope="module")
 def model():
-    """tiny-llama with 5 layers, so that several layers come after the check layer."""
+    """tiny-llama with 5 layers, so that several layers come after the check layer, and a BOS token (the sink)."""
     base = specjax.load_model("tiny-llama", init="random", seed=1)
-    cfg = dataclasses.replace(base.config, num_layers=5)
+    cfg = dataclasses.replace(base.config, num_layers=5, bos_token_id=SINK)
     return Model("tiny-llama-5", cfg, init_params(cfg, seed=1, dtype=jnp.float32), "random")
 
 
-def _store(model):
+def _store(model, fp=None):
     spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
-    return KVStore.open(spec, fingerprint(model, 16), context=ts.Context())
+    return KVStore.open(spec, blend_fingerprint(model, 16) if fp is None else fp, context=ts.Context())
 
 
 def _engine(model, name, ratio=None, chunks=()):
+    """An engine whose store holds `chunks` as one context's chunks (the first whole, the rest after the sink)."""
     config = EngineConfig(gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
     engine = BlendEngine(model, make_system(name, blend_ratio=ratio), _store(model), config)
-    for c in chunks:
-        engine.warm(c)
+    for key in chunk_keys(chunks, engine.sink):
+        engine.warm(key)
     return engine
 
 
@@ -53,7 +61,7 @@ def _request(model, lengths=(37, 50, 23), query_len=7, seed=0):
 
 
 def _layer_keys(model, ids, start):
-    """Keys of every layer of `ids` computed alone at positions start.. (nothing before them)."""
+    """Keys of every layer of `ids` computed at positions start.. (nothing before them)."""
     cfg = model.config
     positions = jnp.arange(start, start + len(ids))
     h = T.embed(cfg, model.params, jnp.asarray(ids), positions)
@@ -64,18 +72,33 @@ def _layer_keys(model, ids, start):
     return keys
 
 
-def test_rerotated_keys_equal_keys_at_the_new_position(model):
-    chunk = _request(model).chunks[1]
-    engine = _engine(model, "full_reuse", chunks=[chunk])
+def test_sink_is_bos_else_eos_else_refused(model):
+    assert chunk_sink(model.config) == (SINK,)
+    assert chunk_sink(dataclasses.replace(model.config, bos_token_id=None, eos_token_id=7)) == (7,)
+    none = Model("no-sink", dataclasses.replace(model.config, bos_token_id=None, eos_token_id=None), model.params,
+                 "random")
+    with pytest.raises(SpecjaxError, match="bos_token_id nor eos_token_id"):
+        BlendEngine(none, make_system("cacheblend"), _store(model))
+
+
+def test_rerotated_keys_equal_keys_of_the_sinked_chunk_at_the_new_position(model):
+    """A later chunk's stored keys are [sink] + chunk computed from position 0, chunk rows (positions 1..len);
+    rotated by (start - 1) they equal the chunk's keys when [sink] + chunk is computed with the sink at start - 1,
+    the chunk at start.. (RoPE attention is relative, so only the rotation changes)."""
+    first, chunk = _request(model).chunks[:2]
+    engine = _engine(model, "full_reuse", chunks=[first, chunk])
     start = 173
-    moved = _layer_keys(model, chunk, start)
-    with engine.store.match(chunk) as match:
-        assert match.length == len(chunk)
+    moved = _layer_keys(model, [SINK] + chunk, start - 1)
+    with engine.store.match([SINK] + chunk) as match:
+        assert match.length == len(chunk) + 1
         for layer in range(model.config.num_layers):
-            stored = jnp.asarray(engine.store.read(match, layer, K).result().array)
-            shifted = reposition_keys(model.config, stored, jnp.full(len(chunk), start, jnp.int32))
-            np.testing.assert_allclose(shifted, moved[layer], atol=TOL, rtol=0)
-            assert float(jnp.abs(stored - moved[layer]).max()) > 100 * TOL  # the rotation did something
+            stored = jnp.asarray(engine.store.read(match, layer, K).result().array)[:, 1:]
+            shifted = reposition_keys(model.config, stored, jnp.full(len(chunk), start - 1, jnp.int32))
+            np.testing.assert_allclose(shifted, moved[layer][:, 1:], atol=TOL, rtol=0)
+            assert float(jnp.abs(stored - moved[layer][:, 1:]).max()) > 100 * TOL  # the rotation did something
+            if layer > 0:  # layer 0 is position-free: the sink only changes the later layers
+                alone = _layer_keys(model, chunk, start)[layer]
+                assert float(jnp.abs(shifted - alone).max()) > 100 * TOL
 
 
 def test_full_blend_ratio_equals_recompute(model):
@@ -88,7 +111,8 @@ def test_full_blend_ratio_equals_recompute(model):
     assert r.io["disk_bytes"] == 0  # nothing reused, so nothing read
 
 
-def test_full_reuse_of_one_chunk_placed_first_equals_recompute(model):
+def test_full_reuse_of_the_first_segment_alone_equals_recompute(model):
+    """The first segment is stored whole (computed from position 0, no sink), as recompute computes it."""
     req = _request(model)
     chunk = req.chunks[0]
     engine = _engine(model, "full_reuse", chunks=[chunk])
@@ -98,6 +122,32 @@ def test_full_reuse_of_one_chunk_placed_first_equals_recompute(model):
         assert ours == pytest.approx(model.loglikelihood(chunk + req.query, cont)[0], abs=TOL)
     assert r.reused_tokens == len(chunk) and r.computed_tokens == len(req.query)
     assert r.io["disk_bytes"] + r.io["device_hits"] + r.io["host_hits"] > 0
+
+
+def test_full_reuse_after_a_sink_segment_equals_recompute(model):
+    """A context [sink] + chunk as two chunks: the first segment is the sink itself (stored whole at position 0)
+    and the chunk's KV is computed after the sink, so reusing both is exact (rotation 1 - 1 = 0); the same
+    tokens are also stored whole under their own key (a first segment) without the two sharing KV."""
+    req = _request(model)
+    chunk = req.chunks[1]
+    engine = _engine(model, "full_reuse", chunks=[chunk])  # chunk as a first segment: its own KV at 0..
+    r = engine.run(Request([SINK] + chunk, req.query, req.continuations, [[SINK], chunk]))
+    ref = model.logits([SINK] + chunk + req.query)[-1]
+    np.testing.assert_allclose(r.first_token_logits, ref, atol=TOL, rtol=0)
+    assert r.reused_tokens == len(chunk) + 1 and r.computed_tokens == len(req.query)
+    for (ours, _), cont in zip(r.continuation_logprobs, req.continuations):
+        assert ours == pytest.approx(model.loglikelihood([SINK] + chunk + req.query, cont)[0], abs=TOL)
+    again = engine.run(Request(chunk, req.query, req.continuations, [chunk]))  # the whole-stored entry
+    np.testing.assert_allclose(again.first_token_logits, model.logits(chunk + req.query)[-1], atol=TOL, rtol=0)
+
+
+def test_store_without_the_sink_protocol_is_refused(model, tmp_path):
+    with pytest.raises(SpecjaxError, match="chunk_sink"):
+        BlendEngine(model, make_system("cacheblend"), _store(model, fingerprint(model, 16)))
+    old = KVStore.open(str(tmp_path / "old"), fingerprint(model, 16))  # written with the earlier protocol
+    old.close()
+    with pytest.raises(StoreMismatchError, match="chunk_sink"):
+        KVStore.open(str(tmp_path / "old"), blend_fingerprint(model, 16))
 
 
 def test_full_reuse_of_later_chunks_misses_cross_attention(model):
@@ -112,18 +162,21 @@ _attend_and_mlp = jax.jit(T.attend_and_mlp, static_argnums=0)
 
 
 def _blend_reference(model, req, ratio):
-    """CacheBlend written out plainly: per-chunk KV computed alone and re-rotated, every token on layers
-    0..CHECK_LAYER, then per layer the previous set's tokens with the largest value deviation."""
+    """CacheBlend written out plainly: the first chunk's KV computed alone, every later chunk's computed after
+    the sink (its own rows kept), re-rotated to the chunk's place; every token on layers 0..CHECK_LAYER, then
+    per layer the previous set's tokens with the largest value deviation."""
     cfg, params = model.config, model.params
     m, n = len(req.prefix), len(req.query)
     reused_k, reused_v, start = [[] for _ in params["layers"]], [[] for _ in params["layers"]], 0
-    for chunk in req.chunks:
-        positions = jnp.arange(len(chunk))
-        h = T.embed(cfg, params, jnp.asarray(chunk), positions)
+    for i, chunk in enumerate(req.chunks):
+        ids = chunk if i == 0 else [SINK] + chunk
+        skip = len(ids) - len(chunk)
+        positions = jnp.arange(len(ids))
+        h = T.embed(cfg, params, jnp.asarray(ids), positions)
         for layer, lp in enumerate(params["layers"]):
             h, k, v = T.self_attention_layer(cfg, lp, h, positions, positions >= 0)
-            reused_k[layer].append(T.rope(k, jnp.full(len(chunk), start), cfg.rope_theta))
-            reused_v[layer].append(v)
+            reused_k[layer].append(T.rope(k[:, skip:], jnp.full(len(chunk), start - skip), cfg.rope_theta))
+            reused_v[layer].append(v[:, skip:])
         start += len(chunk)
     counts = recompute_counts(cfg.num_layers, m, ratio)
     tokens = np.asarray(req.prefix + req.query)
@@ -178,7 +231,7 @@ def test_opt_is_refused_with_a_clear_error():
     opt = specjax.load_model("tiny-opt", init="random", seed=1)
     for name in ("cacheblend", "full_reuse"):
         with pytest.raises(SpecjaxError, match="RoPE"):
-            BlendEngine(opt, make_system(name), _store(opt))
+            BlendEngine(opt, make_system(name), _store(opt, fingerprint(opt, 16)))
 
 
 def test_chunks_must_concatenate_to_the_prefix(model):
@@ -233,6 +286,7 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
     from specjax.eval import runner, systems as systems_lib
 
     base = specjax.load_model("tiny-llama", init="random", seed=1)
+    base = Model(base.name, dataclasses.replace(base.config, bos_token_id=SINK), base.params, "random")
     wl = _rag(limit=3)
     # the random model's vocabulary is smaller than the fake tokenizer's: fold the ids into it
     fold = lambda ids: tuple(int(t) % base.config.vocab_size for t in ids)

@@ -1,13 +1,23 @@
 """CacheBlend and full KV reuse: a context of independently cached text chunks, reused wherever a request places
 them (design.md section 4.8; CacheBlend, EuroSys'25).
 
-Each chunk's KV was computed alone (positions 0..len-1) and is stored under its own tokens. A request reads all
-its chunks' K/V per layer as one joined match, re-rotates every chunk's keys to the chunk's place in the request
-(RoPE is a rotation by position: rotating keys computed at p by delta gives the keys at p + delta) and computes
-only some tokens of each layer, attending causally to the reused KV with the recomputed rows scattered in:
+How a chunk's KV is precomputed follows the CacheBlend authors' reference (example/blend.py, where vLLM puts a
+BOS before every chunk and the prompt): a context's first segment (the system-prompt header) is stored whole, as a
+request computes it from position 0; every later chunk's KV is computed after a one-token sink prefix (the
+model's BOS token, else its EOS token: what the model reads as a sequence start) so that the chunk's first token
+is not itself computed as a sequence start (an attention sink). The store is an ordinary prefix store: the first
+segment is stored under its own tokens, a later chunk under `sink + chunk` (its tokens at positions 1..len), so
+every entry is the exact KV of its key from position 0, the same tokens in either role never share KV, and a
+request reads only the chunk tokens' rows (the sink's own KV is not used). The store's fingerprint names the sink
+(`chunk_sink`), and a store without it (the earlier protocol) is refused.
 
-- `full_reuse` computes the query only (the lower bound on quality: no chunk sees the chunks before it, and each
-  chunk's first token was computed as the first token of a sequence);
+A request reads all its chunks' K/V per layer as one joined match, re-rotates every chunk's keys by (position in
+the request - stored position) (RoPE is a rotation by position: rotating keys computed at p by delta gives the
+keys at p + delta) and computes only some tokens of each layer, attending causally to the reused KV with the
+recomputed rows scattered in:
+
+- `full_reuse` computes the query only (the lower bound on quality: no chunk sees the chunks before it, only the
+  sink);
 - `cacheblend` computes every token on layers 0..CHECK_LAYER (layer 0's KV equals the reused KV exactly, since a
   RoPE model's layer-0 input is the position-free embedding, so deviation is first measured on layer 1), picks the
   context tokens whose values deviate most from the reused ones there, and on each later layer recomputes only
@@ -25,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.engine.engine import Engine, RequestResult, _Clock, _head_row, _LayerIO
+from specjax.engine.engine import Engine, RequestResult, _Clock, _head_row, _LayerIO, fingerprint
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -56,6 +66,30 @@ def recompute_counts(num_layers: int, m: int, ratio: float, check_layer: int = C
     return counts
 
 
+def chunk_sink(cfg) -> tuple[int, ...]:
+    """The prefix every non-first chunk's KV is computed after: the BOS token, else EOS (the token a sequence
+    starts from, as `Model.loglikelihood` starts an empty context); a model with neither is refused."""
+    token = cfg.bos_token_id if cfg.bos_token_id is not None else cfg.eos_token_id
+    if token is None:
+        raise SpecjaxError(
+            "cacheblend / full_reuse compute each text chunk's KV after the model's BOS (or EOS) token, so that "
+            "the chunk's first token is not computed as a sequence start; this model's config has neither "
+            "bos_token_id nor eos_token_id")
+    return (int(token),)
+
+
+def chunk_keys(chunks, sink) -> list[list[int]]:
+    """Store key of each chunk of a context: the first segment itself (stored whole, as a request computes it),
+    every later chunk after the sink (only its own tokens' KV is read, at stored positions len(sink)..)."""
+    return [[int(t) for t in c] if i == 0 else [int(t) for t in sink] + [int(t) for t in c]
+            for i, c in enumerate(chunks)]
+
+
+def blend_fingerprint(model, chunk_tokens: int) -> dict:
+    """The fingerprint of a cacheblend / full_reuse store: the model's, plus the chunk sink it was written with."""
+    return {**fingerprint(model, chunk_tokens), "chunk_sink": list(chunk_sink(model.config))}
+
+
 def reposition_keys(cfg, keys, shift):
     """Keys [H_kv, T, d] computed at positions p, moved to p + shift ([T] int): one more RoPE rotation."""
     return T.rope(keys, shift, cfg.rope_theta)
@@ -67,9 +101,10 @@ def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total):
 
     h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
     length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
-    at their stored positions), shift [S]: each token's chunk start; total: real tokens. Returns the next hidden
-    states [C, D], the mixed keys and values attended to [H_kv, S, d], and each row's value deviation [C]
-    (squared distance between its recomputed and reused values, summed over heads).
+    at their stored positions), shift [S]: each token's position in the request minus its stored position;
+    total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
+    [H_kv, S, d], and each row's value deviation [C] (squared distance between its recomputed and reused values,
+    summed over heads).
     """
     keys = reposition_keys(cfg, reused_k, shift)
     q, k, v = T.project(cfg, lp, h, rows)
@@ -111,6 +146,13 @@ class BlendEngine(Engine):
                 f"system {system.name!r} moves cached keys to new positions by re-rotating them, which needs a "
                 f"RoPE model; {model.name} ({model.config.arch}) encodes absolute positions in its embeddings. "
                 f"Use a Llama / Qwen2 model, or a prefix-reuse system (as_full, spec, ...)")
+        self.sink = chunk_sink(model.config)
+        if store is not None and store.fingerprint.get("chunk_sink") != list(self.sink):
+            raise SpecjaxError(
+                f"system {system.name!r} stores each text chunk's KV computed after the sink {list(self.sink)}, "
+                f"but the store at {store.where} was written with chunk_sink="
+                f"{store.fingerprint.get('chunk_sink')!r} (none: chunks computed alone, the earlier protocol); "
+                f"open a store with specjax.engine.blend.blend_fingerprint, in a new directory")
         super().__init__(model, system, store, *(() if config is None else (config,)))
 
     def _run(self, request, *, reuse: bool) -> RequestResult:
@@ -128,20 +170,26 @@ class BlendEngine(Engine):
         m, n = len(prefix), len(query)
         total = m + n
         size = bucket(total)
+        keys = chunk_keys(chunks, self.sink)
+        stored_at = [len(k) - len(c) for k, c in zip(keys, chunks)]  # stored position of each chunk's first token
         starts = np.cumsum([0] + [len(c) for c in chunks])[:-1]
-        shift = np.zeros(size, np.int32)
-        for start, c in zip(starts, chunks):
-            shift[start:start + len(c)] = start
+        joined = np.cumsum([0] + [len(k) for k in keys])[:-1]
+        shift = np.zeros(size, np.int32)  # rotation of each token: position in the request - stored position
+        for start, offset, c in zip(starts, stored_at, chunks):
+            shift[start:start + len(c)] = start - offset
+        # the chunk tokens' rows of the joined match (a later chunk's sink row is not read)
+        read = np.concatenate([np.zeros(0, np.int64)] + [j + o + np.arange(len(c))
+                                                          for j, o, c in zip(joined, stored_at, chunks)])
         counts = recompute_counts(cfg.num_layers, m, self.system.blend)
         # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
         loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
                  for i in range(cfg.num_layers)]
         parts, match, io = [], None, None
         try:
-            for c in chunks:
-                parts.append(self._match_or_store(c))
+            for key in keys:
+                parts.append(self._match_or_store(key))
             match = self.store.join(parts)
-            io = _LayerIO(self, match, m, size, clock)
+            io = _LayerIO(self, match, m, size, clock, positions=read)
             if any(loads):
                 io.prefetch_first(loads.index(True))
             tokens = np.asarray(prefix + query, np.int32)
@@ -190,13 +238,14 @@ class BlendEngine(Engine):
             layers=_layer_report(counts, loads, m), prefetch=io.prefetch_report(),
             selections=traced if self.config.trace else None)
 
-    def _match_or_store(self, chunk: list[int]):
-        """The chunk's stored KV; a chunk not stored yet is computed alone and stored first (part of this TTFT)."""
-        match = self.store.match(chunk)
-        if match.length < len(chunk):
+    def _match_or_store(self, key: list[int]):
+        """The stored KV of a chunk's key (`chunk_keys`); one not stored yet is computed from position 0 and
+        stored first (part of this TTFT)."""
+        match = self.store.match(key)
+        if match.length < len(key):
             match.close()
-            self.warm(chunk)
-            match = self.store.match(chunk)
+            self.warm(key)
+            match = self.store.match(key)
         return match
 
 

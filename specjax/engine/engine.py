@@ -428,9 +428,10 @@ def _layer_report(state: st.ImportanceState, m: int) -> dict:
 class _LayerIO:
     """One request's reads through the prefetcher: what is requested ahead, what is taken, and timing."""
 
-    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: _Clock):
+    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: _Clock, positions=None):
+        """`positions`: the m match positions the request reads, in order (default: 0..m-1)."""
         self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
-        self.all_positions = np.arange(m)
+        self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
         self.prefetched: dict[int, np.ndarray] = {}
         self.stats = {"prefetched": 0, "used": 0, "hit": 0}
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
