@@ -356,9 +356,10 @@ class Engine:
         for j in range(n_chunks):
             lo = j * c
             count = min(c, n - lo)
-            ids = np.zeros(c, np.int32)
+            size = min(c, bucket(count))  # a partial last chunk is padded only to its bucket
+            ids = np.zeros(size, np.int32)
             ids[:count] = tokens[lo:lo + count]
-            positions = jnp.asarray(np.arange(lo, lo + c, dtype=np.int32))
+            positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
             h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
             for layer, lp in enumerate(params["layers"]):
                 h, own_k, own_v = self._prefill_layer(lp, h, positions, keys[layer], values[layer], lo, count)
