@@ -81,6 +81,9 @@ flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a perio
                      "period computes (sp; default 4, at most p).")
 flags.DEFINE_integer("cake_chunk_tokens", 512, "cake: tokens per chunk computed from the front or loaded from the "
                      "back (Cake: 512); a multiple of --chunk_tokens.")
+flags.DEFINE_integer("prefill_chunk_tokens", 128, "Chunked prefill when nothing is reused (recompute, a cold "
+                     "request): more new tokens than this are computed in chunks of this many, each attending to "
+                     "the earlier chunks' KV (exact); 0: one block.")
 flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
                    "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
 # where things go
@@ -106,6 +109,7 @@ flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
 for _name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
     flags.register_validator(_name, lambda v: v is None or v > 0, "must be positive")
 flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive")
+flags.register_validator("prefill_chunk_tokens", lambda v: v >= 0, "must be >= 0 (0: one block)")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
@@ -116,7 +120,7 @@ OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
-             "cake_chunk_tokens", "blend_ratio", "store", "output_dir", "preset")
+             "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "store", "output_dir", "preset")
 
 
 def _ok(parse, value) -> bool:
@@ -190,7 +194,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
-                                        "period_layers", "subperiod_layers", "cake_chunk_tokens", "blend_ratio")})
+                                        "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
+                                        "blend_ratio")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)

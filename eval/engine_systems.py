@@ -34,7 +34,9 @@ class EngineSystem:
             retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
             cpu_cache_bytes=settings.cpu_cache_bytes or 0, pcie_bandwidth=settings.pcie_bandwidth,
             kernel_impl=options.get("kernel_impl", "auto"), reorder_every=int(options.get("reorder_every", 0)),
-            cake_chunk_tokens=int(options.get("cake_chunk_tokens") or EngineConfig.cake_chunk_tokens))
+            cake_chunk_tokens=int(options.get("cake_chunk_tokens") or EngineConfig.cake_chunk_tokens),
+            prefill_chunk_tokens=int(EngineConfig.prefill_chunk_tokens if options.get("prefill_chunk_tokens") is None
+                                     else options["prefill_chunk_tokens"]))
         if self.system.schedule == "cake":  # a bad flag fails before any store is written
             cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None

@@ -89,6 +89,18 @@ def test_partly_stored_prefix_is_completed_and_stored(model):
     _assert_same_outputs(again, _recompute(model, req))
 
 
+def test_cold_request_is_a_chunked_prefill_written_behind(model):
+    """Nothing stored: cake runs the engine's chunked prefill (chunks of 32 here) and stores the prefix."""
+    req = _request(model, seed=4)
+    engine = _cake(model, prefill_chunk_tokens=32)
+    r = engine.run(req)
+    assert r.reused_tokens == 0 and r.computed_tokens == 107 and r.split["stored_tokens"] == 0
+    _assert_same_outputs(r, _recompute(model, req))
+    again = engine.run(req)
+    assert again.reused_tokens == 100 and again.split["stored_tokens"] == 100
+    _assert_same_outputs(again, _recompute(model, req))
+
+
 def test_slow_disk_leaves_everything_to_the_device(model):
     """At 100 bytes/s the loader cannot finish one chunk (tens of KB) before the device has computed them all."""
     req = _request(model, seed=3)

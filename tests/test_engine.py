@@ -60,6 +60,30 @@ def test_recompute_matches_plain_forward(model):
     assert r.reused_tokens == 0 and r.computed_tokens == len(req.prefix) + len(req.query)
 
 
+@pytest.mark.parametrize("name", ["recompute", "as_full"])
+def test_chunked_prefill_matches_plain_forward(model, name):
+    """More new tokens than one prefill chunk (3 whole chunks and a partial one): recompute, and a cold request
+    that writes its prefix behind, equal the plain forward; the stored KV serves the next request exactly."""
+    req = _request(model, prefix_len=100, query_len=7)  # 107 tokens in chunks of 32: 32 + 32 + 32 + 11
+    engine = _engine(model, name, prefill_chunk_tokens=32)
+    r = engine.run(req)
+    assert r.reused_tokens == 0 and r.computed_tokens == 107
+    context = req.prefix + req.query
+    np.testing.assert_allclose(r.first_token_logits, model.logits(context)[-1], atol=TOL, rtol=0)
+    for (ours, greedy), cont in zip(r.continuation_logprobs, req.continuations):
+        ref, ref_greedy = model.loglikelihood(context, cont)
+        assert ours == pytest.approx(ref, abs=TOL) and greedy == ref_greedy
+    block = _engine(model, name, prefill_chunk_tokens=0).run(req)  # one block: the same KV, the same scores
+    np.testing.assert_allclose(r.first_token_logits, block.first_token_logits, atol=TOL, rtol=0)
+    np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
+                               [c for c, _ in block.continuation_logprobs], atol=TOL, rtol=0)
+    if engine.store is not None:  # the chunks' KV was written behind: the next request reuses it
+        again = engine.run(Request(req.prefix, req.query[:3]))
+        assert again.reused_tokens == len(req.prefix)
+        np.testing.assert_allclose(again.first_token_logits, model.logits(req.prefix + req.query[:3])[-1],
+                                   atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["as_full", "spec", "impress", "as_h2o_lfu"])
 def test_full_retention_equals_recompute(model, name):
     req = _request(model)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine.engine import (Engine, EngineConfig, Request, RequestResult, _Clock, _context_for_continuation,
-                                   _finish, _head_row, _LayerKV, _project)
+                                   _finish, _head_row, _LayerKV, _project, _put, _put_rows, _zero_buffers)
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -40,25 +40,10 @@ def check_chunk_tokens(cake_chunk_tokens: int, store_chunk_tokens: int) -> None:
 # ---- jitted device steps -----------------------------------------------------------------------
 
 
-def _put(buf, rows, start):
-    return jax.lax.dynamic_update_slice_in_dim(buf, rows.astype(buf.dtype), start, axis=1)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_rows(buf, rows, start):
-    """buf [H, M, d] with rows [H, C, d] written at token `start`, in place."""
-    return _put(buf, rows, start)
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_chunk(bufs, rows, start):
     """Every layer's buffer [H, M, d] with that layer's rows [H, C, d] written at token `start`, in place."""
     return [_put(b, r, start) for b, r in zip(bufs, rows)]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _zero_buffers(count: int, shape: tuple, dtype):
-    return [jnp.zeros(shape, dtype) for _ in range(count)]
 
 
 # ---- who does which chunk ----------------------------------------------------------------------
@@ -207,6 +192,13 @@ class CakeEngine(Engine):
         clock = _Clock()
         match = self.store.match(prefix)
         m = match.length
+        if m == 0:  # a cold request: nothing stored to load, so the engine's (chunked) prefill, written behind
+            match.close()
+            result = super()._run(request, reuse=True)
+            result.split = {"stored_tokens": 0, "computed_prefix_tokens": 0, "loaded_prefix_tokens": 0,
+                            "chunk_tokens": c, "chunks": 0, "computed_chunks": 0, "loaded_chunks": 0,
+                            "device_gave_up_chunk": False, "loader_gave_up_chunk": False, "bad_chunk": False}
+            return result
         n_chunks = -(-m // c)
         width = max(n_chunks * c, 16)  # prefix buffer: whole chunks, so no write is clipped
         shapes = (width, m % self.store.layout.chunk_tokens)
@@ -284,18 +276,9 @@ class CakeEngine(Engine):
     # -- the device's side ---------------------------------------------------------------------------
 
     def _chunk_layer(self, j: int, lp, h, positions, keys, values, count):
-        """One layer of chunk j: attends to the device's chunks before it (in keys/values) and causally to itself."""
-        lo = j * self.chunk_tokens
-        if j == 0:
-            prefix_k = prefix_v = self._no_prefix
-            selection = SharedIndices(jnp.asarray(np.arange(16, dtype=np.int32)), 0)
-        else:
-            prefix_k, prefix_v = keys, values
-            selection = SharedIndices(jnp.asarray(np.arange(lo, dtype=np.int32)), lo)
-        q, own_k, own_v = _project(self.cfg, lp, h, positions)
-        h = _finish(self.cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, count,
-                    impl=self.config.kernel_impl)
-        return h, own_k, own_v
+        """One layer of chunk j: attends to the device's chunks before it (in keys/values) and causally to itself
+        (the engine's chunked-prefill step)."""
+        return self._prefill_layer(lp, h, positions, keys, values, j * self.chunk_tokens, count)
 
     def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader

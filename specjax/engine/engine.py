@@ -37,6 +37,10 @@ class EngineConfig:
     kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
     reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
     cake_chunk_tokens: int = 512  # cake: tokens per chunk of its compute / load schedule (a multiple of the store's)
+    # chunked prefill: with no reused prefix (recompute, a cold request), more new tokens than this are computed
+    # in chunks of this many, each attending to the earlier chunks' KV (exact; bounds attention's score tensor to
+    # [heads, chunk, tokens]); 0: one block
+    prefill_chunk_tokens: int = 128
     trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
 
 
@@ -129,6 +133,21 @@ def _scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl):
                         q_len=q_len, impl=impl)
 
 
+def _put(buf, rows, start):
+    return jax.lax.dynamic_update_slice_in_dim(buf, rows.astype(buf.dtype), start, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(buf, rows, start):
+    """buf [H, M, d] with rows [H, C, d] written at token `start`, in place."""
+    return _put(buf, rows, start)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zero_buffers(count: int, shape: tuple, dtype):
+    return [jnp.zeros(shape, dtype) for _ in range(count)]
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _head_row(cfg, params, h, row):
     return T.head(cfg, params, jax.lax.dynamic_slice_in_dim(h, row, 1))[0]
@@ -163,6 +182,8 @@ class Engine:
     def __init__(self, model, system: System, store: KVStore | None, config: EngineConfig = EngineConfig()):
         if system.reuse and store is None:
             raise SpecjaxError(f"system {system.name!r} reuses prefix KV and needs a store")
+        if config.prefill_chunk_tokens < 0:
+            raise SpecjaxError(f"prefill_chunk_tokens must be >= 0 (0: one block), got {config.prefill_chunk_tokens}")
         if not 0.0 < config.retention <= 1.0:
             raise SpecjaxError(f"retention must be in (0, 1], got {config.retention}")
         if store is not None and system.chunk_tokens and store.layout.chunk_tokens != system.chunk_tokens:
@@ -177,6 +198,7 @@ class Engine:
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = None
         self.requests_run = 0
+        self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
         if store is not None:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
                                      metrics=store.metrics, pcie_bandwidth=config.pcie_bandwidth)
@@ -232,42 +254,26 @@ class Engine:
 
     def _run(self, request: Request, *, reuse: bool) -> RequestResult:
         clock = _Clock()
-        cfg, params, system = self.cfg, self.model.params, self.system
+        cfg, system = self.cfg, self.system
         tokens = [int(t) for t in request.prefix] + [int(t) for t in request.query]
         match = self.store.match(request.prefix) if reuse else None
         m = match.length if match is not None else 0
         n, new_prefix = len(tokens) - m, len(request.prefix) - m
-        n_pad, m_pad = bucket(n), bucket(max(m, 1))
+        m_pad = bucket(max(m, 1))
         k = min(m, max(1, math.ceil(self.config.retention * m))) if system.prunes else m
         k_cap = bucket(max(k, 1))
         state = st.ImportanceState.init(cfg.num_layers, m_pad)
         writer = self.store.begin_insert(request.prefix, base=match) if reuse and new_prefix > 0 else None
         io = _LayerIO(self, match, m, m_pad, clock)
         try:
-            if m:
-                io.prefetch_first()
-            ids = np.zeros(n_pad, np.int32)
-            ids[:n] = tokens[m:]
-            positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
-            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-            layers_kv, importance, traced = [], [], []
-            for layer, lp in enumerate(params["layers"]):
-                q, own_k, own_v = _project(cfg, lp, h, positions)
-                if m == 0:
-                    prefix_k = prefix_v = jnp.zeros((cfg.num_kv_heads, 16, cfg.head_dim), own_k.dtype)
-                    selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
-                else:
-                    state, prefix_k, prefix_v, selection, imp, chosen = self._select(
-                        io, state, layer, q, own_k, n, k, k_cap)
-                    importance.append(imp)
-                    traced.append(chosen)
-                h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
-                            impl=self.config.kernel_impl)
-                layers_kv.append(_LayerKV(prefix_k, prefix_v, selection, own_k, own_v))
-                if writer is not None:
-                    writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
-                                       own_k[self.probe_kv, :new_prefix])
-            logits = _head_row(cfg, params, h, n - 1).block_until_ready()
+            if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
+                logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix)
+                importance, traced = [], []
+                own_tokens = 0  # the computed tokens' KV is the layers' buffers, as for a reused prefix
+            else:
+                logits, layers_kv, state, importance, traced = self._prefill_block(
+                    io, m, n, k, k_cap, state, tokens, writer, new_prefix)
+                own_tokens = n
             ttft, breakdown = clock.finish()
             # After the first token: importance feedback for reordering, then the write-behind commit.
             if importance:
@@ -282,12 +288,90 @@ class Engine:
             if match is not None:
                 match.close()
         first = np.asarray(logits, np.float32)
-        contexts = [_context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
+        contexts = [_context_for_continuation(kv, own_tokens) for kv in layers_kv] if request.continuations else []
         conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n, io={}, layers=_layer_report(state, m), prefetch=io.prefetch_report(),
             selections=traced if self.config.trace else None)
+
+    def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix):
+        """The n new tokens as one block over the (selected) reused prefix, layer by layer:
+        (first-token logits, per-layer KV, state, importance per layer, traced selections)."""
+        cfg, params = self.cfg, self.model.params
+        n_pad = bucket(n)
+        if m:
+            io.prefetch_first()
+        ids = np.zeros(n_pad, np.int32)
+        ids[:n] = tokens[m:]
+        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
+        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        layers_kv, importance, traced = [], [], []
+        for layer, lp in enumerate(params["layers"]):
+            q, own_k, own_v = _project(cfg, lp, h, positions)
+            if m == 0:
+                prefix_k = prefix_v = self._no_prefix
+                selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
+            else:
+                state, prefix_k, prefix_v, selection, imp, chosen = self._select(
+                    io, state, layer, q, own_k, n, k, k_cap)
+                importance.append(imp)
+                traced.append(chosen)
+            h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
+                        impl=self.config.kernel_impl)
+            layers_kv.append(_LayerKV(prefix_k, prefix_v, selection, own_k, own_v))
+            if writer is not None:
+                writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
+                                   own_k[self.probe_kv, :new_prefix])
+        logits = _head_row(cfg, params, h, n - 1).block_until_ready()
+        return logits, layers_kv, state, importance, traced
+
+    # -- chunked prefill (nothing reused) ----------------------------------------------------------------
+
+    def _prefill_layer(self, lp, h, positions, keys, values, lo: int, count: int):
+        """One layer of the chunk of new tokens starting at token `lo`: it attends to the tokens before it (rows
+        [0, lo) of this layer's keys / values [H_kv, W, d]) and causally to itself; count: its valid rows."""
+        if lo == 0:
+            prefix_k = prefix_v = self._no_prefix
+            selection = SharedIndices(jnp.asarray(np.arange(16, dtype=np.int32)), 0)
+        else:
+            prefix_k, prefix_v = keys, values
+            selection = SharedIndices(jnp.asarray(np.arange(lo, dtype=np.int32)), lo)
+        q, own_k, own_v = _project(self.cfg, lp, h, positions)
+        h = _finish(self.cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, count,
+                    impl=self.config.kernel_impl)
+        return h, own_k, own_v
+
+    def _prefill_chunked(self, tokens, writer, new_prefix):
+        """Chunked prefill of all tokens (none reused): chunk by chunk through every layer, each chunk's K/V
+        written into per-layer buffers that later chunks attend to. The writer gets a layer's new prefix KV
+        as soon as the last chunk has passed that layer. (first-token logits, per-layer KV)."""
+        cfg, params, c = self.cfg, self.model.params, self.config.prefill_chunk_tokens
+        n = len(tokens)
+        n_chunks = -(-n // c)
+        width = n_chunks * c  # whole chunks, so no write is clipped
+        shape = (cfg.num_kv_heads, width, cfg.head_dim)
+        keys = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        values = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        for j in range(n_chunks):
+            lo = j * c
+            count = min(c, n - lo)
+            size = min(c, bucket(count))  # a partial last chunk is padded only to its bucket
+            ids = np.zeros(size, np.int32)
+            ids[:count] = tokens[lo:lo + count]
+            positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
+            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            for layer, lp in enumerate(params["layers"]):
+                h, own_k, own_v = self._prefill_layer(lp, h, positions, keys[layer], values[layer], lo, count)
+                keys[layer] = _put_rows(keys[layer], own_k, lo)
+                values[layer] = _put_rows(values[layer], own_v, lo)
+                if writer is not None and j == n_chunks - 1:
+                    writer.write_layer(layer, keys[layer][:, :new_prefix], values[layer][:, :new_prefix],
+                                       keys[layer][self.probe_kv, :new_prefix])
+        logits = _head_row(cfg, params, h, count - 1).block_until_ready()
+        selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), n)
+        return logits, [_LayerKV(keys[i], values[i], selection, keys[i][:, :0], values[i][:, :0])
+                        for i in range(cfg.num_layers)]
 
     # -- choosing and loading a layer's prefix KV --------------------------------------------------
 
