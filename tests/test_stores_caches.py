@@ -197,8 +197,9 @@ def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     used_key = (0, K, int(store.locate(m, [0], 0).chunks[0]))
     ticket = prefetcher.request(m, 1, K, [20, 40, 60], speculative=True)  # three chunks of layer 1
     prefetcher.cancel(ticket)  # superseded before anything took it
-    deadline = time.perf_counter() + 5
-    while cache.host_bytes < 2 * chunk_bytes and time.perf_counter() < deadline:
+    deadline = time.perf_counter() + 5  # wait until all four reads have landed and been offered
+    while (store.metrics.snapshot()["disk_bytes"] < 4 * chunk_bytes or cache.host_bytes < 2 * chunk_bytes) \
+            and time.perf_counter() < deadline:
         time.sleep(0.01)
     kept = [key for key in cache.tiers[HOST].items if key[0] == 1]
     assert len(kept) == 1 and used_key in cache.tiers[HOST].items  # one fits; it evicted nothing used
