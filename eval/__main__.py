@@ -43,7 +43,8 @@ flags.DEFINE_string("data_dir", None, "Folder with task files laid out like ../s
                     "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
 flags.DEFINE_string("data_path", None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per line.")
 flags.DEFINE_integer("limit", None, "Number of requests (the first N task items, as lm-eval's --limit). "
-                     "Default: all items; for needle 40 (the default run of five systems took 5 to 14 minutes on 2 CPU cores, depending on their load).")
+                     "Default: all items; for needle 40 (the default run of five systems took 5 to 14 minutes on 2 "
+                     "CPU cores, depending on their load).")
 flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per "
                     "prefix (the papers' 2-10). 0 gives lm-eval's zero-shot prompts.")
 flags.DEFINE_integer("prefix_tokens", None, "Extend every prefix with more examples (needle: more facts) to at "
