@@ -17,9 +17,9 @@ import shutil
 import time
 
 from specjax.eval import systems as systems_lib
-from specjax.models.inference import bucket
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
+from specjax.models.inference import bucket
 
 
 @dataclasses.dataclass
