@@ -46,19 +46,29 @@ def make_score(policy: str, ema: float = 0.5):
 
 
 class _Tier:
-    """One budgeted store of arrays with a lazy min-heap of (score, key)."""
+    """One budgeted store of arrays with a lazy min-heap of (score, seq, key).
+
+    A re-scored key is pushed again; only its newest entry (`_latest[key]`) is live, and the heap is rebuilt
+    from the live entries once stale ones outnumber them, so a push costs O(log n) amortised.
+    """
 
     def __init__(self, name: str, budget_bytes: int):
         self.name, self.budget_bytes = name, int(budget_bytes)
         self.items: dict = {}
         self.used_bytes = 0
         self._heap: list = []
+        self._latest: dict = {}  # key -> seq of its live heap entry
         self._seq = itertools.count()
 
+    def _live(self, entry) -> bool:
+        return self._latest.get(entry[2]) == entry[1]
+
     def push(self, key, score) -> None:
-        heapq.heappush(self._heap, (score, next(self._seq), key))
+        seq = next(self._seq)
+        self._latest[key] = seq
+        heapq.heappush(self._heap, (score, seq, key))
         if len(self._heap) > 2 * len(self.items) + 64:
-            self._heap = [e for e in self._heap if e[2] in self.items]
+            self._heap = [e for e in self._heap if self._live(e)]
             heapq.heapify(self._heap)
 
     def put(self, key, array, score) -> None:
@@ -68,6 +78,7 @@ class _Tier:
 
     def pop(self, key):
         array = self.items.pop(key)
+        self._latest.pop(key, None)
         self.used_bytes -= array.nbytes
         return array
 
@@ -80,7 +91,7 @@ class _Tier:
             while self._heap:
                 entry = heapq.heappop(self._heap)
                 key = entry[2]
-                if key in self.items and entry[0] == current_score(key) and key not in victims:
+                if self._live(entry) and entry[0] == current_score(key) and key not in victims:
                     popped.append(entry)
                     break
             else:

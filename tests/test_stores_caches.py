@@ -67,6 +67,21 @@ def test_attention_score_eviction_order():
     assert cache.where(key(1)) == HOST and cache.where(key(2)) == HOST and cache.where(key(4)) is None
 
 
+def test_rescoring_keeps_the_heap_small_and_evicts_by_current_score():
+    """Hits re-score a chunk by pushing a new heap entry; stale entries must not pile up (each push would then
+    rebuild the whole heap) nor decide evictions."""
+    cache = host_only("lfu", chunks=3)
+    run(cache, [(1, [0]), (2, [0]), (3, [0])])
+    run(cache, [(i, [0]) for _ in range(400) for i in (1, 3)] + [(2, [0])] * 5)
+    heap = cache.tiers[HOST]._heap
+    assert len(heap) <= 2 * 3 + 64 + 1
+    # frequencies: 1 and 3 have 401 accesses, 2 has 6; a new chunk 4 (freq 1) cannot displace any of them,
+    # and chunk 2 becomes the victim once 5 arrives with more accesses than it
+    run(cache, [(4, [0])] + [(5, [0])] * 7)
+    assert evicted(cache) == [2]
+    assert cache.where(key(5)) == HOST and cache.where(key(1)) == HOST and cache.where(key(3)) == HOST
+
+
 def test_device_victims_are_demoted_to_host():
     cache = TieredCache(CHUNK.nbytes, CHUNK.nbytes, "lru", record_events=True)
     run(cache, [(1, [0]), (2, [0]), (3, [0])])
