@@ -144,3 +144,26 @@ def test_engine_section_marks_missing_engine_results_pending():
     res = {"alphas": [0.6], "main_retention": 0.25, "engine": {"error": "engine not importable: boom"}}
     text = O.engine_section(res)
     assert "pending" in text and "boom" in text
+
+
+def test_engine_measurements_run_every_system_after_the_eval_warm_up():
+    import types
+
+    import specjax
+
+    model = specjax.load_model("tiny-llama", init="random")
+    rng = np.random.default_rng(1)
+    prefixes = [tuple(rng.integers(0, 500, n).tolist()) for n in (70, 90)]
+    requests = [types.SimpleNamespace(request_id=i, prefix_id=i % 2, prefix_ids=prefixes[i % 2],
+                                      query_ids=tuple(rng.integers(0, 500, 5).tolist()),
+                                      choice_ids=(tuple(rng.integers(0, 500, 2).tolist()), (7, 8)), gold=0)
+                for i in range(5)]
+    settings = {"gpu_cache": 0.1, "cpu_cache": 0.3, "main_retention": 0.25, "alphas": [0.6], "chunk_tokens": 16,
+                "reorder_every": 0}
+    res = O.engine_measurements(model, requests, settings, progress=lambda *_: None)
+    assert "error" not in res, res.get("error")
+    assert set(res["runs"]) == {"spec alpha=0.6", "spec no reorder", "spec LFU cache"}
+    for run in res["runs"].values():
+        assert run["n"] == len(requests) and 0.0 <= run["accuracy"] <= 1.0
+        assert run["chunks_read_per_request"] >= 0 and run["keys_loaded"] <= 1.0
+    assert "no repack while measuring" in O._reorder_note(res)
