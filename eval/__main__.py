@@ -87,6 +87,12 @@ flags.DEFINE_integer("prefill_chunk_tokens", 128, "Chunked prefill when nothing 
                      "the earlier chunks' KV (exact); 0: one block.")
 flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
                    "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
+flags.DEFINE_enum("blend_deviation", "value", ["value", "key", "key_value"], "cacheblend: the deviation between "
+                  "recomputed and reused vectors that ranks tokens (value: CacheBlend's vLLM code; key: LMCache's "
+                  "blender; key_value: the paper's KV deviation).")
+flags.DEFINE_enum("blend_filter", "gradual", ["gradual", "fixed"], "cacheblend: each later layer keeps the most "
+                  "deviating part of the previous layer's set (gradual, the paper) or recomputes the check layer's "
+                  "set on every layer (fixed, the authors' code).")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -121,7 +127,8 @@ OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
-             "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "store", "output_dir", "preset")
+             "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
+             "blend_filter", "store", "output_dir", "preset")
 
 
 def _ok(parse, value) -> bool:
@@ -196,7 +203,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         direct_io=values["direct_io"], seed=values["seed"],
         options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
                                         "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
-                                        "blend_ratio")})
+                                        "blend_ratio", "blend_deviation", "blend_filter")})
 
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)

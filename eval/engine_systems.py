@@ -25,7 +25,9 @@ class EngineSystem:
         self.system = make_system(name, alpha=options.get("alpha"), chunk_tokens=options.get("ckv_chunk_tokens"),
                                   period_layers=options.get("period_layers"),
                                   subperiod_layers=options.get("subperiod_layers"),
-                                  blend_ratio=options.get("blend_ratio"), **ablations)
+                                  blend_ratio=options.get("blend_ratio"),
+                                  blend_deviation=options.get("blend_deviation"),
+                                  blend_filter=options.get("blend_filter"), **ablations)
         self.name = self.system.name
         self.needs_store = self.system.reuse
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own

@@ -5,6 +5,7 @@ KV is computed after the model's sink token (BOS) and only its own rows are read
 request - stored position)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +44,10 @@ def _store(model, fp=None):
     return KVStore.open(spec, blend_fingerprint(model, 16) if fp is None else fp, context=ts.Context())
 
 
-def _engine(model, name, ratio=None, chunks=()):
+def _engine(model, name, ratio=None, chunks=(), **blend):
     """An engine whose store holds `chunks` as one context's chunks (the first whole, the rest after the sink)."""
     config = EngineConfig(gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
-    engine = BlendEngine(model, make_system(name, blend_ratio=ratio), _store(model), config)
+    engine = BlendEngine(model, make_system(name, blend_ratio=ratio, **blend), _store(model), config)
     for key in chunk_keys(chunks, engine.sink):
         engine.warm(key)
     return engine
@@ -161,10 +162,10 @@ _project = jax.jit(T.project, static_argnums=0)
 _attend_and_mlp = jax.jit(T.attend_and_mlp, static_argnums=0)
 
 
-def _blend_reference(model, req, ratio):
+def _blend_reference(model, req, ratio, deviation="value", filtering="gradual"):
     """CacheBlend written out plainly: the first chunk's KV computed alone, every later chunk's computed after
     the sink (its own rows kept), re-rotated to the chunk's place; every token on layers 0..CHECK_LAYER, then
-    per layer the previous set's tokens with the largest value deviation."""
+    per layer the previous set's tokens with the largest value (key, key + value) deviation."""
     cfg, params = model.config, model.params
     m, n = len(req.prefix), len(req.query)
     reused_k, reused_v, start = [[] for _ in params["layers"]], [[] for _ in params["layers"]], 0
@@ -178,7 +179,7 @@ def _blend_reference(model, req, ratio):
             reused_k[layer].append(T.rope(k[:, skip:], jnp.full(len(chunk), start - skip), cfg.rope_theta))
             reused_v[layer].append(v[:, skip:])
         start += len(chunk)
-    counts = recompute_counts(cfg.num_layers, m, ratio)
+    counts = recompute_counts(cfg.num_layers, m, ratio, filtering=filtering)
     tokens = np.asarray(req.prefix + req.query)
     chosen = np.arange(m)
     rows = np.arange(m + n)
@@ -193,27 +194,49 @@ def _blend_reference(model, req, ratio):
         values = jnp.concatenate([old_v, jnp.zeros((cfg.num_kv_heads, n, cfg.head_dim))], axis=1).at[:, rows].set(v)
         h = _attend_and_mlp(cfg, lp, h, q, keys, values, jnp.asarray(rows), jnp.arange(m + n))
         if layer + 1 < cfg.num_layers and counts[layer + 1] < len(chosen):
-            deviation = np.asarray(((v[:, : len(chosen)] - old_v[:, chosen]) ** 2).sum((0, 2)))
-            keep = np.sort(np.argsort(-deviation, kind="stable")[: counts[layer + 1]])
+            value_dev = np.asarray(((v[:, : len(chosen)] - old_v[:, chosen]) ** 2).sum((0, 2)))
+            key_dev = np.asarray(((k[:, : len(chosen)] - old_k[:, chosen]) ** 2).sum((0, 2)))
+            score = {"value": value_dev, "key": key_dev, "key_value": value_dev + key_dev}[deviation]
+            keep = np.sort(np.argsort(-score, kind="stable")[: counts[layer + 1]])
             chosen = chosen[keep]
             index = np.concatenate([keep, np.arange(len(rows) - n, len(rows))])
             rows, h = rows[index], h[index]
     return sets, np.asarray(T.head(cfg, params, h[-1:]))[0]
 
 
-@pytest.mark.parametrize("ratio", [0.15, 0.5])
-def test_selection_is_the_top_deviation_subset_of_the_previous_set(model, ratio):
+@pytest.mark.parametrize("ratio,deviation,filtering", [(0.15, "value", "gradual"), (0.5, "value", "gradual"),
+                                                      (0.3, "key", "fixed"), (0.3, "key_value", "gradual")])
+def test_selection_is_the_top_deviation_subset_of_the_previous_set(model, ratio, deviation, filtering):
     req = _request(model)
-    r = _engine(model, "cacheblend", ratio, req.chunks).run(req)
-    sets, logits = _blend_reference(model, req, ratio)
-    counts = recompute_counts(model.config.num_layers, len(req.prefix), ratio)
+    r = _engine(model, "cacheblend", ratio, req.chunks, blend_deviation=deviation, blend_filter=filtering).run(req)
+    sets, logits = _blend_reference(model, req, ratio, deviation, filtering)
+    counts = recompute_counts(model.config.num_layers, len(req.prefix), ratio, filtering=filtering)
     assert [len(s) for s in r.selections] == counts
-    assert counts[:CHECK_LAYER + 1] == [len(req.prefix)] * (CHECK_LAYER + 1) and counts[-1] < counts[CHECK_LAYER + 1]
+    assert counts[:CHECK_LAYER + 1] == [len(req.prefix)] * (CHECK_LAYER + 1)
+    if filtering == "gradual":
+        assert counts[-1] < counts[CHECK_LAYER + 1]
+    else:
+        assert counts[CHECK_LAYER + 1:] == [math.ceil(ratio * len(req.prefix))] * len(counts[CHECK_LAYER + 1:])
     for layer, (ours, ref) in enumerate(zip(r.selections, sets)):
         np.testing.assert_array_equal(ours, ref, err_msg=f"layer {layer}")
         if layer > CHECK_LAYER + 1:
             assert set(ours) <= set(r.selections[layer - 1])
     np.testing.assert_allclose(r.first_token_logits, logits, atol=TOL, rtol=0)
+
+
+def test_deviations_choose_different_tokens(model):
+    """The three deviations are different rankings (else the setting would be a no-op)."""
+    req = _request(model)
+    chosen = {d: _engine(model, "cacheblend", 0.3, req.chunks, blend_deviation=d).run(req).selections[CHECK_LAYER + 1]
+              for d in ("value", "key", "key_value")}
+    assert not np.array_equal(chosen["value"], chosen["key"])
+
+
+def test_bad_blend_settings_are_refused():
+    with pytest.raises(SpecjaxError, match="unknown cacheblend setting 'values'"):
+        make_system("cacheblend", blend_deviation="values")
+    with pytest.raises(SpecjaxError, match="choose one of gradual, fixed"):
+        make_system("cacheblend", blend_filter="layerwise")
 
 
 def test_recompute_counts_schedule():
@@ -308,3 +331,13 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
     assert by_name["cacheblend"].outcomes[0].layers["recomputed"] == [1.0] * base.config.num_layers
     for a, b in zip(by_name["recompute"].outcomes, by_name["as_full"].outcomes):  # whole contexts stored
         np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
+
+
+def test_eval_options_reach_the_system():
+    from specjax.eval import systems as systems_lib
+
+    model = specjax.load_model("tiny-llama", init="random", seed=1)
+    settings = systems_lib.SystemSettings(options={"blend_ratio": 0.3, "blend_deviation": "key",
+                                                   "blend_filter": "fixed"})
+    system = systems_lib.make_system("cacheblend", model, settings).system
+    assert (system.blend, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")

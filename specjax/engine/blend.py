@@ -21,7 +21,11 @@ recomputed rows scattered in:
 - `cacheblend` computes every token on layers 0..CHECK_LAYER (layer 0's KV equals the reused KV exactly, since a
   RoPE model's layer-0 input is the position-free embedding, so deviation is first measured on layer 1), picks the
   context tokens whose values deviate most from the reused ones there, and on each later layer recomputes only
-  those, keeping the most deviating of them for the next layer (the paper's gradual filtering).
+  those, keeping the most deviating of them for the next layer (the paper's gradual filtering). Two choices the
+  paper and the authors' code make differently are settings of the system: the deviation that ranks tokens
+  (`blend_deviation`: "value", as in the original vLLM-based code; "key", as in LMCache's blender; or their sum,
+  the paper's "KV deviation") and whether later layers keep filtering (`blend_filter`: "gradual", the paper) or
+  keep the check layer's set (`"fixed"`, both codebases).
 
 The next layer's reads are requested before a layer computes, so loading layer i+1 overlaps computing layer i.
 """
@@ -46,17 +50,21 @@ CHECK_LAYER = 1  # cacheblend computes layers 0..CHECK_LAYER in full and first s
 FILTER_SPREAD = 0.25  # the schedule's ratios go from (1 + s) r down to (1 - s) r (s scaled down near r = 1)
 
 
-def recompute_counts(num_layers: int, m: int, ratio: float, check_layer: int = CHECK_LAYER) -> list[int]:
+def recompute_counts(num_layers: int, m: int, ratio: float, check_layer: int = CHECK_LAYER,
+                     filtering: str = "gradual") -> list[int]:
     """Context tokens recomputed on each layer, out of m.
 
     ratio 0 (full KV reuse): none. Otherwise layers 0..check_layer recompute all m, and the later layers follow
     CacheBlend's gradual filtering: each recomputes a subset of the previous layer's tokens, the ratio falling
     linearly from r + s to r - s over those layers (mean r, the paper's "r1 slightly higher than r, r2 slightly
     less than r1, ..."), with s = FILTER_SPREAD * min(r, 1 - r) so that r = 1 recomputes everything.
+    `filtering="fixed"`: every later layer recomputes the check layer's ceil(r m) tokens.
     """
     if ratio <= 0.0 or m == 0:
         return [0] * num_layers
     first = min(check_layer + 1, num_layers)
+    if filtering == "fixed":
+        return [m] * first + [min(m, math.ceil(ratio * m - 1e-9))] * (num_layers - first)
     spread = FILTER_SPREAD * min(ratio, 1.0 - ratio)
     span = max(num_layers - 1 - first, 1)
     counts = [m] * first
@@ -95,16 +103,22 @@ def reposition_keys(cfg, keys, shift):
     return T.rope(keys, shift, cfg.rope_theta)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total):
+def _distance(new, reused, rows):
+    """Squared distance [C] between each row's recomputed vectors [H_kv, C, d] and its reused ones, over heads."""
+    old = jnp.take(reused, rows, axis=1, mode="fill", fill_value=0)
+    return jnp.square(new.astype(jnp.float32) - old.astype(jnp.float32)).sum((0, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total, deviation="value"):
     """One layer over the computed rows of a request whose other tokens reuse cached KV.
 
     h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
     length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
     at their stored positions), shift [S]: each token's position in the request minus its stored position;
     total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
-    [H_kv, S, d], and each row's value deviation [C] (squared distance between its recomputed and reused values,
-    summed over heads).
+    [H_kv, S, d], and each row's deviation [C]: the squared distance between its recomputed and reused values,
+    keys (both at the request position) or both, summed over heads.
     """
     keys = reposition_keys(cfg, reused_k, shift)
     q, k, v = T.project(cfg, lp, h, rows)
@@ -112,9 +126,9 @@ def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total):
     mixed_v = reused_v.at[:, rows].set(v.astype(reused_v.dtype), mode="drop")
     slots = jnp.arange(keys.shape[1])
     h = T.attend_and_mlp(cfg, lp, h, q, mixed_k, mixed_v, rows, slots, slots < total)
-    old_v = jnp.take(reused_v, rows, axis=1, mode="fill", fill_value=0)
-    deviation = jnp.square(v.astype(jnp.float32) - old_v.astype(jnp.float32)).sum((0, 2))
-    return h, mixed_k, mixed_v, deviation
+    value_dev = _distance(v, reused_v, rows) if deviation in ("value", "key_value") else 0.0
+    key_dev = _distance(k, keys, rows) if deviation in ("key", "key_value") else 0.0
+    return h, mixed_k, mixed_v, value_dev + key_dev
 
 
 @jax.jit
@@ -180,7 +194,7 @@ class BlendEngine(Engine):
         # the chunk tokens' rows of the joined match (a later chunk's sink row is not read)
         read = np.concatenate([np.zeros(0, np.int64)] + [j + o + np.arange(len(c))
                                                           for j, o, c in zip(joined, stored_at, chunks)])
-        counts = recompute_counts(cfg.num_layers, m, self.system.blend)
+        counts = recompute_counts(cfg.num_layers, m, self.system.blend, filtering=self.system.blend_filter)
         # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
         loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
                  for i in range(cfg.num_layers)]
@@ -210,7 +224,7 @@ class BlendEngine(Engine):
                 else:
                     reused_k = reused_v = zeros
                 h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
-                                                             shift_dev, total)
+                                                             shift_dev, total, self.system.blend_deviation)
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):

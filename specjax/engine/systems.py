@@ -13,6 +13,10 @@ from specjax.errors import SpecjaxError
 IDENTIFY = ("none", "h2o", "itf", "chunks")
 PREFETCH = ("none", "kv", "keys", "probe", "speculative", "periods")
 SCHEDULES = ("layers", "cake")  # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake)
+# CacheBlend's token selection: what deviation ranks tokens (recomputed vs reused vectors), and whether later layers
+# keep filtering the set (the paper) or keep the check layer's set (the authors' reference code)
+BLEND_DEVIATIONS = ("value", "key", "key_value")
+BLEND_FILTERS = ("gradual", "fixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +36,8 @@ class System:
     # CacheBlend (specjax.engine.blend): the prefix is independently cached text chunks, all their KV is loaded
     # and this fraction of context tokens is recomputed per layer (0: full KV reuse); None: prefix reuse
     blend: float | None = None
+    blend_deviation: str = "value"
+    blend_filter: str = "gradual"
 
     @property
     def prunes(self) -> bool:
@@ -64,16 +70,22 @@ def system_names() -> list[str]:
 def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
                 no_prefetch: bool = False, alpha: float | None = None, chunk_tokens: int | None = None,
                 period_layers: int | None = None, subperiod_layers: int | None = None,
-                blend_ratio: float | None = None) -> System:
+                blend_ratio: float | None = None, blend_deviation: str | None = None,
+                blend_filter: str | None = None) -> System:
     """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, ContiguousKV's
-    chunk, period and sub-period sizes (c, p, sp), and CacheBlend's recompute ratio (`blend_ratio`)."""
+    chunk, period and sub-period sizes (c, p, sp), and CacheBlend's recompute ratio (`blend_ratio`), deviation
+    and filtering (`blend_deviation`, `blend_filter`)."""
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
     system = SYSTEMS[name]
-    if blend_ratio is not None and system.blend:
-        if not 0.0 <= blend_ratio <= 1.0:
+    if system.blend:
+        if blend_ratio is not None and not 0.0 <= blend_ratio <= 1.0:
             raise SpecjaxError(f"blend ratio must be in [0, 1], got {blend_ratio}")
-        system = dataclasses.replace(system, blend=blend_ratio)
+        for value, known in ((blend_deviation, BLEND_DEVIATIONS), (blend_filter, BLEND_FILTERS)):
+            if value is not None and value not in known:
+                raise SpecjaxError(f"unknown cacheblend setting {value!r}; choose one of {', '.join(known)}")
+        chosen = {"blend": blend_ratio, "blend_deviation": blend_deviation, "blend_filter": blend_filter}
+        system = dataclasses.replace(system, **{k: v for k, v in chosen.items() if v is not None})
     changes = {}
     if system.identify == "itf":
         if no_itf:
