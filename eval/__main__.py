@@ -271,6 +271,11 @@ def main(argv):
     for name in task_list:
         if name not in tasks_lib.TASKS:
             raise EvalError(f"unknown task '{name}'; known tasks: {', '.join(tasks_lib.TASKS)}")
+    if "rag" in task_list:
+        ignored = [f"--{name}" for name in ("prefix_tokens", "needle_facts") if FLAGS[name].present]
+        if ignored:
+            raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
+                            f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
     systems_lib.resolve(values["systems"])  # fail on unknown systems before loading a model
     model = load_model(values["model"], values["dtype"], values["init"], values["seed"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"

@@ -133,6 +133,7 @@ def _cli(*args, timeout=120):
     (["--preset=nope"], "unknown preset 'nope'"),
     (["--model=no-such-model"], "no-such-model"),
     (["--task=piqa", "--data_dir=/nonexistent/data"], "--data_dir /nonexistent/data is not a directory"),
+    (["--task=rag", "--prefix_tokens=2000"], "--prefix_tokens size needle prefixes; rag contexts"),
 ])
 def test_cli_errors_are_one_line(args, message, tmp_path):
     proc = _cli(*args, f"--output_dir={tmp_path}")
