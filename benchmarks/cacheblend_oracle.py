@@ -24,6 +24,7 @@ from absl import app, flags
 
 import specjax
 from specjax.engine import blend
+from specjax.engine.systems import BLEND_FILTERS
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.models import transformer as T
@@ -32,7 +33,7 @@ from specjax.models.inference import bucket
 flags.DEFINE_string("model", "smollm2-135m", "A RoPE model name or directory.")
 flags.DEFINE_string("ratios", "0.15,0.3", "Comma-separated cacheblend recompute ratios.")
 flags.DEFINE_integer("limit", 80, "rag requests (seed 0, as `python -m specjax.eval --task rag`).")
-flags.DEFINE_enum("blend_filter", "gradual", ["gradual", "fixed"], "cacheblend's filtering, as in specjax.eval.")
+flags.DEFINE_enum("blend_filter", "gradual", BLEND_FILTERS, "cacheblend's filtering, as in specjax.eval.")
 FLAGS = flags.FLAGS
 
 

@@ -20,6 +20,7 @@ import time
 import numpy as np
 from absl import flags
 
+from specjax.engine.systems import BLEND_DEVIATIONS, BLEND_FILTERS
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib
 from specjax.eval import systems as systems_lib
@@ -87,10 +88,10 @@ flags.DEFINE_integer("prefill_chunk_tokens", 128, "Chunked prefill when nothing 
                      "the earlier chunks' KV (exact); 0: one block.")
 flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
                    "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
-flags.DEFINE_enum("blend_deviation", "value", ["value", "key", "key_value"], "cacheblend: the deviation between "
+flags.DEFINE_enum("blend_deviation", "value", BLEND_DEVIATIONS, "cacheblend: the deviation between "
                   "recomputed and reused vectors that ranks tokens (value: CacheBlend's vLLM code; key: LMCache's "
                   "blender; key_value: the paper's KV deviation).")
-flags.DEFINE_enum("blend_filter", "gradual", ["gradual", "fixed"], "cacheblend: each later layer keeps the most "
+flags.DEFINE_enum("blend_filter", "gradual", BLEND_FILTERS, "cacheblend: each later layer keeps the most "
                   "deviating part of the previous layer's set (gradual, the paper) or recomputes the check layer's "
                   "set on every layer (fixed, the authors' code).")
 # where things go

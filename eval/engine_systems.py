@@ -67,18 +67,8 @@ class EngineSystem:
         self.engine = make_engine(self.model, self.system, self.store, self.config)
 
     def warm(self, requests) -> None:
-        """Compile every shape the run will use and fill the caches: two passes over the warm-up requests.
-
-        Systems that reorder repack the store between the passes (from the importance the first pass
-        observed), so the second pass fills their caches with the repacked chunks; every system gets both
-        passes, so their caches see the same warm-up traffic.
-        """
-        for r in requests:
-            self.engine.run(_engine_request(r))
-        if self.system.reorder:
-            self.engine.reorder()
-        for r in requests:
-            self.engine.run(_engine_request(r))
+        """Compile every shape the run will use and fill the caches (`warm_up`)."""
+        warm_up(self.engine, [_engine_request(r) for r in requests])
 
     def run(self, request) -> Outcome:
         return _outcome(self.engine.run(_engine_request(request)), request)
@@ -115,6 +105,19 @@ class BlendSystem(EngineSystem):
         outcome.layers["recomputed"] = [float(x) for x in recomputed]
         outcome.counters["recomputed_tokens"] = float(np.mean(recomputed) * len(request.prefix_ids))
         return outcome
+
+
+def warm_up(engine, requests: list[Request]) -> None:
+    """The warm-up every measured engine gets: two passes over `requests` (one per distinct prefix, in arrival
+    order). Systems that reorder repack the store between the passes (from the importance the first pass
+    observed; the repack frees the old chunks), so the second pass fills their caches with the repacked chunks;
+    every system gets both passes, so their caches see the same warm-up traffic."""
+    for r in requests:
+        engine.run(r)
+    if engine.system.reorder:
+        engine.reorder()
+    for r in requests:
+        engine.run(r)
 
 
 def _outcome(r, request) -> Outcome:

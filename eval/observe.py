@@ -584,6 +584,7 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
         import tensorstore as ts
 
         from specjax.engine import Engine, EngineConfig, Request as EngineRequest, fingerprint, make_system
+        from specjax.eval.engine_systems import warm_up
         from specjax.stores import KVStore
     except Exception as e:  # the engine is optional for items 1-4
         return {"error": f"engine not importable: {type(e).__name__}: {e}"}
@@ -611,20 +612,13 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
             engine = Engine(model, system, store, EngineConfig(
                 retention=ret, gpu_cache_bytes=gpu, cpu_cache_bytes=cpu,
                 reorder_every=settings["reorder_every"] if reorder else 0))
-            # the same warm-up for every run, as specjax.eval's: each prefix stored once, then its first request
-            # run twice, the store repacked between the passes when the system reorders (the repack needs the
-            # importance the first pass observed, and frees the old chunks, so the second pass refills the caches)
-            first = []
+            # specjax.eval's warm-up for every run: each prefix stored once, then two passes over its first request
+            first: dict = {}
             for r in requests:
-                if all(r.prefix_id != f.prefix_id for f in first):
-                    first.append(r)
-            for r in first:
+                first.setdefault(r.prefix_id, r)
+            for r in first.values():
                 engine.warm(list(r.prefix_ids))
-            for warm_pass in range(2):
-                for r in first:
-                    engine.run(_engine_request(r))
-                if reorder and warm_pass == 0:
-                    engine.reorder()
+            warm_up(engine, [_engine_request(r) for r in first.values()])
             store.metrics.reset()
             totals: dict[str, float] = {}
             fallback, retained, keys, hits = [], [], [], []

@@ -358,9 +358,7 @@ class KVStore:
         tokens = np.asarray(tokens, np.int64)
         with self._lock:
             steps = self._tree.match(tokens)
-            self._snapshots[self.generation] += 1
-            for s in steps:
-                self._pinned[s.node_id] += 1
+            self._pin_snapshot(self.generation, [s.node_id for s in steps])
             return Match(self, steps, tokens, self.generation)
 
     def join(self, matches) -> Match:
@@ -374,10 +372,14 @@ class KVStore:
             start += m.length
         with self._lock:
             generation = min((m.generation for m in matches), default=self.generation)
-            self._snapshots[generation] += 1
-            for s in steps:
-                self._pinned[s.node_id] += 1
+            self._pin_snapshot(generation, [s.node_id for s in steps])
         return Match(self, steps, np.concatenate(tokens) if tokens else np.zeros(0, np.int64), generation)
+
+    def _pin_snapshot(self, generation: int, node_ids) -> None:
+        """Keep a generation's manifest and these nodes' chunks alive until `_release_snapshot` (lock held)."""
+        self._snapshots[generation] += 1
+        for n in node_ids:
+            self._pinned[n] += 1
 
     def _release_snapshot(self, generation: int, node_ids: tuple) -> None:
         with self._lock:
@@ -670,8 +672,7 @@ class KVStore:
         with self._lock:
             node = self._tree.nodes[node_id]
             steps = [PathStep(node_id, node.seg_id, node.seg_start, 0, len(node))]
-            self._snapshots[self.generation] += 1
-            self._pinned[node_id] += 1
+            self._pin_snapshot(self.generation, [node_id])
             return node.seg_id, node.seg_start, len(node), Match(self, steps, node.tokens, self.generation)
 
     def new_segment_writer(self, n_tokens: int) -> SegmentWriter:

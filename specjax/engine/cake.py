@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine.engine import (Engine, EngineConfig, Request, RequestResult, _Clock, _context_for_continuation,
-                                   _finish, _head_row, _LayerKV, _project, _put, _put_rows, _zero_buffers)
+                                   _earlier, _finish, _head_row, _LayerKV, _project, _put, _put_rows, _zero_buffers)
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -278,7 +278,7 @@ class CakeEngine(Engine):
     def _chunk_layer(self, j: int, lp, h, positions, keys, values, count):
         """One layer of chunk j: attends to the device's chunks before it (in keys/values) and causally to itself
         (the engine's chunked-prefill step)."""
-        return self._prefill_layer(lp, h, positions, keys, values, j * self.chunk_tokens, count)
+        return self._prefill_layer(lp, h, positions, keys, values, _earlier(j * self.chunk_tokens), count)
 
     def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader

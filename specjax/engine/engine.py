@@ -198,7 +198,9 @@ class Engine:
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = None
         self.requests_run = 0
+        # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
+        self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
         if store is not None:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
                                      metrics=store.metrics, pcie_bandwidth=config.pcie_bandwidth)
@@ -311,7 +313,7 @@ class Engine:
             q, own_k, own_v = _project(cfg, lp, h, positions)
             if m == 0:
                 prefix_k = prefix_v = self._no_prefix
-                selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
+                selection = self._no_selection
             else:
                 state, prefix_k, prefix_v, selection, imp, chosen = self._select(
                     io, state, layer, q, own_k, n, k, k_cap)
@@ -328,18 +330,15 @@ class Engine:
 
     # -- chunked prefill (nothing reused) ----------------------------------------------------------------
 
-    def _prefill_layer(self, lp, h, positions, keys, values, lo: int, count: int):
-        """One layer of the chunk of new tokens starting at token `lo`: it attends to the tokens before it (rows
-        [0, lo) of this layer's keys / values [H_kv, W, d]) and causally to itself; count: its valid rows."""
-        if lo == 0:
-            prefix_k = prefix_v = self._no_prefix
-            selection = SharedIndices(jnp.asarray(np.arange(16, dtype=np.int32)), 0)
-        else:
-            prefix_k, prefix_v = keys, values
-            selection = SharedIndices(jnp.asarray(np.arange(lo, dtype=np.int32)), lo)
+    def _prefill_layer(self, lp, h, positions, keys, values, earlier, count: int):
+        """One layer of a chunk of new tokens: it attends to the tokens before it (`earlier`, a selection of this
+        layer's keys / values [H_kv, W, d]; None for the first chunk) and causally to itself; count: its valid
+        rows."""
+        if earlier is None:
+            keys = values = self._no_prefix
+            earlier = self._no_selection
         q, own_k, own_v = _project(self.cfg, lp, h, positions)
-        h = _finish(self.cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, count,
-                    impl=self.config.kernel_impl)
+        h = _finish(self.cfg, lp, h, q, own_k, own_v, keys, values, earlier, count, impl=self.config.kernel_impl)
         return h, own_k, own_v
 
     def _prefill_chunked(self, tokens, writer, new_prefix):
@@ -361,8 +360,9 @@ class Engine:
             ids[:count] = tokens[lo:lo + count]
             positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
             h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            earlier = _earlier(lo)  # the same for every layer
             for layer, lp in enumerate(params["layers"]):
-                h, own_k, own_v = self._prefill_layer(lp, h, positions, keys[layer], values[layer], lo, count)
+                h, own_k, own_v = self._prefill_layer(lp, h, positions, keys[layer], values[layer], earlier, count)
                 keys[layer] = _put_rows(keys[layer], own_k, lo)
                 values[layer] = _put_rows(values[layer], own_v, lo)
                 if writer is not None and j == n_chunks - 1:
@@ -464,6 +464,12 @@ class Engine:
         logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
         target = np.asarray(cont)
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
+
+
+def _earlier(lo: int) -> SharedIndices | None:
+    """What a chunk of new tokens starting at token `lo` attends to besides itself: rows [0, lo) of the layers'
+    K/V buffers (chunked prefill); None for the first chunk."""
+    return SharedIndices(jnp.arange(lo, dtype=jnp.int32), lo) if lo else None
 
 
 def _pad_np(x: np.ndarray, size: int, fill: int = -1) -> np.ndarray:
