@@ -10,7 +10,7 @@ a cached chunk costs no disk read whether it was guessed or not. Per layer and k
 - demand: uncached chunks the set needs that the guess missed (read on demand, as impress reads all of them),
 
 and the same for stricter guesses that keep only chunks holding at least a share `t` of their slots from the
-previous layer's set (`--thresholds`). What impress reads is `used + demand` of the as-built row.
+previous layer's set (`--thresholds`). With the same caches, impress would read `used + demand` of the as-built row.
 
     python benchmarks/speculation_waste.py --task piqa --data_dir ../shared/data --limit 24 \\
         --prefix_tokens 1024 --systems spec --retention 0.25 --output_dir /tmp/waste
