@@ -25,7 +25,6 @@ import collections
 import json
 import pathlib
 
-import numpy as np
 from absl import app, flags
 
 from specjax.engine import engine as engine_lib
@@ -56,12 +55,10 @@ def _count(io, layer, previous, chosen, thresholds):
     store, cache, c = io.engine.store, io.engine.cache, io.engine.store.layout.chunk_tokens
     guessed = set(store.locate(io.match, io.prefetched[layer], layer).unique_chunks().tolist())
     needed = set(store.locate(io.match, chosen, layer).unique_chunks().tolist())
-    # the stricter guesses: the same budget and ranking as _speculate, minus chunks the previous set fills thinly
-    budget = len(store.locate(io.match, previous, layer - 1).unique_chunks())
-    chunks, hits = np.unique(store.locate(io.match, previous, layer).chunks, return_counts=True)
-    ranked = np.argsort(-hits, kind="stable")[:budget]
+    # the stricter guesses: _speculate's chunks minus those the previous set fills thinly
+    chunks, hits = io.speculation_ranking(layer, previous)
     guesses = {"as built": guessed}
-    guesses.update({f"t={t:g}": {int(chunks[i]) for i in ranked if hits[i] >= t * c} for t in thresholds})
+    guesses.update({f"t={t:g}": {int(x) for x, h in zip(chunks, hits) if h >= t * c} for t in thresholds})
     _counts["layers"] += 1
     for kind in (K, V):
         cached = {x for x in guessed | needed if cache is not None and cache.where((layer, kind, x)) is not None}

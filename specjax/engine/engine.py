@@ -554,11 +554,17 @@ class _LayerIO:
         occupied in its own layer (the same I/O budget), and every token in them is prefetched. Without
         reordering (or with one order for all layers) this is exactly the chunks of the previous set.
         """
+        chunks, _ = self.speculation_ranking(layer, previous)
+        store = self.engine.store
+        return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, chunks)]
+
+    def speculation_ranking(self, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks of `layer` `_speculate` reads, best first, and how many of `previous` each holds."""
         store = self.engine.store
         budget = len(store.locate(self.match, previous, layer - 1).unique_chunks())
         chunks, counts = np.unique(store.locate(self.match, previous, layer).chunks, return_counts=True)
-        ahead = chunks[np.argsort(-counts, kind="stable")[:budget]]
-        return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, ahead)]
+        best = np.argsort(-counts, kind="stable")[:budget]
+        return chunks[best], counts[best]
 
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
