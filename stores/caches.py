@@ -10,18 +10,45 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import itertools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.inference import bucket
 from specjax.stores.kvarray import Throttle
 from specjax.stores.metrics import StoreMetrics
 
 POLICIES = ("lru", "lfu", "spec_score", "attention_score")
 DEVICE, HOST = "device", "host"
+
+
+def row_bucket(n: int) -> int:
+    """Rows a gather of n token vectors is padded to: 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, ... (at most 25% over
+    n past 16), so the device ops that follow compile once per bucket, not once per n."""
+    return bucket(n, minimum=4)
+
+
+def padded_offsets(offsets) -> np.ndarray:
+    """offsets [n] padded to row_bucket(n) by repeating the last one (padding rows are dropped by the caller)."""
+    offsets = np.asarray(offsets, np.int32)
+    out = np.full(row_bucket(len(offsets)), offsets[-1] if len(offsets) else 0, np.int32)
+    out[: len(offsets)] = offsets
+    return out
+
+
+@jax.jit
+def _gather_rows(chunk, idx):
+    return jnp.take(chunk, idx, axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def pad_rows(x, rows: int):
+    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
 
 
 @dataclasses.dataclass
@@ -115,7 +142,9 @@ class TieredCache:
         self._score_fn = make_score(policy)
         self.ema = ema
         self.metrics = metrics if metrics is not None else StoreMetrics()
-        self.device = device or jax.devices()[0]
+        # None: the default device, and arrays left uncommitted. A committed array (device_put to a named
+        # device) gives every jitted step that touches it a second compiled executable for the same shapes.
+        self.device = device
         self.pcie = Throttle(pcie_bandwidth) if pcie_bandwidth else None
         self.tiers = {DEVICE: _Tier(DEVICE, device_bytes), HOST: _Tier(HOST, host_bytes)}
         self.stats: dict = collections.defaultdict(ChunkStats)  # kept after eviction, as in ContiguousKV
@@ -149,6 +178,16 @@ class TieredCache:
             self.pcie.consume(array.nbytes)
         self.metrics.add(host_to_device_bytes=array.nbytes)
         return jax.device_put(array, self.device)
+
+    def _send(self, host_array: np.ndarray, offsets: np.ndarray):
+        """Only the requested vectors cross to the device; there they are padded to row_bucket(len(offsets))."""
+        self.sent_vectors += len(offsets)
+        vectors = self._to_device(np.ascontiguousarray(host_array[:, offsets]))
+        return pad_rows(vectors, row_bucket(len(offsets)))
+
+    @staticmethod
+    def _gather(device_array, offsets: np.ndarray):
+        return _gather_rows(device_array, jnp.asarray(padded_offsets(offsets)))
 
     def _event(self, *event) -> None:
         if self.events is not None:
@@ -207,34 +246,35 @@ class TieredCache:
 
     def admit(self, key, host_array: np.ndarray, offsets=None):
         """Place a chunk just read from disk by its score (device, host or neither); if `offsets` is given,
-        return those token vectors on the device (only they cross, unless the chunk went to the device)."""
+        return those token vectors on the device (only they cross, unless the chunk went to the device), as
+        `[heads, row_bucket(len(offsets)), head_dim]` with padding rows after them."""
         with self._lock:
             if self.where(key) is None:
                 if not self._try_place(DEVICE, key, host_array):
                     self._try_place(HOST, key, host_array)
             if offsets is None:
                 return None
+            offsets = np.asarray(offsets)
             if key in self.tiers[DEVICE].items:
-                return self.tiers[DEVICE].items[key][:, np.asarray(offsets)]
-            self.sent_vectors += len(offsets)
-            return self._to_device(np.ascontiguousarray(host_array[:, np.asarray(offsets)]))
+                return self._gather(self.tiers[DEVICE].items[key], offsets)
+            return self._send(host_array, offsets)
 
     def access(self, key, offsets, *, chunk_tokens: int | None = None, important_fraction: float | None = None,
                importance: float | None = None):
-        """Use `offsets` of a chunk: device vectors on a hit (counted per tier; a host hit sends only those
-        vectors and promotes the chunk if it now outscores the device minimum), None on a miss."""
+        """Use `offsets` of a chunk: device vectors on a hit, `[heads, row_bucket(len(offsets)), head_dim]` with
+        padding rows after them (hits are counted per tier; a host hit sends only those vectors and promotes the
+        chunk if it now outscores the device minimum), None on a miss."""
         offsets = np.asarray(offsets)
         with self._lock:
             self._update(key, len(offsets), chunk_tokens, important_fraction, importance)
             device, host = self.tiers[DEVICE], self.tiers[HOST]
             if key in device.items:
                 self.metrics.add(device_hits=1)
-                return device.items[key][:, offsets]
+                return self._gather(device.items[key], offsets)
             if key in host.items:
                 self.metrics.add(host_hits=1)
                 array = host.items[key]
-                self.sent_vectors += len(offsets)
-                vectors = self._to_device(np.ascontiguousarray(array[:, offsets]))
+                vectors = self._send(array, offsets)
                 host.pop(key)
                 if not self._try_place(DEVICE, key, array):
                     host.put(key, array, self.score(key))

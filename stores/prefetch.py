@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.stores.caches import TieredCache
+from specjax.stores.caches import TieredCache, pad_rows, row_bucket
 from specjax.stores.store import KVStore, Match
 
 
@@ -46,11 +46,6 @@ class Taken:
     ok: np.ndarray
     waited_ms: float
     chunks_from_disk: int
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pad_rows(x, rows: int):
-    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -191,13 +186,13 @@ class Prefetcher:
             array = future.result()
             if array is None:
                 ok[sel] = False
-                parts.append(jnp.zeros((lay.heads(kind), len(sel), lay.head_dim), lay.np_dtype))
+                parts.append(jnp.zeros((lay.heads(kind), row_bucket(len(sel)), lay.head_dim), lay.np_dtype))
             elif self.cache is not None:
                 parts.append(self.cache.admit(key, array, offsets))
             else:
                 host = np.ascontiguousarray(array[:, offsets])
                 self.store.metrics.add(host_to_device_bytes=host.nbytes)
-                parts.append(jax.device_put(host))
+                parts.append(pad_rows(jax.device_put(host), row_bucket(len(sel))))
             order.append(sel)
         with self._lock:
             self._release_keys(demand_keys)
@@ -210,17 +205,13 @@ class Prefetcher:
 
     @staticmethod
     def _assemble(parts, order, size, lay, kind) -> jax.Array:
-        """Scatter each chunk's vectors to their rows of a [heads, size, d] array.
-
-        Every piece is padded to chunk_tokens rows (a multiple of it when a joined match asks for one stored
-        chunk at several places), so the device ops compile once per output size."""
+        """Scatter each chunk's vectors (`[heads, row_bucket(len(rows)), d]`, the caches' padded shape) to their
+        rows of a [heads, size, d] array, so the device ops compile once per (output size, row bucket)."""
         out = jnp.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
-        c = lay.chunk_tokens
         for part, rows in zip(parts, order):
-            width = c * max(1, -(-len(rows) // c))
-            idx = np.full(width, size, np.int32)  # row `size` is out of range: its padding is dropped
+            idx = np.full(part.shape[1], size, np.int32)  # row `size` is out of range: its padding is dropped
             idx[: len(rows)] = rows
-            out = _scatter_rows(out, _pad_rows(part, width), jnp.asarray(idx))
+            out = _scatter_rows(out, part, jnp.asarray(idx))
         return out
 
     def close(self) -> None:

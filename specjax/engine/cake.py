@@ -23,6 +23,7 @@ from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
 from specjax.stores import K, V
+from specjax.stores.caches import row_bucket
 
 # Layers of a chunk the loader keeps in flight: enough to keep the (emulated) disk busy between reads, few enough
 # that little is left queued on it when the device finishes the chunk first.
@@ -176,12 +177,7 @@ class CakeEngine(Engine):
         check_chunk_tokens(config.cake_chunk_tokens, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
-        self._no_prefix = self._committed(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
-
-    def _committed(self, x):
-        """Pinned to the device, as the loader's arrays are: jit compiles again for uncommitted arguments, and
-        which buffers went through the loader depends on the meeting point."""
-        return jax.device_put(x, self.cache.device)
+        self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
 
     def _run(self, request: Request, *, reuse: bool) -> RequestResult:
         if not reuse:
@@ -211,8 +207,8 @@ class CakeEngine(Engine):
         meeting = _Meeting(n_chunks)
         loader = _Loader(self, match, meeting, m)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        keys = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
-        values = self._committed(_zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype))
+        keys = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        values = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         absorbed: set[int] = set()
         device_gave_up = False
         try:
@@ -319,18 +315,17 @@ class CakeEngine(Engine):
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
         lay = self.store.layout
         for rows in {lay.chunk_tokens, m % lay.chunk_tokens} - {0}:
-            part = jax.device_put(np.zeros((lay.kv_heads, lay.chunk_tokens, lay.head_dim), lay.np_dtype))
-            part = part[:, np.arange(rows)]  # as a device-cache hit slices it
+            part = jnp.zeros((lay.kv_heads, row_bucket(rows), lay.head_dim), lay.np_dtype)  # as the caches pad it
             jax.block_until_ready(self.prefetcher._assemble([part], [np.arange(rows)], c, lay, K))
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        buffers = self._committed(_zero_buffers(cfg.num_layers, shape, dtype))
+        buffers = _zero_buffers(cfg.num_layers, shape, dtype)
         for j in range(n_chunks):
             h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
-            for lp in self.model.params["layers"][:2]:  # the first layer's inputs are uncommitted, later ones not
+            for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not
                 h, own_k, _ = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
                 buffers[0] = _put_rows(buffers[0], own_k, 0)
-        rows = self._committed([jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers)
+        rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
 
 

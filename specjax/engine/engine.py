@@ -461,7 +461,7 @@ class Engine:
             h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
                         impl=self.config.kernel_impl)
         logits = np.concatenate([first_logits[None], np.asarray(T.head_step(cfg, params, h))[: c - 1]], 0)
-        logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+        logprobs = _log_softmax(logits.astype(np.float64))  # on the host: no device op per continuation length
         target = np.asarray(cont)
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
 
@@ -484,17 +484,32 @@ def _normalised_importance(scores, m: int) -> np.ndarray:
     return (s / np.maximum(s.sum(1, keepdims=True), 1e-30)).mean(0).astype(np.float32)
 
 
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _join(prefix, own, width: int):
+    """[H, M, d] and [H, n, d] side by side, zero-padded to `width` tokens."""
+    joined = jnp.concatenate([prefix, own], axis=1)
+    return jnp.pad(joined, ((0, 0), (0, width - joined.shape[1]), (0, 0)))
+
+
 def _context_for_continuation(kv: _LayerKV, n: int):
-    """Prefix arrays + selection for tokens after the computed ones: the computed tokens join the selection."""
+    """Prefix arrays + selection for tokens after the computed ones: the computed tokens join the selection.
+
+    The arrays are padded to a bucket of their joint width and the selection to that same width, so scoring a
+    continuation compiles once per (continuation bucket, context bucket), not per combination of the prefix's,
+    the computed tokens' and the selection's sizes."""
     M = kv.prefix_k.shape[1]
-    keys = jnp.concatenate([kv.prefix_k, kv.own_k], axis=1)
-    values = jnp.concatenate([kv.prefix_v, kv.own_v], axis=1)
+    width = bucket(M + kv.own_k.shape[1])
+    keys, values = _join(kv.prefix_k, kv.own_k, width), _join(kv.prefix_v, kv.own_v, width)
     own = np.arange(M, M + n, dtype=np.int32)
     sel = kv.selection
     count = int(np.max(np.asarray(sel.count))) if sel.count is not None else sel.idx.shape[-1]
     rows = np.atleast_2d(np.asarray(sel.idx))[:, :count]
     idx = np.concatenate([rows, np.broadcast_to(own, (rows.shape[0], n))], axis=1)
-    width = bucket(idx.shape[1])
     padded = np.zeros((idx.shape[0], width), np.int32)
     padded[:, : idx.shape[1]] = idx
     if isinstance(sel, PerHeadIndices):
