@@ -219,7 +219,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
     if tokenizer_source != "model":
         notes.append(f"tokenizer: {tokenizer_source}")
     if settings.disk_bandwidth or settings.pcie_bandwidth:
-        notes.append("bandwidths are emulated (token-bucket throttling), see `emulation`")
+        notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
     config = {
         **values, "limit": limit,
         "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},

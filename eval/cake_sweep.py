@@ -106,7 +106,7 @@ def main(argv):
     first = next(iter(per_bandwidth.values()))
     sweep = summarize(per_bandwidth)
     sweep.update(command=shlex.join(sys.argv), model=first["model"], task=first["task"], device=first["device"],
-                 emulated="disk bandwidth (token-bucket throttle)",
+                 emulated="disk bandwidth (throttled link, demand reads first)",
                  runs={f"{b / 1e6:g}MB/s": r.get("command") for b, r in per_bandwidth.items()})
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")

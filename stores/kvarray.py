@@ -6,10 +6,9 @@ chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches e
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
-import heapq
-import itertools
 import threading
 import time
 
@@ -83,29 +82,59 @@ class Throttle:
             time.sleep(delay)
 
 
-class _Deliverer:
-    """One thread that runs callbacks at given monotonic deadlines (throttled reads complete here)."""
+@dataclasses.dataclass(eq=False)
+class _Transfer:
+    key: tuple              # (layer, kind, chunk)
+    speculative: bool
+    nbytes: int = 0
+    deliver: object = None  # called once the bytes have crossed the link
+    queued: bool = False
 
-    def __init__(self):
-        self._heap: list = []
-        self._seq = itertools.count()
+
+class DiskLink:
+    """An emulated disk link of `bytes_per_s` that moves one chunk at a time, back to back: demand reads first,
+    speculative reads only while no demand read waits, first come first served within each class.
+
+    A speculative read that becomes needed while it waits (`expedite`) joins the demand queue. A transfer
+    already on the link is never interrupted (a chunk takes tens of microseconds to milliseconds).
+    """
+
+    def __init__(self, bytes_per_s: float):
+        if bytes_per_s <= 0:
+            raise ValueError(f"disk bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+        self.bytes_per_s = float(bytes_per_s)
+        self._demand: collections.deque = collections.deque()
+        self._speculative: collections.deque = collections.deque()
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kv-throttle", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kv-disk-link", daemon=True)
         self._thread.start()
 
-    def at(self, deadline: float, fn) -> None:
+    def send(self, transfer: _Transfer) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._seq), fn))
+            transfer.queued = True
+            (self._speculative if transfer.speculative else self._demand).append(transfer)
             self._cv.notify()
 
+    def expedite(self, transfer: _Transfer) -> None:
+        with self._cv:
+            if transfer.speculative and transfer.queued:
+                self._speculative.remove(transfer)
+                self._demand.append(transfer)
+            transfer.speculative = False
+
     def _run(self):
+        free_at = 0.0
         while True:
             with self._cv:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cv.wait(timeout)
-                _, _, fn = heapq.heappop(self._heap)
-            fn()
+                while not (self._demand or self._speculative):
+                    self._cv.wait()
+                transfer = (self._demand or self._speculative).popleft()
+                transfer.queued = False
+            free_at = max(time.monotonic(), free_at) + transfer.nbytes / self.bytes_per_s
+            delay = free_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            transfer.deliver()
 
 
 def _array_spec(kvstore: dict, path: str, shape: list, chunk: list, dtype: str) -> dict:
@@ -156,33 +185,65 @@ class KVArrays:
             probe_future = ts.open(probe_spec, context=context, **mode)
         self._kv = kv_future.result()
         self._probe = probe_future.result() if probe_future is not None else None
-        self.throttle = Throttle(disk_bandwidth) if disk_bandwidth else None
-        self._deliverer = _Deliverer() if self.throttle else None
+        self.link = DiskLink(disk_bandwidth) if disk_bandwidth else None
+        self._in_flight: dict = {}  # key -> transfers not yet delivered (emulated link only)
+        self._lock = threading.Lock()
 
     def _view(self, layer: int, kind: int, first_slot: int, last_slot: int):
         if kind == PROBE:
             return self._probe[layer, :, first_slot:last_slot]
         return self._kv[layer, kind, :, first_slot:last_slot]
 
-    def read_chunk(self, layer: int, kind: int, chunk: int) -> concurrent.futures.Future:
-        """Future of the chunk as `[heads, chunk_tokens, head_dim]`; throttled if a disk bandwidth is set."""
+    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
+        """Future of the chunk as `[heads, chunk_tokens, head_dim]`. On an emulated disk (`disk_bandwidth`) it
+        resolves once the chunk has crossed the link, where a speculative read yields to demand reads."""
         c = self.layout.chunk_tokens
         out: concurrent.futures.Future = concurrent.futures.Future()
+        transfer = _Transfer((layer, kind, chunk), speculative)
+        if self.link is not None:
+            with self._lock:
+                self._in_flight.setdefault(transfer.key, []).append(transfer)
         ts_future = self._view(layer, kind, chunk * c, (chunk + 1) * c).read()
 
         def done(f):
             try:
                 array = f.result()
             except BaseException as e:  # noqa: BLE001 -- any read failure is the caller's miss
+                self._landed(transfer)
                 out.set_exception(e)
                 return
-            if self.throttle is None:
+            if self.link is None:
                 out.set_result(array)
-            else:
-                self._deliverer.at(self.throttle.reserve(array.nbytes), lambda: out.set_result(array))
+                return
+
+            def deliver():
+                self._landed(transfer)
+                out.set_result(array)
+
+            transfer.nbytes, transfer.deliver = array.nbytes, deliver
+            self.link.send(transfer)
 
         ts_future.add_done_callback(done)
         return out
+
+    def expedite(self, layer: int, kind: int, chunk: int) -> None:
+        """The chunk's speculative reads in flight are needed now: on an emulated link they join the demand queue."""
+        if self.link is None:
+            return
+        with self._lock:
+            transfers = list(self._in_flight.get((layer, kind, chunk), ()))
+        for transfer in transfers:
+            self.link.expedite(transfer)
+
+    def _landed(self, transfer: _Transfer) -> None:
+        if self.link is None:
+            return
+        with self._lock:
+            pending = self._in_flight.get(transfer.key, [])
+            if transfer in pending:
+                pending.remove(transfer)
+            if not pending:
+                self._in_flight.pop(transfer.key, None)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write `[heads, n_chunks * chunk_tokens, head_dim]` at `first_chunk`; the future resolves when durable."""

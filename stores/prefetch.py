@@ -25,6 +25,7 @@ from specjax.stores.store import KVStore, Match
 class _Entry:
     future: object            # concurrent future of the verified chunk (None if bad)
     nbytes: int
+    speculative: bool         # issued ahead of need and not yet needed (yields to demand reads on the link)
     holders: int = 0
     taken: bool = False       # a `take` used it (and offered it to the caches)
 
@@ -71,15 +72,19 @@ class Prefetcher:
         return self._buffered
 
     def _hold(self, key, demand: bool) -> bool:
-        """Hold (issuing if needed) the read of `key`; speculative reads respect the buffer bound."""
+        """Hold (issuing if needed) the read of `key`; speculative reads respect the buffer bound, and a demand
+        for a speculative read in flight makes it urgent."""
         entry = self._entries.get(key)
         if entry is None:
             nbytes = self.store.layout.chunk_nbytes(key[1])
             if not demand and self._buffered + nbytes > self.max_buffer_bytes:
                 return False
-            entry = _Entry(self.store.read_chunk(*key), nbytes)
+            entry = _Entry(self.store.read_chunk(*key, speculative=not demand), nbytes, speculative=not demand)
             self._entries[key] = entry
             self._buffered += nbytes
+        elif demand and entry.speculative:
+            entry.speculative = False
+            self.store.expedite(*key)
         entry.holders += 1
         return True
 

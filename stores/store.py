@@ -572,8 +572,9 @@ class KVStore:
         if self._seg_by_first.pop(seg.first_chunk, None) is not None:
             self._seg_firsts.remove(seg.first_chunk)
 
-    def read_chunk(self, layer: int, kind: int, chunk: int) -> concurrent.futures.Future:
-        """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted)."""
+    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
+        """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted).
+        A speculative read yields to demand reads on an emulated disk link (`expedite` when it is needed)."""
         expected = self._expected_checksum(layer, kind, chunk)
         out: concurrent.futures.Future = concurrent.futures.Future()
         if expected is None:
@@ -595,8 +596,12 @@ class KVStore:
             else:
                 out.set_result(array)
 
-        self._arrays.read_chunk(layer, kind, chunk).add_done_callback(done)
+        self._arrays.read_chunk(layer, kind, chunk, speculative=speculative).add_done_callback(done)
         return out
+
+    def expedite(self, layer: int, kind: int, chunk: int) -> None:
+        """A speculative read of this chunk still in flight is needed now (see `read_chunk`)."""
+        self._arrays.expedite(layer, kind, chunk)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
         """Future of `Gathered` for the located positions; chunks are read concurrently."""

@@ -224,3 +224,25 @@ def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     again = prefetcher.take(m, 1, K, [position])
     assert again.chunks_from_disk == 0 and store.metrics.snapshot()["disk_bytes"] == disk
     np.testing.assert_array_equal(np.asarray(again.array), kv[1][K][:, [position]])
+
+
+def test_prefetcher_demand_for_a_speculative_read_jumps_the_queue():
+    """On a slow emulated disk, taking a chunk that waits behind a long speculative batch expedites it."""
+    rng = np.random.default_rng(10)
+    tokens = rng.integers(0, 1000, 200)
+    kv = [tuple(rng.standard_normal((h, 200, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
+    chunk_bytes = 2 * 16 * 8 * 4
+    bandwidth = chunk_bytes / 0.05  # 50 ms per chunk: 13 chunks take 650 ms
+    ctx = ts.Context()
+    with KVStore.open({"driver": "memory", "path": "slow/"}, FP, context=ctx) as store:
+        store.insert(tokens, kv)
+    with KVStore.open({"driver": "memory", "path": "slow/"}, FP, context=ctx, disk_bandwidth=bandwidth) as store:
+        prefetcher = Prefetcher(store, None)
+        m = store.match(tokens)
+        prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks, first come first served
+        taken = prefetcher.take(m, 1, K, [199])                         # in the last chunk requested
+        np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
+        # served after at most the chunk already on the link plus itself, not after all 13
+        assert taken.waited_ms < 400, taken.waited_ms
+        prefetcher.close()
+        m.close()

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import threading
 import time
 
 import numpy as np
@@ -335,3 +336,27 @@ def test_throttle_books_the_link_back_to_back():
     after = time.monotonic()
     np.testing.assert_allclose(np.diff(finish), 0.1, rtol=1e-9)
     assert before + 0.1 <= finish[0] <= after + 0.1
+
+
+def test_disk_link_serves_demand_reads_before_speculative_ones():
+    """Speculative transfers wait while a demand one is queued; an expedited one moves to the demand queue."""
+    from specjax.stores.kvarray import DiskLink, _Transfer
+
+    link = DiskLink(1e6)  # 1 MB/s: a 200 kB transfer holds the link for 200 ms
+    delivered, done = [], threading.Event()
+
+    def transfer(name, speculative, nbytes=10_000):
+        t = _Transfer((0, K, name), speculative)
+        t.nbytes = nbytes
+        t.deliver = lambda: (delivered.append(name), len(delivered) == 6 and done.set())
+        return t
+
+    first = transfer(0, False, nbytes=200_000)  # on the link while the others queue
+    spec = [transfer(i, True) for i in (1, 2, 3)]
+    for t in [first, *spec]:
+        link.send(t)
+    link.send(transfer(4, False))
+    link.expedite(spec[2])
+    link.send(transfer(5, False))
+    assert done.wait(5)
+    assert delivered == [0, 4, 3, 5, 1, 2]
