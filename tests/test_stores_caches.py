@@ -148,6 +148,34 @@ def test_budgets_hold_under_random_workload(policy):
         assert not set(cache.tiers[DEVICE].items) & set(cache.tiers[HOST].items)
 
 
+def test_gathers_compile_once_per_row_bucket():
+    """A long run asks for every count of offsets; the device steps must not compile once per count (each
+    compiled executable holds memory mappings, and a process has a fixed number of those)."""
+    import jax.monitoring
+
+    compiles = []
+
+    def listen(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    chunk = np.arange(2 * 64 * 4, dtype=np.float32).reshape(2, 64, 4) + 0.5  # a shape no other test uses
+    cache = TieredCache(4 * chunk.nbytes, 0, "lru")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for n in range(1, 65):
+            offsets = np.arange(64 - n, 64)
+            got = cache.access((0, K, 0), offsets) if n > 1 else cache.admit((0, K, 0), chunk, offsets)
+            np.testing.assert_array_equal(np.asarray(got)[:, :n], chunk[:, offsets])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert cache.where((0, K, 0)) == DEVICE
+    buckets = {row_bucket(n) for n in range(1, 65)}
+    assert len(buckets) == 12
+    # per bucket: the gather, and the transfer of its index array (jax stages host arrays through a jit)
+    assert len(compiles) <= 2 * len(buckets) + 2, f"{len(compiles)} compilations for 64 offset counts"
+
+
 FP = {"arch": "toy", "num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
 
 
