@@ -6,7 +6,9 @@ cached text chunks) name it with a `store_key` attribute and get a base store of
 directory, so write-behind, reordering or checksum repairs of one run cannot leak into
 another. Caches start empty and are warmed with the same warm-up passes (each unique prefix
 once, in order of first arrival), then requests of shapes not seen yet run once untimed, so no
-timed request includes JIT compilation.
+timed request includes JIT compilation. Compiled programs are dropped after each system, so every system
+compiles its own in those untimed passes and a long run's programs never pile up past the process's limit on
+memory mappings.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import dataclasses
 import pathlib
 import shutil
 import time
+
+import jax
 
 from specjax.eval import systems as systems_lib
 from specjax.eval.progress import Progress
@@ -125,6 +129,10 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             system.close()
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
+            # Each compiled program holds memory mappings and a process may have only vm.max_map_count of
+            # them; dropping one system's programs keeps a long run of several systems within that. The
+            # next system compiles what it needs in its own untimed warm-up and compile passes.
+            jax.clear_caches()
         sweep = len({r for _, r in runs if r is not None}) > 1
         results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep))
     return results

@@ -165,3 +165,32 @@ def test_cli_tiny_random_model(tmp_path):
     report.validate_results(results)
     assert results["weights"] == "random" and results["systems"]["recompute"]["accuracy"]["n"] == 8
     assert (tmp_path / "ttft_breakdown.png").stat().st_size > 1000
+
+
+def test_runner_drops_compiled_programs_between_systems(monkeypatch):
+    """A process may map only vm.max_map_count regions and each compiled program holds some: the runner frees
+    one system's programs before the next starts, so a long several-system run does not run out."""
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x: x * 2)
+    seen_at_warm = []
+
+    class Compiling(systems.Recompute):
+        name = "fake_compiling"
+
+        def warm(self, requests):
+            seen_at_warm.append(step._cache_size())
+            super().warm(requests)
+
+        def run(self, request):
+            step(jnp.ones(len(request.query_ids))).block_until_ready()  # one program per query length
+            return super().run(request)
+
+    monkeypatch.setitem(systems._LOCAL, "fake_compiling", Compiling)
+    model = FakeModel()
+    wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=4))
+    runner.run_all(model, wl, runner.plan(["fake_compiling", "fake_compiling"], [0.25]), systems.SystemSettings(),
+                   pathlib.Path("/nonexistent-store"))
+    assert seen_at_warm[0] == 0 and step._cache_size() == 0
+    assert seen_at_warm[1] == 0  # the first system compiled programs; they were dropped before the second
