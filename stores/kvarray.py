@@ -86,17 +86,21 @@ class Throttle:
 class _Transfer:
     key: tuple              # (layer, kind, chunk)
     speculative: bool
+    future: object = None   # what the reader waits on
     nbytes: int = 0
     deliver: object = None  # called once the bytes have crossed the link
     queued: bool = False
+    withdrawn: bool = False  # speculative and no longer wanted: never crosses the link
 
 
 class DiskLink:
     """An emulated disk link of `bytes_per_s` that moves one chunk at a time, back to back: demand reads first,
     speculative reads only while no demand read waits, first come first served within each class.
 
-    A speculative read that becomes needed while it waits (`expedite`) joins the demand queue. A transfer
-    already on the link is never interrupted (a chunk takes tens of microseconds to milliseconds).
+    A speculative read that becomes needed while it waits (`expedite`) joins the demand queue; one nobody wants
+    any more (`withdraw`) leaves the queue without crossing the link, as a read held in a host-side submission
+    queue is never issued. A transfer already on the link is never interrupted (a chunk takes tens of
+    microseconds to milliseconds).
     """
 
     def __init__(self, bytes_per_s: float):
@@ -109,11 +113,30 @@ class DiskLink:
         self._thread = threading.Thread(target=self._run, name="kv-disk-link", daemon=True)
         self._thread.start()
 
-    def send(self, transfer: _Transfer) -> None:
+    def send(self, transfer: _Transfer, nbytes: int, deliver) -> bool:
+        """Queue the transfer; False if it was withdrawn before it got here (nothing will be delivered)."""
         with self._cv:
+            transfer.nbytes, transfer.deliver = nbytes, deliver
+            if transfer.withdrawn:
+                return False
             transfer.queued = True
             (self._speculative if transfer.speculative else self._demand).append(transfer)
             self._cv.notify()
+            return True
+
+    def withdraw(self, transfer: _Transfer) -> bool:
+        """Drop a speculative transfer that has not started. True if it left the queue here; one not sent yet
+        is marked so that `send` refuses it; one on the link or delivered is left alone."""
+        with self._cv:
+            if not transfer.speculative:
+                return False
+            if transfer.queued:
+                self._speculative.remove(transfer)
+                transfer.queued, transfer.withdrawn = False, True
+                return True
+            if transfer.deliver is None:
+                transfer.withdrawn = True
+            return False
 
     def expedite(self, transfer: _Transfer) -> None:
         with self._cv:
@@ -199,7 +222,7 @@ class KVArrays:
         resolves once the chunk has crossed the link, where a speculative read yields to demand reads."""
         c = self.layout.chunk_tokens
         out: concurrent.futures.Future = concurrent.futures.Future()
-        transfer = _Transfer((layer, kind, chunk), speculative)
+        transfer = _Transfer((layer, kind, chunk), speculative, out)
         if self.link is not None:
             with self._lock:
                 self._in_flight.setdefault(transfer.key, []).append(transfer)
@@ -220,8 +243,9 @@ class KVArrays:
                 self._landed(transfer)
                 out.set_result(array)
 
-            transfer.nbytes, transfer.deliver = array.nbytes, deliver
-            self.link.send(transfer)
+            if not self.link.send(transfer, array.nbytes, deliver):  # withdrawn while the disk read ran
+                self._landed(transfer)
+                out.cancel()
 
         ts_future.add_done_callback(done)
         return out
@@ -234,6 +258,18 @@ class KVArrays:
             transfers = list(self._in_flight.get((layer, kind, chunk), ()))
         for transfer in transfers:
             self.link.expedite(transfer)
+
+    def withdraw(self, layer: int, kind: int, chunk: int) -> None:
+        """The chunk's speculative reads are not wanted any more: on an emulated link, those that have not
+        started never cross it, and their futures are cancelled."""
+        if self.link is None:
+            return
+        with self._lock:
+            transfers = list(self._in_flight.get((layer, kind, chunk), ()))
+        for transfer in transfers:
+            if self.link.withdraw(transfer):
+                self._landed(transfer)
+                transfer.future.cancel()
 
     def _landed(self, transfer: _Transfer) -> None:
         if self.link is None:

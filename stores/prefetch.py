@@ -95,16 +95,20 @@ class Prefetcher:
                 continue
             entry.holders -= 1
             if entry.holders <= 0:
-                # An in-flight read is not cancelled (it may be shared by a store-level reader); it is
-                # just forgotten, so its bytes leave the buffer when it lands.
+                # Forgotten here: a speculative read nobody needed is withdrawn (on an emulated disk link one
+                # that has not started is never read); any other read completes and is offered to the caches.
                 del self._entries[key]
                 self._buffered -= entry.nbytes
+                if entry.speculative:
+                    self.store.withdraw(*key)
                 if not entry.taken and self.cache is not None:
                     entry.future.add_done_callback(functools.partial(self._keep_unused, key))
 
     def _keep_unused(self, key, future) -> None:
         """A read nobody took (a speculation the layer's real set superseded) was paid for: the caches place it
         by its score like any chunk read from disk, so it evicts only what their policy values less."""
+        if future.cancelled():  # withdrawn before it was read
+            return
         array = future.result()
         if array is not None:
             self.cache.admit(key, array)

@@ -574,13 +574,17 @@ class KVStore:
 
     def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
         """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted).
-        A speculative read yields to demand reads on an emulated disk link (`expedite` when it is needed)."""
+        A speculative read yields to demand reads on an emulated disk link (`expedite` when it is needed,
+        `withdraw` when it is not); a withdrawn read's future is cancelled."""
         expected = self._expected_checksum(layer, kind, chunk)
         out: concurrent.futures.Future = concurrent.futures.Future()
         if expected is None:
             raise KeyError(f"chunk {chunk} belongs to no segment of the store")
 
         def done(f):
+            if f.cancelled():  # a withdrawn speculative read: nothing was read
+                out.cancel()
+                return
             try:
                 array = f.result()
             except Exception as e:  # noqa: BLE001 -- unreadable chunk: a miss, never an exception to serve
@@ -602,6 +606,11 @@ class KVStore:
     def expedite(self, layer: int, kind: int, chunk: int) -> None:
         """A speculative read of this chunk still in flight is needed now (see `read_chunk`)."""
         self._arrays.expedite(layer, kind, chunk)
+
+    def withdraw(self, layer: int, kind: int, chunk: int) -> None:
+        """Speculative reads of this chunk are no longer wanted: on an emulated disk link those not yet started
+        are dropped (their futures cancelled, nothing counted as read); elsewhere they complete."""
+        self._arrays.withdraw(layer, kind, chunk)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
         """Future of `Gathered` for the located positions; chunks are read concurrently."""

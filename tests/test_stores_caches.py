@@ -240,10 +240,11 @@ def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     prefetcher.take(m, 0, K, [0])  # used: cached with a frequency of 1
     used_key = (0, K, int(store.locate(m, [0], 0).chunks[0]))
     ticket = prefetcher.request(m, 1, K, [20, 40, 60], speculative=True)  # three chunks of layer 1
+    deadline = time.perf_counter() + 5  # the reads land (a speculative read still queued would be withdrawn)
+    while store.metrics.snapshot()["disk_bytes"] < 4 * chunk_bytes and time.perf_counter() < deadline:
+        time.sleep(0.01)
     prefetcher.cancel(ticket)  # superseded before anything took it
-    deadline = time.perf_counter() + 5  # wait until all four reads have landed and been offered
-    while (store.metrics.snapshot()["disk_bytes"] < 4 * chunk_bytes or cache.host_bytes < 2 * chunk_bytes) \
-            and time.perf_counter() < deadline:
+    while cache.host_bytes < 2 * chunk_bytes and time.perf_counter() < deadline:
         time.sleep(0.01)
     kept = [key for key in cache.tiers[HOST].items if key[0] == 1]
     assert len(kept) == 1 and used_key in cache.tiers[HOST].items  # one fits; it evicted nothing used
@@ -272,5 +273,34 @@ def test_prefetcher_demand_for_a_speculative_read_jumps_the_queue():
         np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
         # served after at most the chunk already on the link plus itself, not after all 13
         assert taken.waited_ms < 400, taken.waited_ms
+        prefetcher.close()
+        m.close()
+
+
+def test_prefetcher_withdraws_superseded_speculation_before_it_is_read():
+    """On a slow emulated disk, speculative reads still queued when their ticket is superseded never cross the
+    link: they are not counted as read and not cached; a later demand for one of them reads it afresh."""
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 1000, 200)
+    kv = [tuple(rng.standard_normal((h, 200, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
+    chunk_bytes = 2 * 16 * 8 * 4
+    ctx = ts.Context()
+    with KVStore.open({"driver": "memory", "path": "wd/"}, FP, context=ctx) as store:
+        store.insert(tokens, kv)
+    with KVStore.open({"driver": "memory", "path": "wd/"}, FP, context=ctx,
+                      disk_bandwidth=chunk_bytes / 0.05) as store:
+        cache = TieredCache(0, 64 * chunk_bytes, "lfu", metrics=store.metrics)
+        prefetcher = Prefetcher(store, cache)
+        m = store.match(tokens)
+        ticket = prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks: 650 ms of link
+        time.sleep(0.12)
+        prefetcher.cancel(ticket)
+        time.sleep(0.8)  # long enough for all 13 to cross, had they stayed queued
+        read = store.metrics.snapshot()["chunks_read"]
+        assert 1 <= read <= 8, read  # those on the link (or landed) before the cancel (~3), not all 13
+        assert len(cache.tiers[HOST].items) == read  # what was read is offered to the caches; nothing else
+        taken = prefetcher.take(m, 1, K, [199])
+        np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
+        assert taken.chunks_from_disk == 1 and store.metrics.snapshot()["chunks_read"] == read + 1
         prefetcher.close()
         m.close()

@@ -339,24 +339,28 @@ def test_throttle_books_the_link_back_to_back():
 
 
 def test_disk_link_serves_demand_reads_before_speculative_ones():
-    """Speculative transfers wait while a demand one is queued; an expedited one moves to the demand queue."""
+    """Speculative transfers wait while a demand one is queued; an expedited one moves to the demand queue; a
+    withdrawn one never crosses the link."""
     from specjax.stores.kvarray import DiskLink, _Transfer
 
     link = DiskLink(1e6)  # 1 MB/s: a 200 kB transfer holds the link for 200 ms
     delivered, done = [], threading.Event()
 
-    def transfer(name, speculative, nbytes=10_000):
+    def send(name, speculative, nbytes=10_000):
         t = _Transfer((0, K, name), speculative)
-        t.nbytes = nbytes
-        t.deliver = lambda: (delivered.append(name), len(delivered) == 6 and done.set())
+        link.send(t, nbytes, lambda: (delivered.append(name), len(delivered) == 6 and done.set()))
         return t
 
-    first = transfer(0, False, nbytes=200_000)  # on the link while the others queue
-    spec = [transfer(i, True) for i in (1, 2, 3)]
-    for t in [first, *spec]:
-        link.send(t)
-    link.send(transfer(4, False))
+    send(0, False, nbytes=200_000)  # on the link while the others queue
+    spec = [send(i, True) for i in (1, 2, 3, 6)]
+    send(4, False)
     link.expedite(spec[2])
-    link.send(transfer(5, False))
+    send(5, False)
+    assert link.withdraw(spec[3])  # queued: leaves without crossing the link
+    assert not link.withdraw(spec[2])  # expedited: a demand read now
+    late = _Transfer((0, K, 7), True)
+    assert not link.withdraw(late) and late.withdrawn  # its disk read still runs: refused when it arrives
+    assert not link.send(late, 10_000, lambda: delivered.append(7))
     assert done.wait(5)
+    time.sleep(0.05)
     assert delivered == [0, 4, 3, 5, 1, 2]
