@@ -91,6 +91,7 @@ class _Transfer:
     deliver: object = None  # called once the bytes have crossed the link
     queued: bool = False
     withdrawn: bool = False  # speculative and no longer wanted: never crosses the link
+    sent_at: float = 0.0     # monotonic time it reached the link's queue
 
 
 class DiskLink:
@@ -119,7 +120,7 @@ class DiskLink:
             transfer.nbytes, transfer.deliver = nbytes, deliver
             if transfer.withdrawn:
                 return False
-            transfer.queued = True
+            transfer.queued, transfer.sent_at = True, time.monotonic()
             (self._speculative if transfer.speculative else self._demand).append(transfer)
             self._cv.notify()
             return True
@@ -153,7 +154,9 @@ class DiskLink:
                     self._cv.wait()
                 transfer = (self._demand or self._speculative).popleft()
                 transfer.queued = False
-            free_at = max(time.monotonic(), free_at) + transfer.nbytes / self.bytes_per_s
+            # It starts when both it and the link were ready, not when this thread got to it: time spent in the
+            # previous delivery's callbacks does not leave the emulated link idle.
+            free_at = max(transfer.sent_at, free_at) + transfer.nbytes / self.bytes_per_s
             delay = free_at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)

@@ -364,3 +364,24 @@ def test_disk_link_serves_demand_reads_before_speculative_ones():
     assert done.wait(5)
     time.sleep(0.05)
     assert delivered == [0, 4, 3, 5, 1, 2]
+
+
+def test_disk_link_keeps_its_rate_when_callbacks_are_slow():
+    """Time the link thread spends in delivery callbacks does not leave the emulated link idle."""
+    from specjax.stores.kvarray import DiskLink, _Transfer
+
+    link = DiskLink(1e6)  # 10 kB transfers: 10 ms each
+    delivered, done = [], threading.Event()
+
+    def deliver():
+        time.sleep(0.008)  # a slow consumer (checksum, cache placement) on the link's thread
+        delivered.append(time.monotonic())
+        if len(delivered) == 20:
+            done.set()
+
+    start = time.monotonic()
+    for i in range(20):
+        link.send(_Transfer((0, K, i), False), 10_000, deliver)
+    assert done.wait(5)
+    elapsed = delivered[-1] - start
+    assert 0.2 <= elapsed < 0.3, elapsed  # 20 x 10 ms back to back (+ the last callback), not 20 x 18 ms
