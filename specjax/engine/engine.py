@@ -321,6 +321,9 @@ class Engine:
                 traced.append(chosen)
             h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
                         impl=self.config.kernel_impl)
+            if m:
+                # Dispatched: the next layer's reads are issued while the device computes this one.
+                io.after_selection(layer, np.unique(chosen))
             layers_kv.append(_LayerKV(prefix_k, prefix_v, selection, own_k, own_v))
             if writer is not None:
                 writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
@@ -382,7 +385,6 @@ class Engine:
             return self._select_chunks(io, state, layer, q, own_k, n, k)
         if system.identify == "none":
             keys, values = io.take_all(layer, K), io.take_all(layer, V)
-            io.after_selection(layer, np.arange(m))
             sel = SharedIndices(jnp.arange(m_pad, dtype=jnp.int32), m)
             state = st.record_union(state, layer, jnp.arange(m_pad, dtype=jnp.int32), m)
             return state, keys, values, sel, np.ones(m, np.float32), np.arange(m)[None]
@@ -396,7 +398,6 @@ class Engine:
             if bool(use_shared):
                 chosen = np.asarray(shared)[:k]
                 keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
-                io.after_selection(layer, chosen)
                 selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
                 return state, keys, values, selection, importance, chosen[None]
         # Per-head H2O: every head's scores from all keys, then the values of each head's top-k.
@@ -410,7 +411,6 @@ class Engine:
         union_pad = bucket(len(union))
         values = _scatter_tokens(keys, jnp.asarray(_pad_np(union, union_pad, fill=m_pad)),
                                  io.take(layer, V, union, union_pad))
-        io.after_selection(layer, union)
         importance = _normalised_importance(scores, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, chosen
 
@@ -430,13 +430,11 @@ class Engine:
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
             chosen, io.period_importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
             io.credit(layer, K, chosen)
-            io.after_selection(layer, chosen)
             io.plan_period(layer, chosen)
             keys = _gather_tokens(keys, positions)
         else:
             state = st.reuse_selection(state, layer, first)
             chosen = np.asarray(state.selected[layer])[: int(state.count[layer])]
-            io.after_selection(layer, chosen)
             keys = io.take(layer, K, chosen, k_cap, importance=io.period_importance[chosen])
         values = io.take(layer, V, chosen, k_cap, importance=io.period_importance[chosen])
         selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), len(chosen))
