@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specjax.eval.errors import EvalError
+from specjax.models.inference import log_softmax
 
 BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 
@@ -126,12 +127,6 @@ DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
 
 
 # ---------------------------------------------------------------- recompute
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
 
 
 class Recompute:

@@ -255,52 +255,54 @@ def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     np.testing.assert_array_equal(np.asarray(again.array), kv[1][K][:, [position]])
 
 
-def test_prefetcher_demand_for_a_speculative_read_jumps_the_queue():
-    """On a slow emulated disk, taking a chunk that waits behind a long speculative batch expedites it."""
+SLOW_CHUNK_S = 0.05  # seconds per K chunk on the slow store's emulated link: 13 chunks take 650 ms
+
+
+@pytest.fixture
+def slow_store():
+    """The toy store of `filled_store` behind a link that takes SLOW_CHUNK_S per K chunk."""
     rng = np.random.default_rng(10)
     tokens = rng.integers(0, 1000, 200)
     kv = [tuple(rng.standard_normal((h, 200, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
-    chunk_bytes = 2 * 16 * 8 * 4
-    bandwidth = chunk_bytes / 0.05  # 50 ms per chunk: 13 chunks take 650 ms
     ctx = ts.Context()
     with KVStore.open({"driver": "memory", "path": "slow/"}, FP, context=ctx) as store:
         store.insert(tokens, kv)
-    with KVStore.open({"driver": "memory", "path": "slow/"}, FP, context=ctx, disk_bandwidth=bandwidth) as store:
-        prefetcher = Prefetcher(store, None)
-        m = store.match(tokens)
-        prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks, first come first served
-        taken = prefetcher.take(m, 1, K, [199])                         # in the last chunk requested
-        np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
-        # served after at most the chunk already on the link plus itself, not after all 13
-        assert taken.waited_ms < 400, taken.waited_ms
-        prefetcher.close()
-        m.close()
+        chunk_bytes = store.layout.chunk_nbytes(K)
+    with KVStore.open({"driver": "memory", "path": "slow/"}, FP, context=ctx,
+                      disk_bandwidth=chunk_bytes / SLOW_CHUNK_S) as store:
+        yield store, tokens, kv
 
 
-def test_prefetcher_withdraws_superseded_speculation_before_it_is_read():
+def test_prefetcher_demand_for_a_speculative_read_jumps_the_queue(slow_store):
+    """On a slow emulated disk, taking a chunk that waits behind a long speculative batch expedites it."""
+    store, tokens, kv = slow_store
+    prefetcher = Prefetcher(store, None)
+    m = store.match(tokens)
+    prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks, first come first served
+    taken = prefetcher.take(m, 1, K, [199])                         # in the last chunk requested
+    np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
+    # served after at most the chunk already on the link plus itself, not after all 13
+    assert taken.waited_ms < 400, taken.waited_ms
+    prefetcher.close()
+    m.close()
+
+
+def test_prefetcher_withdraws_superseded_speculation_before_it_is_read(slow_store):
     """On a slow emulated disk, speculative reads still queued when their ticket is superseded never cross the
     link: they are not counted as read and not cached; a later demand for one of them reads it afresh."""
-    rng = np.random.default_rng(11)
-    tokens = rng.integers(0, 1000, 200)
-    kv = [tuple(rng.standard_normal((h, 200, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
-    chunk_bytes = 2 * 16 * 8 * 4
-    ctx = ts.Context()
-    with KVStore.open({"driver": "memory", "path": "wd/"}, FP, context=ctx) as store:
-        store.insert(tokens, kv)
-    with KVStore.open({"driver": "memory", "path": "wd/"}, FP, context=ctx,
-                      disk_bandwidth=chunk_bytes / 0.05) as store:
-        cache = TieredCache(0, 64 * chunk_bytes, "lfu", metrics=store.metrics)
-        prefetcher = Prefetcher(store, cache)
-        m = store.match(tokens)
-        ticket = prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks: 650 ms of link
-        time.sleep(0.12)
-        prefetcher.cancel(ticket)
-        time.sleep(0.8)  # long enough for all 13 to cross, had they stayed queued
-        read = store.metrics.snapshot()["chunks_read"]
-        assert 1 <= read <= 8, read  # those on the link (or landed) before the cancel (~3), not all 13
-        assert len(cache.tiers[HOST].items) == read  # what was read is offered to the caches; nothing else
-        taken = prefetcher.take(m, 1, K, [199])
-        np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
-        assert taken.chunks_from_disk == 1 and store.metrics.snapshot()["chunks_read"] == read + 1
-        prefetcher.close()
-        m.close()
+    store, tokens, kv = slow_store
+    cache = TieredCache(0, 64 * store.layout.chunk_nbytes(K), "lfu", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    ticket = prefetcher.request(m, 1, K, np.arange(200), speculative=True)  # 13 chunks: 650 ms of link
+    time.sleep(0.12)
+    prefetcher.cancel(ticket)
+    time.sleep(0.8)  # long enough for all 13 to cross, had they stayed queued
+    read = store.metrics.snapshot()["chunks_read"]
+    assert 1 <= read <= 8, read  # those on the link (or landed) before the cancel (~3), not all 13
+    assert len(cache.tiers[HOST].items) == read  # what was read is offered to the caches; nothing else
+    taken = prefetcher.take(m, 1, K, [199])
+    np.testing.assert_array_equal(np.asarray(taken.array)[:, :1], kv[1][K][:, [199]])
+    assert taken.chunks_from_disk == 1 and store.metrics.snapshot()["chunks_read"] == read + 1
+    prefetcher.close()
+    m.close()

@@ -22,7 +22,7 @@ from specjax.engine.systems import System
 from specjax.errors import SpecjaxError
 from specjax.kernels import PerHeadIndices, SharedIndices, gathered_attention, probe_scores
 from specjax.models import transformer as T
-from specjax.models.inference import bucket
+from specjax.models.inference import bucket, log_softmax
 from specjax.stores import K, PROBE, V, KVStore
 from specjax.stores.caches import TieredCache
 from specjax.stores.prefetch import Prefetcher
@@ -459,7 +459,7 @@ class Engine:
             h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
                         impl=self.config.kernel_impl)
         logits = np.concatenate([first_logits[None], np.asarray(T.head_step(cfg, params, h))[: c - 1]], 0)
-        logprobs = _log_softmax(logits.astype(np.float64))  # on the host: no device op per continuation length
+        logprobs = log_softmax(logits)  # on the host: no device program per continuation length
         target = np.asarray(cont)
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
 
@@ -480,11 +480,6 @@ def _normalised_importance(scores, m: int) -> np.ndarray:
     """Per-token importance of R averaged over heads, each head normalised to sum 1 (for reordering)."""
     s = np.asarray(scores, np.float64)[:, :m]
     return (s / np.maximum(s.sum(1, keepdims=True), 1e-30)).mean(0).astype(np.float32)
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 @functools.partial(jax.jit, static_argnums=2)

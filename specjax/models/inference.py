@@ -23,6 +23,13 @@ def bucket(n: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
+def log_softmax(x) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64 on the host (no device program per shape)."""
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def _check_length(cfg: ModelConfig, n: int) -> None:
     if n > cfg.max_positions:
         raise SpecjaxError(f"sequence of {n} tokens exceeds the model's {cfg.max_positions} positions")
