@@ -25,6 +25,7 @@ from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib
 from specjax.eval import systems as systems_lib
 from specjax.eval.errors import EvalError
+from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.progress import Progress
 from specjax.eval.units import parse_bandwidth, parse_fewshot, parse_retentions, parse_size
@@ -101,6 +102,8 @@ flags.DEFINE_string("output_dir", None, "Where results.json, results.md and plot
 flags.DEFINE_string("preset", None, "Experiment preset from specjax.configs.presets (" +
                     ", ".join(presets_lib.names()) + "); flags given on the command line override it.")
 flags.DEFINE_bool("progress", True, "Show a progress bar with ETA on stderr.")
+flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation finished (kept in <output_dir>/.partial "
+                  "until its results are written) and run only the rest; the flags, code and machine must match.")
 
 flags.register_validator("retention", lambda v: _ok(parse_retentions, v), "must be fractions in (0, 1], "
                          "comma-separated, e.g. 0.25 or 0.05,0.1,0.25,0.5")
@@ -170,8 +173,13 @@ def _cache_bytes(spec: str, store_bytes: int) -> int:
     return int(round(value * store_bytes)) if is_fraction else int(value)
 
 
-def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
-    """One task end to end; returns the results dict it wrote."""
+# Flags that choose which runs to make or where files go; a resumed evaluation may change them.
+NOT_FINGERPRINTED = ("systems", "retention", "store", "output_dir", "preset")
+
+
+def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = False) -> dict:
+    """One task end to end; returns the results dict it wrote. `resume`: reuse the runs an interrupted
+    evaluation into the same `output_dir` finished (see specjax.eval.partial)."""
     started = time.time()
     names = systems_lib.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
@@ -206,11 +214,17 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
                                         "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
                                         "blend_ratio", "blend_deviation", "blend_filter")})
 
+    code = code_version()
+    partial = PartialRuns(output_dir, {
+        **{k: v for k, v in values.items() if k not in NOT_FINGERPRINTED}, "limit": limit,
+        "model_name": model.name, "weights": model.weights, "model_dtype": np.dtype(model.dtype).name,
+        "requests": requests_digest(workload.requests), "code": code, "device": device_description()},
+        resume=resume)
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
         store_dir = pathlib.Path(values["store"]).expanduser() if values["store"] else pathlib.Path(tmp)
-        done = runner.run_all(model, workload, runs, settings, store_dir, progress)
+        done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial)
     progress.close()
 
     notes = []
@@ -220,6 +234,9 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         notes.append(f"tokenizer: {tokenizer_source}")
     if settings.disk_bandwidth or settings.pcie_bandwidth:
         notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
+    if partial.loaded:
+        notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
+                     "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
     config = {
         **values, "limit": limit,
         "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},
@@ -236,12 +253,13 @@ def run_task(model, values: dict, output_dir: pathlib.Path) -> dict:
         emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.pcie_bandwidth,
                    "direct_io": settings.direct_io},
         config=config, runs=done, requests=workload.requests,
-        extras={"workload": summary, "notes": notes, "command": shlex.join(sys.argv),
-                "wall_s": time.time() - started,
+        extras={"workload": summary, "notes": notes, "command": shlex.join(sys.argv), "code": code,
+                "resumed": partial.loaded, "wall_s": time.time() - started,
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     written = report.write_all(results, output_dir)
     report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
     written.append(output_dir / "requests.jsonl")
+    partial.discard()
     _print_summary(results, written)
     return results
 
@@ -284,7 +302,7 @@ def main(argv):
     for name in task_list:
         task_values = presets_lib.for_task(preset, values, name, present if preset else set())
         out = base_dir / name if len(task_list) > 1 else base_dir
-        run_task(model, task_values, out)
+        run_task(model, task_values, out, resume=FLAGS.resume)
 
 
 def run():

@@ -240,6 +240,10 @@ def markdown(results: dict) -> str:
         out.append(f"- workload: {w['num_requests']} requests over {w['num_prefixes']} shared prefixes; "
                    f"prefix {w['prefix_tokens_mean']:.0f} tokens mean / {w['prefix_tokens_max']} max; "
                    f"reuse per prefix {w['reuse_per_prefix_mean']:.1f} mean")
+    if "code" in results:
+        c = results["code"]
+        dirty = " with uncommitted changes" if "uncommitted_changes_sha256" in c else ""
+        out.append(f"- code: {'commit ' + c['commit'][:10] + dirty if 'commit' in c else 'specjax ' + c['version']}")
     for note in results.get("notes", []):
         out.append(f"- **note**: {note}")
     out += ["", "## Accuracy and TTFT", ""]

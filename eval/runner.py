@@ -21,6 +21,7 @@ import time
 import jax
 
 from specjax.eval import systems as systems_lib
+from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
 from specjax.models.inference import bucket
@@ -87,14 +88,23 @@ def _stored_sequences(system, warm: list) -> list:
 
 
 def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
-            store_dir: pathlib.Path, progress: Progress | None = None) -> list[Run]:
+            store_dir: pathlib.Path, progress: Progress | None = None, partial: PartialRuns | None = None) -> list[Run]:
+    """Every (system, retention) run in order; with `partial`, each finished run is saved as it ends and runs
+    saved by an interrupted evaluation are loaded instead of run again."""
     warm, compile_only = warmup_requests(workload), compile_requests(workload)
+    sweep = len({r for _, r in runs if r is not None}) > 1
     bases_ready: set[str] = set()
     results = []
     for name, retention in runs:
+        label = name if retention is None else f"{name} r={retention:g}"
+        saved = partial.load(label) if partial else None
+        if saved is not None:
+            results.append(Run(**{**saved, "sweep": sweep}))
+            if progress:
+                progress.update(len(warm) + len(compile_only) + len(workload.requests))
+            continue
         run_settings = dataclasses.replace(settings, retention=retention if retention is not None else settings.retention)
         system = systems_lib.make_system(name, model, run_settings)
-        label = name if retention is None else f"{name} r={retention:g}"
         if progress:
             progress.set_label(label + " (warm)")
         t0 = time.perf_counter()
@@ -133,8 +143,9 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             # them; dropping one system's programs keeps a long run of several systems within that. The
             # next system compiles what it needs in its own untimed warm-up and compile passes.
             jax.clear_caches()
-        sweep = len({r for _, r in runs if r is not None}) > 1
         results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep))
+        if partial:
+            partial.save(label, results[-1])
     return results
 
 

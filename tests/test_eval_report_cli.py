@@ -194,3 +194,64 @@ def test_runner_drops_compiled_programs_between_systems(monkeypatch):
                    pathlib.Path("/nonexistent-store"))
     assert seen_at_warm[0] == 0 and step._cache_size() == 0
     assert seen_at_warm[1] == 0  # the first system compiled programs; they were dropped before the second
+
+
+def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_path, monkeypatch):
+    """A long evaluation stopped after some systems keeps their runs; --resume loads them and runs only the rest,
+    refuses saved runs made under other settings, and without --resume refuses to start over them."""
+    from absl import flags
+
+    from specjax.eval.errors import EvalError
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: FakeModel())
+    calls = {"recompute": 0, "fake_flaky": 0}
+    failing = [True]
+
+    class Counted(systems.Recompute):
+        def run(self, request):
+            calls["recompute"] += 1
+            return super().run(request)
+
+    class Flaky(systems.Recompute):
+        name = "fake_flaky"
+
+        def run(self, request):
+            calls["fake_flaky"] += 1
+            if failing[0]:
+                raise RuntimeError("interrupted")
+            return super().run(request)
+
+    monkeypatch.setitem(systems._LOCAL, "recompute", Counted)
+    monkeypatch.setitem(systems._LOCAL, "fake_flaky", Flaky)
+
+    def main(*extra):
+        flags.FLAGS(["prog", "--limit=6", "--systems=recompute,fake_flaky", f"--output_dir={tmp_path}",
+                     "--noprogress", *extra])
+        try:
+            cli.main(["prog"])
+        finally:
+            flags.FLAGS.unparse_flags()
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        main()
+    saved = tmp_path / ".partial" / "recompute.json"
+    assert saved.is_file() and not (tmp_path / "results.json").exists()
+    first_recompute = json.loads(saved.read_text())["run"]["outcomes"]
+    with pytest.raises(EvalError, match="pass --resume"):
+        main()
+    with pytest.raises(EvalError, match="other settings .*seed"):
+        main("--resume", "--seed=1")
+
+    failing[0] = False
+    recompute_calls = calls["recompute"]
+    main("--resume")
+    assert calls["recompute"] == recompute_calls  # loaded, not run again
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["systems"]) == {"recompute", "fake_flaky"} and set(results["resumed"]) == {"recompute"}
+    assert any(n.startswith("resumed: recompute") for n in results["notes"])
+    assert "commit" in results["code"] or "version" in results["code"]
+    logged = [json.loads(l) for l in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [r["choice_logprobs"] for r in logged if r["system"] == "recompute"] == \
+        [o["choice_logprobs"] for o in first_recompute]
+    assert not (tmp_path / ".partial").exists()  # the results hold the runs now
+    main()  # a finished evaluation leaves nothing to resume: running it again needs no flag
