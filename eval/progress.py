@@ -14,30 +14,42 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """`update(n)` after each unit of work; redraws in place on a terminal, else every ~10%."""
+    """`update(n)` after each unit of work; redraws in place on a terminal, else (a log file) one line per ~10%
+    and at least one every `every_s` seconds, so a log of a run of hours still shows it moving."""
 
-    def __init__(self, total: int, stream=None, width: int = 28, enabled: bool = True):
+    def __init__(self, total: int, stream=None, width: int = 28, enabled: bool = True, every_s: float = 120.0,
+                 clock=time.monotonic):
         self.total = max(1, total)
         self.done = 0
         self.label = ""
         self.stream = stream or sys.stderr
         self.width = width
         self.enabled = enabled
-        self.start = time.monotonic()
+        self.clock = clock
+        self.start = clock()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every_s = every_s
         self._last_decile = -1
+        self._last_line_at = self.start
+        self.skipped = 0  # units done by an earlier process (a resumed run): they do not set the rate
 
     def set_label(self, label: str) -> None:
         self.label = label
 
     def line(self) -> str:
         frac = min(1.0, self.done / self.total)
-        elapsed = time.monotonic() - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        elapsed = self.clock() - self.start
+        worked = self.done - self.skipped
+        eta = elapsed / worked * (self.total - self.done) if worked else float("nan")
         bar = "#" * int(frac * self.width) + "-" * (self.width - int(frac * self.width))
-        eta_text = _clock(eta) if self.done else "--:--"
+        eta_text = _clock(eta) if worked else "--:--"
         return (f"{self.label:<24.24} [{bar}] {self.done}/{self.total} {frac:4.0%} "
                 f"elapsed {_clock(elapsed)} eta {eta_text}")
+
+    def skip(self, n: int) -> None:
+        """`n` units an earlier process already did: counted as done, left out of the rate behind the ETA."""
+        self.skipped += n
+        self.update(n)
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -47,9 +59,9 @@ class Progress:
             self.stream.write("\r" + self.line())
             self.stream.flush()
         else:
-            decile = int(10 * self.done / self.total)
-            if decile != self._last_decile:
-                self._last_decile = decile
+            decile, now = int(10 * self.done / self.total), self.clock()
+            if decile != self._last_decile or now - self._last_line_at >= self.every_s:
+                self._last_decile, self._last_line_at = decile, now
                 self.stream.write(self.line() + "\n")
                 self.stream.flush()
 

@@ -101,7 +101,7 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
         if saved is not None:
             results.append(Run(**{**saved, "sweep": sweep}))
             if progress:
-                progress.update(len(warm) + len(compile_only) + len(workload.requests))
+                progress.skip(len(warm) + len(compile_only) + len(workload.requests))
             continue
         run_settings = dataclasses.replace(settings, retention=retention if retention is not None else settings.retention)
         system = systems_lib.make_system(name, model, run_settings)

@@ -255,3 +255,25 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
         [o["choice_logprobs"] for o in first_recompute]
     assert not (tmp_path / ".partial").exists()  # the results hold the runs now
     main()  # a finished evaluation leaves nothing to resume: running it again needs no flag
+
+
+def test_progress_in_a_log_prints_each_tenth_and_every_interval_and_skips_resumed_work():
+    import io
+
+    from specjax.eval.progress import Progress
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = Progress(100, stream=out, every_s=60, clock=lambda: now[0])
+    bar.skip(50)  # an earlier process's work: no rate yet
+    assert "50/100" in out.getvalue() and "eta --:--" in out.getvalue()
+    now[0] = 30.0
+    bar.update(1)  # same tenth, 30 s since the last line: quiet
+    assert len(out.getvalue().splitlines()) == 1
+    now[0] = 61.0
+    bar.update(1)  # same tenth, but a minute has passed
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "52/100" in lines[-1]
+    assert "eta 24:24" in lines[-1]  # 2 units in 61 s, 48 to go (1464 s): the 50 skipped do not count
+    bar.update(8)  # a new tenth prints at once
+    assert len(out.getvalue().splitlines()) == 3
