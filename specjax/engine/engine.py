@@ -304,6 +304,7 @@ class Engine:
         n_pad = bucket(n)
         if m:
             io.prefetch_first()
+            io.read_ahead(1)
         ids = np.zeros(n_pad, np.int32)
         ids[:n] = tokens[m:]
         positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
@@ -577,6 +578,19 @@ class _LayerIO:
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
 
+    # what a layer reads whatever it selects: all its KV, all its keys, or its probe keys
+    CERTAIN_READS = {"kv": (K, V), "keys": (K,), "probe": (PROBE,), "speculative": (PROBE,)}
+
+    def read_ahead(self, layer: int) -> None:
+        """Issue, at speculative priority, the reads `layer` needs whatever it selects, one layer before they are
+        asked for on demand: an emulated disk then moves them whenever no demand read waits, rather than idling
+        while the host works, and the demand request later expedites them. Every system with such reads gets
+        this alike; selections themselves are never read this far ahead."""
+        if layer >= self.engine.cfg.num_layers:
+            return
+        for kind in self.CERTAIN_READS.get(self.engine.system.prefetch, ()):
+            self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=True)
+
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
         """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
 
@@ -620,6 +634,7 @@ class _LayerIO:
             self.stats["used"] += len(chosen)
             self.stats["hit"] += hit
         self._request_ahead(layer + 1, chosen)
+        self.read_ahead(layer + 2)
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
