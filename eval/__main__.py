@@ -218,7 +218,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     partial = PartialRuns(output_dir, {
         **{k: v for k, v in values.items() if k not in NOT_FINGERPRINTED}, "limit": limit,
         "model_name": model.name, "weights": model.weights, "model_dtype": np.dtype(model.dtype).name,
-        "requests": requests_digest(workload.requests), "code": code, "device": device_description()},
+        "requests": requests_digest(workload.requests), "source": code["source_sha256"],
+        "device": device_description()},
         resume=resume)
     runs = runner.plan(names, retentions)
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)

@@ -2,7 +2,7 @@
 
 Each (system, retention) run is saved the moment it finishes, under `<output_dir>/.partial/`, with a fingerprint
 of everything its figures depend on: the flags that shape the workload and the systems, the model, the request
-sequence, the code and the machine. `--resume` loads the saved runs whose fingerprint matches and runs only the
+sequence, the source code (a hash of its files) and the machine. `--resume` loads the saved runs whose fingerprint matches and runs only the
 rest; a saved run made under any other fingerprint is refused with the fields that differ, never mixed in. Every
 system starts from the same store contents and cold compiled programs (see runner.py), so a loaded run's accuracy,
 bytes and hit ratios are what it would have measured in this process. Its TTFTs were timed in another process:
@@ -26,20 +26,34 @@ DIRNAME = ".partial"
 
 
 def code_version() -> dict:
-    """The code a figure came from: the git commit of the checkout (and a hash of uncommitted changes), or the
-    package version when specjax is not installed from a checkout."""
+    """The code a figure came from: a hash of specjax's source files (what a resumed run must share), and the git
+    commit of the checkout when specjax runs from one (with a flag if the checkout has uncommitted changes)."""
+    version = {"version": _package_version(), "source_sha256": source_digest()}
     root = pathlib.Path(specjax.__file__).resolve().parent.parent
     try:
         git = ["git", "-C", str(root)]
-        commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                timeout=10).stdout.strip()
-        diff = subprocess.run(git + ["diff", "HEAD", "--", "."], capture_output=True, check=True, timeout=30).stdout
+        version["commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                           timeout=10).stdout.strip()
+        status = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, check=True, timeout=30).stdout
+        version["uncommitted_changes"] = bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        return {"version": _package_version()}
-    version = {"version": _package_version(), "commit": commit}
-    if diff:
-        version["uncommitted_changes_sha256"] = hashlib.sha256(diff).hexdigest()[:16]
+        pass  # not a checkout: the version and the source hash say what ran
     return version
+
+
+def source_digest() -> str:
+    """A hash of every source file of the specjax packages (Python and presets), wherever they are installed."""
+    import importlib
+
+    h = hashlib.sha256()
+    for name in ("specjax", "specjax.kernels", "specjax.stores", "specjax.eval", "specjax.configs"):
+        for folder in importlib.import_module(name).__path__:
+            folder = pathlib.Path(folder)
+            for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".json", ".toml", ".yaml")):
+                h.update(f"{name}/{path.relative_to(folder).as_posix()}\0".encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _package_version() -> str:

@@ -242,8 +242,9 @@ def markdown(results: dict) -> str:
                    f"reuse per prefix {w['reuse_per_prefix_mean']:.1f} mean")
     if "code" in results:
         c = results["code"]
-        dirty = " with uncommitted changes" if "uncommitted_changes_sha256" in c else ""
-        out.append(f"- code: {'commit ' + c['commit'][:10] + dirty if 'commit' in c else 'specjax ' + c['version']}")
+        dirty = " with uncommitted changes" if c.get("uncommitted_changes") else ""
+        where = f"commit {c['commit'][:10]}{dirty}" if "commit" in c else f"specjax {c['version']}"
+        out.append(f"- code: {where}, source hash {c['source_sha256']}")
     for note in results.get("notes", []):
         out.append(f"- **note**: {note}")
     out += ["", "## Accuracy and TTFT", ""]

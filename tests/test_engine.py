@@ -14,7 +14,7 @@ from specjax.engine import state as st
 from specjax.errors import SpecjaxError
 from specjax.kernels import itf_threshold
 from specjax.models import transformer as T
-from specjax.stores import KVStore
+from specjax.stores import K, PROBE, V, KVStore
 
 TOL = 1e-4
 
@@ -229,6 +229,30 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     assert p["precision"] == pytest.approx(p["hit_tokens"] / p["prefetched_tokens"])
     assert p["recall"] == pytest.approx(p["hit_tokens"] / p["used_tokens"])
     assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
+
+
+@pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,))])
+def test_certain_reads_are_issued_a_layer_early_at_speculative_priority(model, name, certain):
+    """Each layer's reads that do not depend on its selection are requested speculatively while the layer two
+    before it is computed, and on demand one layer later; nothing is read ahead past the last layer."""
+    req = _request(model, prefix_len=64, seed=3)
+    engine = _engine(model, name, retention=0.25)
+    engine.warm(req.prefix)
+    calls = []
+    request = engine.prefetcher.request
+
+    def recording(match, layer, kind, positions, *, speculative=False):
+        calls.append((layer, kind, speculative))
+        return request(match, layer, kind, positions, speculative=speculative)
+
+    engine.prefetcher.request = recording
+    engine.run(req)
+    num_layers = model.config.num_layers
+    for kind in certain:
+        for layer in range(1, num_layers):
+            early, demand = calls.index((layer, kind, True)), calls.index((layer, kind, False))
+            assert early < demand, (layer, kind)
+    assert max(layer for layer, _, _ in calls) == num_layers - 1
 
 
 def test_unknown_system():

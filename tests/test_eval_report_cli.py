@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from specjax.eval import __main__ as cli
-from specjax.eval import report, runner, systems, tasks, workload
+from specjax.eval import partial, report, runner, systems, tasks, workload
 
 from eval_fakes import FakeModel
 
@@ -241,6 +241,10 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
         main()
     with pytest.raises(EvalError, match="other settings .*seed"):
         main("--resume", "--seed=1")
+    with monkeypatch.context() as changed:
+        changed.setattr(partial, "source_digest", lambda: "edited-source")
+        with pytest.raises(EvalError, match="other settings .*source"):
+            main("--resume")
 
     failing[0] = False
     recompute_calls = calls["recompute"]
@@ -249,7 +253,7 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["systems"]) == {"recompute", "fake_flaky"} and set(results["resumed"]) == {"recompute"}
     assert any(n.startswith("resumed: recompute") for n in results["notes"])
-    assert "commit" in results["code"] or "version" in results["code"]
+    assert results["code"]["source_sha256"] == partial.source_digest()
     logged = [json.loads(l) for l in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert [r["choice_logprobs"] for r in logged if r["system"] == "recompute"] == \
         [o["choice_logprobs"] for o in first_recompute]
