@@ -25,8 +25,8 @@ from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib
 from specjax.eval import systems as systems_lib
 from specjax.eval.errors import EvalError
-from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.fallback_tokenizer import tokenizer_for
+from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.progress import Progress
 from specjax.eval.units import parse_bandwidth, parse_fewshot, parse_retentions, parse_size
 

@@ -2,11 +2,11 @@
 
 Each (system, retention) run is saved the moment it finishes, under `<output_dir>/.partial/`, with a fingerprint
 of everything its figures depend on: the flags that shape the workload and the systems, the model, the request
-sequence, the source code (a hash of its files) and the machine. `--resume` loads the saved runs whose fingerprint matches and runs only the
-rest; a saved run made under any other fingerprint is refused with the fields that differ, never mixed in. Every
-system starts from the same store contents and cold compiled programs (see runner.py), so a loaded run's accuracy,
-bytes and hit ratios are what it would have measured in this process. Its TTFTs were timed in another process:
-the report says which runs were loaded and when they finished.
+sequence, the source code (a hash of its files) and the machine. `--resume` loads the saved runs whose
+fingerprint matches and runs only the rest; a saved run made under any other fingerprint is refused with the
+fields that differ, never mixed in. Every system starts from the same store contents and cold compiled programs
+(see runner.py), so a loaded run's accuracy, bytes and hit ratios are what it would have measured in this
+process. Its TTFTs were timed in another process: the report says which runs were loaded and when they finished.
 """
 
 from __future__ import annotations
