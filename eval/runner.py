@@ -123,10 +123,13 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
         else:
             private = None
         system.warm(warm)
+        if progress:
+            progress.update(len(warm))
         for request in compile_only:
             system.run(request)
+            if progress:
+                progress.update()
         if progress:
-            progress.update(len(warm) + len(compile_only))
             progress.set_label(label)
         t1 = time.perf_counter()
         outcomes = []

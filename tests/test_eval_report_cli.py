@@ -281,3 +281,26 @@ def test_progress_in_a_log_prints_each_tenth_and_every_interval_and_skips_resume
     assert "eta 24:24" in lines[-1]  # 2 units in 61 s, 48 to go (1464 s): the 50 skipped do not count
     bar.update(8)  # a new tenth prints at once
     assert len(out.getvalue().splitlines()) == 3
+
+
+def test_fake_compile_pass_reports_progress_per_request(shared_data_dir):
+    """The untimed compile pass can be a thousand requests on a full task: the bar moves with each one."""
+    from specjax.eval.progress import Progress
+
+    class Counting(Progress):
+        calls = 0
+
+        def update(self, n=1):
+            Counting.calls += 1
+            super().update(n)
+
+    model = FakeModel()
+    wl = workload.build_workload(tasks.load_task("piqa", str(shared_data_dir)), model.tokenizer,
+                                 workload.WorkloadSpec(limit=24))
+    plan = runner.plan(["recompute"], [0.25])
+    extra = len(runner.compile_requests(wl))
+    assert extra > 0
+    bar = Counting(runner.total_steps(wl, plan), enabled=False)
+    runner.run_all(model, wl, plan, systems.SystemSettings(), pathlib.Path("/nonexistent-store"), bar)
+    assert bar.done == runner.total_steps(wl, plan)
+    assert Counting.calls == 1 + extra + len(wl.requests)  # warm-up, each compile request, each timed request
