@@ -540,19 +540,23 @@ class _LayerIO:
         pf, kind = self.engine.prefetcher, self.engine.system.prefetch
         if layer >= self.engine.cfg.num_layers or kind == "none":
             return
-        if kind == "kv":
-            pf.request(self.match, layer, K, self.all_positions)
-            pf.request(self.match, layer, V, self.all_positions)
-        elif kind == "keys" or (kind == "periods" and previous is None):
-            # "periods": the first period's keys; plan_period reads ahead for every later layer
-            pf.request(self.match, layer, K, self.all_positions)
-        elif kind in ("probe", "speculative"):
-            pf.request(self.match, layer, PROBE, self.all_positions)
-            if kind == "speculative" and previous is not None and len(previous):
-                guess = self._speculate(layer, previous)
-                pf.request(self.match, layer, K, guess, speculative=True)
-                pf.request(self.match, layer, V, guess, speculative=True)
-                self.prefetched[layer] = guess
+        if kind == "periods":
+            if previous is None:  # the first period's keys; plan_period reads ahead for every later layer
+                pf.request(self.match, layer, K, self.all_positions)
+            return
+        self._request_certain(layer, speculative=False)
+        if kind == "speculative" and previous is not None and len(previous):
+            guess = self._speculate(layer, previous)
+            pf.request(self.match, layer, K, guess, speculative=True)
+            pf.request(self.match, layer, V, guess, speculative=True)
+            self.prefetched[layer] = guess
+
+    # what a layer reads whatever it selects: all its KV, all its keys, or its probe keys
+    CERTAIN_READS = {"kv": (K, V), "keys": (K,), "probe": (PROBE,), "speculative": (PROBE,)}
+
+    def _request_certain(self, layer: int, *, speculative: bool) -> None:
+        for kind in self.CERTAIN_READS.get(self.engine.system.prefetch, ()):
+            self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
 
     def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
         """Positions whose K/V to read ahead for `layer`, guessed from the previous layer's important set.
@@ -578,18 +582,13 @@ class _LayerIO:
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
 
-    # what a layer reads whatever it selects: all its KV, all its keys, or its probe keys
-    CERTAIN_READS = {"kv": (K, V), "keys": (K,), "probe": (PROBE,), "speculative": (PROBE,)}
-
     def read_ahead(self, layer: int) -> None:
         """Issue, at speculative priority, the reads `layer` needs whatever it selects, one layer before they are
         asked for on demand: an emulated disk then moves them whenever no demand read waits, rather than idling
         while the host works, and the demand request later expedites them. Every system with such reads gets
         this alike; selections themselves are never read this far ahead."""
-        if layer >= self.engine.cfg.num_layers:
-            return
-        for kind in self.CERTAIN_READS.get(self.engine.system.prefetch, ()):
-            self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=True)
+        if layer < self.engine.cfg.num_layers:
+            self._request_certain(layer, speculative=True)
 
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
         """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
