@@ -72,6 +72,9 @@ flags.DEFINE_string("cpu_cache", "50%", "CPU prefix-KV cache budget: bytes or a 
 flags.DEFINE_string("disk_bandwidth", None, "Emulated disk read bandwidth (e.g. 5GB/s); unset = the real disk.")
 flags.DEFINE_string("pcie_bandwidth", None, "Emulated CPU->GPU bandwidth (e.g. 25GB/s); unset = the real link.")
 flags.DEFINE_bool("direct_io", False, "Read the store with O_DIRECT so the page cache does not hide the disk.")
+flags.DEFINE_string("inflight_bytes", None, "Most bytes of KV reads the disk's read scheduler keeps in flight (e.g. "
+                    "4MiB); unset: 4MiB on a real disk, one read at a time on an emulated one. Reads beyond it wait "
+                    "in its queue, demand before speculative, where a superseded speculative read is dropped unread.")
 flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identification (Fig. 18).")
 flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
 flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
@@ -112,6 +115,8 @@ flags.register_validator("gpu_cache", lambda v: _ok(parse_size, v), "must be a s
 flags.register_validator("cpu_cache", lambda v: _ok(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
 flags.register_validator("disk_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
                          "must be a rate like 5GB/s or 800MB/s")
+flags.register_validator("inflight_bytes", lambda v: v is None or _ok(_size_bytes, v),
+                         "must be a size like 4MiB or 512KB")
 flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
                          "must be a rate like 25GB/s")
 flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
@@ -129,10 +134,18 @@ flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fracti
 NEEDLE_DEFAULT_LIMIT = 40
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
-             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "no_itf", "no_reorder",
+             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "no_itf",
+             "no_reorder",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
              "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
              "blend_filter", "store", "output_dir", "preset")
+
+
+def _size_bytes(text: str) -> int:
+    value, is_fraction = parse_size(text)
+    if is_fraction:
+        raise ValueError(f"{text!r}: give bytes, not a percentage")
+    return int(value)
 
 
 def _ok(parse, value) -> bool:
@@ -210,6 +223,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
+        inflight_bytes=_size_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
         options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
                                         "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
                                         "blend_ratio", "blend_deviation", "blend_filter")})
@@ -246,7 +260,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
         "same_store_contents": "base store written once from every unique prefix; each run opens its own "
                                "copy; caches warmed with each unique prefix once, in first-arrival order, "
-                               "then one untimed request per unseen shape (no compilation is timed)",
+                               "then one untimed request per unseen shape (compiles left in timed requests: "
+                               "compilations_timed)",
         "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
     }
     results = report.build_results(

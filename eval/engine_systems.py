@@ -63,7 +63,8 @@ class EngineSystem:
 
     def open(self, store_path: str) -> None:
         self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
-                                      disk_bandwidth=self.settings.disk_bandwidth)
+                                      disk_bandwidth=self.settings.disk_bandwidth,
+                                      max_inflight_bytes=self.settings.inflight_bytes)
         self.engine = make_engine(self.model, self.system, self.store, self.config)
 
     def warm(self, requests) -> None:
@@ -141,6 +142,7 @@ def _counters(r, prefix_tokens: int) -> dict:
     return {
         "disk_bytes": io.get("disk_bytes", 0), "cpu_to_gpu_bytes": io.get("host_to_device_bytes", 0),
         "chunks_read": io.get("chunks_read", 0), "used_bytes": io.get("used_token_bytes", 0),
+        "read_requests": io.get("read_requests", 0), "host_to_device_transfers": io.get("host_to_device_transfers", 0),
         "cache_lookups": io.get("device_hits", 0) + io.get("host_hits", 0) + io.get("misses", 0),
         "gpu_hits": io.get("device_hits", 0), "cpu_hits": io.get("host_hits", 0),
         "itf_layers": int(measured.sum()), "itf_fallbacks": int((fallback & measured).sum()),

@@ -24,10 +24,13 @@ SYSTEM_SCHEMA = {
     "accuracy": {"acc": NUMBER, "acc_norm": NUMBER, "stderr": NUMBER, "n": INT},
     "ttft_ms": {"mean": NUMBER, "p50": NUMBER, "p95": NUMBER, "p99": NUMBER},
     "breakdown_ms": {k: NUMBER for k in BREAKDOWN_KEYS},
-    "io": {"disk_bytes": INT, "cpu_to_gpu_bytes": INT, "chunks_read": INT, "read_amplification": NUMBER},
+    "io": {"disk_bytes": INT, "cpu_to_gpu_bytes": INT, "chunks_read": INT, "read_amplification": NUMBER,
+           "read_requests_per_request": NUMBER, "bytes_per_read": NUMBER_OR_NULL,
+           "host_to_device_transfers_per_request": NUMBER},
     "cache": {"gpu_hit_ratio": NUMBER, "cpu_hit_ratio": NUMBER},
     "itf": ("nullable", {"fallback_ratio": NUMBER, "mean_jaccard": NUMBER}),
     "prefetch": ("nullable", {"precision": NUMBER, "recall": NUMBER}),
+    "compilations_timed": INT,  # XLA compiles inside the timed requests (each request's in its counters)
 }
 
 RESULTS_SCHEMA = {
@@ -126,11 +129,15 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) 
         "breakdown_ms": breakdown,
         "io": {"disk_bytes": int(get("disk_bytes")), "cpu_to_gpu_bytes": int(get("cpu_to_gpu_bytes")),
                "chunks_read": int(get("chunks_read")),
-               "read_amplification": _ratio(get("disk_bytes"), get("used_bytes"))},
+               "read_amplification": _ratio(get("disk_bytes"), get("used_bytes")),
+               "read_requests_per_request": _ratio(get("read_requests"), len(outs)),
+               "bytes_per_read": get("disk_bytes") / get("read_requests") if get("read_requests") else None,
+               "host_to_device_transfers_per_request": _ratio(get("host_to_device_transfers"), len(outs))},
         "cache": {"gpu_hit_ratio": _ratio(get("gpu_hits"), get("cache_lookups")),
                   "cpu_hit_ratio": _ratio(get("cpu_hits"), get("cache_lookups"))},
         "itf": None,
         "prefetch": None,
+        "compilations_timed": int(get("compilations")),
         # extras beyond the contract
         "system": run.system,
         "retention": run.retention,
@@ -274,6 +281,12 @@ def markdown(results: dict) -> str:
                      f"{pf['precision']:.2f} / {pf['recall']:.2f}" if pf else "-"])
     out.append(_table(["system", "disk read", "CPU->GPU", "chunks read", "read ampl.", "GPU hit", "CPU hit",
                        "ITF fallback / Jaccard", "prefetch precision / recall"], rows))
+    out += ["", "## Reads, transfers and compiles (means per timed request; compiles: total)", ""]
+    out.append(_table(["system", "read requests", "bytes per read", "host->device transfers", "compiles timed"], [
+        [k, f"{s['io']['read_requests_per_request']:.1f}",
+         _fmt_bytes(s["io"]["bytes_per_read"]) if s["io"]["bytes_per_read"] is not None else "-",
+         f"{s['io']['host_to_device_transfers_per_request']:.1f}", str(s["compilations_timed"])]
+        for k, s in systems.items()]))
     split = {k: s["split"] for k, s in systems.items() if s.get("split")}
     if split:
         out += ["", "## Cake: stored prefix computed on the device vs loaded (mean per request)", ""]

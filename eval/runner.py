@@ -6,7 +6,8 @@ cached text chunks) name it with a `store_key` attribute and get a base store of
 directory, so write-behind, reordering or checksum repairs of one run cannot leak into
 another. Caches start empty and are warmed with the same warm-up passes (each unique prefix
 once, in order of first arrival), then requests of shapes not seen yet run once untimed, so no
-timed request includes JIT compilation. Compiled programs are dropped after each system, so every system
+timed request should include JIT compilation; the compiles that still happen in a timed request are counted in its
+`compilations` counter. Compiled programs are dropped after each system, so every system
 compiles its own in those untimed passes and a long run's programs never pile up past the process's limit on
 memory mappings.
 """
@@ -21,6 +22,7 @@ import time
 import jax
 
 from specjax.eval import systems as systems_lib
+from specjax.eval.compiles import CompileCounter
 from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
@@ -134,10 +136,13 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
         t1 = time.perf_counter()
         outcomes = []
         try:
-            for request in workload.requests:
-                outcomes.append(systems_lib.as_outcome(system.run(request)))
-                if progress:
-                    progress.update()
+            with CompileCounter() as compiles:
+                for request in workload.requests:
+                    before = compiles.count
+                    outcomes.append(systems_lib.as_outcome(system.run(request)))
+                    outcomes[-1].counters["compilations"] = compiles.count - before
+                    if progress:
+                        progress.update()
         finally:
             system.close()
             if private is not None:

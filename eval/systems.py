@@ -36,13 +36,15 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
 #   prefetch precision = prefetch_used / prefetch_issued; recall = prefetch_used / prefetch_needed
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
+#   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
+#   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
 COUNTER_KEYS = (
-    "disk_bytes", "cpu_to_gpu_bytes", "chunks_read", "used_bytes",
+    "disk_bytes", "cpu_to_gpu_bytes", "chunks_read", "used_bytes", "read_requests", "host_to_device_transfers",
     "cache_lookups", "gpu_hits", "cpu_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_used", "prefetch_needed",
     "prefix_tokens", "reused_tokens", "retained_tokens", "checksum_failures",
-    "computed_prefix_tokens",
+    "computed_prefix_tokens", "compilations",
 )
 
 
@@ -87,6 +89,7 @@ class SystemSettings:
     disk_bandwidth: float | None = None  # bytes/s, emulated (token bucket) when set
     pcie_bandwidth: float | None = None  # bytes/s, emulated when set
     direct_io: bool = False
+    inflight_bytes: int | None = None  # the read scheduler's bound on bytes in flight (None: its default)
     seed: int = 0
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # no_itf, no_prefetch, ...
 

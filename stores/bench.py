@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from specjax.stores.kvarray import K
+from specjax.stores.kvarray import K, PROBE
 from specjax.stores.store import KVStore
 
 ALIGN = 4096
@@ -34,8 +34,12 @@ def _fill(directory: str, chunk_tokens: int, tokens: int, kv_heads: int, head_di
     return fp
 
 
-def _chunk_path(directory: str, chunk: int) -> str:
-    return os.path.join(directory, "kv", "c", "0", str(K), "0", str(chunk), "0")
+def chunk_path(directory: str, chunk: int, layer: int = 0, kind: int = K) -> str:
+    """The file of one chunk: zarr3 default key encoding of `kv[layer, kind, :, chunk, :]`, or of
+    `probe[layer, :, chunk, :]` for PROBE."""
+    if kind == PROBE:
+        return os.path.join(directory, "probe", "c", str(layer), "0", str(chunk), "0")
+    return os.path.join(directory, "kv", "c", str(layer), str(kind), "0", str(chunk), "0")
 
 
 def _time_store(directory: str, fp: dict, chunks: np.ndarray, **open_kwargs) -> tuple[float, int]:
@@ -49,19 +53,25 @@ def _time_store(directory: str, fp: dict, chunks: np.ndarray, **open_kwargs) -> 
     return elapsed, sum(a.nbytes for a in arrays)
 
 
-def _time_preadv(directory: str, chunks: np.ndarray, nbytes: int, threads: int) -> float:
-    def read_one(chunk: int) -> int:
+def read_direct(pool: concurrent.futures.Executor, paths, nbytes: int) -> int:
+    """Read each file (at most `nbytes`) on `pool`, in order: open with O_DIRECT, one `os.preadv` into a
+    page-aligned buffer, close. Returns the bytes read."""
+    def read_one(path: str) -> int:
         buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)  # page-aligned, as O_DIRECT requires
-        fd = os.open(_chunk_path(directory, chunk), os.O_RDONLY | os.O_DIRECT)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
             return os.preadv(fd, [buf], 0)
         finally:
             os.close(fd)
             buf.close()
 
+    return sum(pool.map(read_one, paths))
+
+
+def _time_preadv(directory: str, chunks: np.ndarray, nbytes: int, threads: int) -> float:
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         start = time.perf_counter()
-        got = sum(pool.map(read_one, (int(c) for c in chunks)))
+        got = read_direct(pool, [chunk_path(directory, int(c)) for c in chunks], nbytes)
         elapsed = time.perf_counter() - start
     if got != nbytes * len(chunks):
         raise RuntimeError(f"preadv read {got} bytes, expected {nbytes * len(chunks)}")

@@ -9,6 +9,7 @@ tokens in the chunk) and `attention_score` (cumulative importance x frequency); 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import heapq
@@ -151,6 +152,7 @@ class TieredCache:
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
         self.events: list | None = [] if record_events else None
+        self._deferred: list | None = None  # keys placed on the device inside `batched_transfers`, not yet copied
         self.sent_vectors = 0  # token vectors copied host -> device for use (not promotions)
 
     # -- accounting ----------------------------------------------------------------------------
@@ -173,16 +175,35 @@ class TieredCache:
     def score(self, key):
         return self._score_fn(self.stats[key])
 
-    def _to_device(self, array: np.ndarray):
+    def to_device(self, array):
+        """One host->device copy of an array or a list of arrays (one batched copy, through the emulated PCIe
+        link when set), counted once."""
+        nbytes = sum(a.nbytes for a in array) if isinstance(array, list) else array.nbytes
         if self.pcie is not None:
-            self.pcie.consume(array.nbytes)
-        self.metrics.add(host_to_device_bytes=array.nbytes)
+            self.pcie.consume(nbytes)
+        self.metrics.add(host_to_device_bytes=nbytes, host_to_device_transfers=1)
         return jax.device_put(array, self.device)
+
+    @contextlib.contextmanager
+    def batched_transfers(self):
+        """Within the block, chunks placed in the device tier wait in host memory and cross together, in one
+        batched copy, when it ends (a `lookup` meanwhile returns such a chunk as host memory)."""
+        with self._lock:
+            outer, self._deferred = self._deferred, []
+            try:
+                yield
+            finally:
+                deferred, self._deferred = self._deferred, outer
+                device = self.tiers[DEVICE].items
+                keys = [k for k in deferred if isinstance(device.get(k), np.ndarray)]
+                if keys:
+                    for key, array in zip(keys, self.to_device([device[k] for k in keys])):
+                        device[key] = array
 
     def _send(self, host_array: np.ndarray, offsets: np.ndarray):
         """Only the requested vectors cross to the device; there they are padded to row_bucket(len(offsets))."""
         self.sent_vectors += len(offsets)
-        vectors = self._to_device(np.ascontiguousarray(host_array[:, offsets]))
+        vectors = self.to_device(np.ascontiguousarray(host_array[:, offsets]))
         return pad_rows(vectors, row_bucket(len(offsets)))
 
     @staticmethod
@@ -230,8 +251,11 @@ class TieredCache:
         if victims is None:
             return False
         evicted = [(v, tier.pop(v)) for v in victims]
-        if tier_name == DEVICE:
-            tier.put(key, array if isinstance(array, jax.Array) else self._to_device(array), score)
+        if tier_name == DEVICE and self._deferred is not None and not isinstance(array, jax.Array):
+            tier.put(key, np.asarray(array), score)  # crosses when the batch ends
+            self._deferred.append(key)
+        elif tier_name == DEVICE:
+            tier.put(key, array if isinstance(array, jax.Array) else self.to_device(array), score)
         else:
             tier.put(key, np.asarray(array), score)
         self._event("place", key, tier_name)
@@ -259,28 +283,38 @@ class TieredCache:
                 return self._gather(self.tiers[DEVICE].items[key], offsets)
             return self._send(host_array, offsets)
 
-    def access(self, key, offsets, *, chunk_tokens: int | None = None, important_fraction: float | None = None,
-               importance: float | None = None):
-        """Use `offsets` of a chunk: device vectors on a hit, `[heads, row_bucket(len(offsets)), head_dim]` with
-        padding rows after them (hits are counted per tier; a host hit sends only those vectors and promotes the
-        chunk if it now outscores the device minimum), None on a miss."""
-        offsets = np.asarray(offsets)
+    def lookup(self, key, n_needed: int | None = None, *, chunk_tokens: int | None = None,
+               important_fraction: float | None = None, importance: float | None = None):
+        """A use of `n_needed` of a chunk's tokens: the whole cached chunk, a device array on a device hit or host
+        memory on a host hit (then promoted to the device if it now outscores the device minimum), None on a
+        miss. Hits are counted per tier."""
         with self._lock:
-            self._update(key, len(offsets), chunk_tokens, important_fraction, importance)
+            self._update(key, n_needed, chunk_tokens, important_fraction, importance)
             device, host = self.tiers[DEVICE], self.tiers[HOST]
             if key in device.items:
                 self.metrics.add(device_hits=1)
-                return self._gather(device.items[key], offsets)
+                return device.items[key]
             if key in host.items:
                 self.metrics.add(host_hits=1)
-                array = host.items[key]
-                vectors = self._send(array, offsets)
-                host.pop(key)
+                array = host.pop(key)
                 if not self._try_place(DEVICE, key, array):
                     host.put(key, array, self.score(key))
-                return vectors
+                return array
             self.metrics.add(misses=1)
             return None
+
+    def access(self, key, offsets, *, chunk_tokens: int | None = None, important_fraction: float | None = None,
+               importance: float | None = None):
+        """`lookup`, then only `offsets` of the chunk on the device: `[heads, row_bucket(len(offsets)), head_dim]`
+        with padding rows after them (a host hit sends only those vectors), None on a miss."""
+        offsets = np.asarray(offsets)
+        array = self.lookup(key, len(offsets), chunk_tokens=chunk_tokens, important_fraction=important_fraction,
+                            importance=importance)
+        if array is None:
+            return None
+        if isinstance(array, np.ndarray):
+            return self._send(array, offsets)
+        return self._gather(array, offsets)
 
     def get_host(self, key) -> np.ndarray | None:
         """The whole chunk as host memory if cached (no stats), e.g. to serve a read that also needs it."""

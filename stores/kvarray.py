@@ -1,4 +1,4 @@
-"""The on-disk KV and probe-key arrays (TensorStore zarr3), chunk reads as futures, O_DIRECT and bandwidth emulation.
+"""The on-disk KV and probe-key arrays (TensorStore zarr3), reads of chunk runs through one read scheduler, O_DIRECT.
 
 Layout: `kv[layer, kv(2), kv_head, slot, head_dim]` and `probe[layer, probe_head, slot, head_dim]`, one storage
 chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches exactly one file.
@@ -6,14 +6,14 @@ chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches e
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import threading
 import time
 
 import numpy as np
 import tensorstore as ts
+
+from specjax.stores.scheduler import Read, ReadScheduler
 
 K, V, PROBE = 0, 1, 2
 KIND_NAMES = ("k", "v", "probe")
@@ -82,87 +82,6 @@ class Throttle:
             time.sleep(delay)
 
 
-@dataclasses.dataclass(eq=False)
-class _Transfer:
-    key: tuple              # (layer, kind, chunk)
-    speculative: bool
-    future: object = None   # what the reader waits on
-    nbytes: int = 0
-    deliver: object = None  # called once the bytes have crossed the link
-    queued: bool = False
-    withdrawn: bool = False  # speculative and no longer wanted: never crosses the link
-    sent_at: float = 0.0     # monotonic time it reached the link's queue
-
-
-class DiskLink:
-    """An emulated disk link of `bytes_per_s` that moves one chunk at a time, back to back: demand reads first,
-    speculative reads only while no demand read waits, first come first served within each class.
-
-    A speculative read that becomes needed while it waits (`expedite`) joins the demand queue; one nobody wants
-    any more (`withdraw`) leaves the queue without crossing the link, as a read held in a host-side submission
-    queue is never issued. A transfer already on the link is never interrupted (a chunk takes tens of
-    microseconds to milliseconds).
-    """
-
-    def __init__(self, bytes_per_s: float):
-        if bytes_per_s <= 0:
-            raise ValueError(f"disk bandwidth must be > 0 bytes/s, got {bytes_per_s}")
-        self.bytes_per_s = float(bytes_per_s)
-        self._demand: collections.deque = collections.deque()
-        self._speculative: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kv-disk-link", daemon=True)
-        self._thread.start()
-
-    def send(self, transfer: _Transfer, nbytes: int, deliver) -> bool:
-        """Queue the transfer; False if it was withdrawn before it got here (nothing will be delivered)."""
-        with self._cv:
-            transfer.nbytes, transfer.deliver = nbytes, deliver
-            if transfer.withdrawn:
-                return False
-            transfer.queued, transfer.sent_at = True, time.monotonic()
-            (self._speculative if transfer.speculative else self._demand).append(transfer)
-            self._cv.notify()
-            return True
-
-    def withdraw(self, transfer: _Transfer) -> bool:
-        """Drop a speculative transfer that has not started. True if it left the queue here; one not sent yet
-        is marked so that `send` refuses it; one on the link or delivered is left alone."""
-        with self._cv:
-            if not transfer.speculative:
-                return False
-            if transfer.queued:
-                self._speculative.remove(transfer)
-                transfer.queued, transfer.withdrawn = False, True
-                return True
-            if transfer.deliver is None:
-                transfer.withdrawn = True
-            return False
-
-    def expedite(self, transfer: _Transfer) -> None:
-        with self._cv:
-            if transfer.speculative and transfer.queued:
-                self._speculative.remove(transfer)
-                self._demand.append(transfer)
-            transfer.speculative = False
-
-    def _run(self):
-        free_at = 0.0
-        while True:
-            with self._cv:
-                while not (self._demand or self._speculative):
-                    self._cv.wait()
-                transfer = (self._demand or self._speculative).popleft()
-                transfer.queued = False
-            # It starts when both it and the link were ready, not when this thread got to it: time spent in the
-            # previous delivery's callbacks does not leave the emulated link idle.
-            free_at = max(transfer.sent_at, free_at) + transfer.nbytes / self.bytes_per_s
-            delay = free_at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            transfer.deliver()
-
-
 def _array_spec(kvstore: dict, path: str, shape: list, chunk: list, dtype: str) -> dict:
     store = dict(kvstore)
     store["path"] = store.get("path", "").rstrip("/") + "/" + path + "/" if store.get("path") else path + "/"
@@ -195,7 +114,7 @@ class KVArrays:
     """The two TensorStore arrays of a store; reads return concurrent futures, optionally throttled."""
 
     def __init__(self, kvstore: dict, layout: Layout, context: ts.Context, *, create: bool,
-                 disk_bandwidth: float | None = None):
+                 disk_bandwidth: float | None = None, max_inflight_bytes: int | None = None):
         self.layout = layout
         self.context = context
         c, lay = layout.chunk_tokens, layout
@@ -211,78 +130,20 @@ class KVArrays:
             probe_future = ts.open(probe_spec, context=context, **mode)
         self._kv = kv_future.result()
         self._probe = probe_future.result() if probe_future is not None else None
-        self.link = DiskLink(disk_bandwidth) if disk_bandwidth else None
-        self._in_flight: dict = {}  # key -> transfers not yet delivered (emulated link only)
-        self._lock = threading.Lock()
+        self.scheduler = ReadScheduler(max_inflight_bytes=max_inflight_bytes, bytes_per_s=disk_bandwidth)
 
     def _view(self, layer: int, kind: int, first_slot: int, last_slot: int):
         if kind == PROBE:
             return self._probe[layer, :, first_slot:last_slot]
         return self._kv[layer, kind, :, first_slot:last_slot]
 
-    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
-        """Future of the chunk as `[heads, chunk_tokens, head_dim]`. On an emulated disk (`disk_bandwidth`) it
-        resolves once the chunk has crossed the link, where a speculative read yields to demand reads."""
+    def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False) -> Read:
+        """Queue one read of `n_chunks` adjacent chunks; its future resolves with `[heads, n_chunks * chunk_tokens,
+        head_dim]` once the scheduler has issued it and (on an emulated disk) its bytes have crossed the link."""
         c = self.layout.chunk_tokens
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        transfer = _Transfer((layer, kind, chunk), speculative, out)
-        if self.link is not None:
-            with self._lock:
-                self._in_flight.setdefault(transfer.key, []).append(transfer)
-        ts_future = self._view(layer, kind, chunk * c, (chunk + 1) * c).read()
-
-        def done(f):
-            try:
-                array = f.result()
-            except BaseException as e:  # noqa: BLE001 -- any read failure is the caller's miss
-                self._landed(transfer)
-                out.set_exception(e)
-                return
-            if self.link is None:
-                out.set_result(array)
-                return
-
-            def deliver():
-                self._landed(transfer)
-                out.set_result(array)
-
-            if not self.link.send(transfer, array.nbytes, deliver):  # withdrawn while the disk read ran
-                self._landed(transfer)
-                out.cancel()
-
-        ts_future.add_done_callback(done)
-        return out
-
-    def expedite(self, layer: int, kind: int, chunk: int) -> None:
-        """The chunk's speculative reads in flight are needed now: on an emulated link they join the demand queue."""
-        if self.link is None:
-            return
-        with self._lock:
-            transfers = list(self._in_flight.get((layer, kind, chunk), ()))
-        for transfer in transfers:
-            self.link.expedite(transfer)
-
-    def withdraw(self, layer: int, kind: int, chunk: int) -> None:
-        """The chunk's speculative reads are not wanted any more: on an emulated link, those that have not
-        started never cross it, and their futures are cancelled."""
-        if self.link is None:
-            return
-        with self._lock:
-            transfers = list(self._in_flight.get((layer, kind, chunk), ()))
-        for transfer in transfers:
-            if self.link.withdraw(transfer):
-                self._landed(transfer)
-                transfer.future.cancel()
-
-    def _landed(self, transfer: _Transfer) -> None:
-        if self.link is None:
-            return
-        with self._lock:
-            pending = self._in_flight.get(transfer.key, [])
-            if transfer in pending:
-                pending.remove(transfer)
-            if not pending:
-                self._in_flight.pop(transfer.key, None)
+        view = self._view(layer, kind, first_chunk * c, (first_chunk + n_chunks) * c)
+        nbytes = n_chunks * self.layout.chunk_nbytes(kind)
+        return self.scheduler.submit(Read(view.read, nbytes, speculative))
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write `[heads, n_chunks * chunk_tokens, head_dim]` at `first_chunk`; the future resolves when durable."""

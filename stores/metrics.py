@@ -10,9 +10,11 @@ import threading
 class StoreMetrics:
     disk_bytes: int = 0            # bytes read from the KV array (whole chunks)
     chunks_read: int = 0
+    read_requests: int = 0         # reads issued to the disk (a coalesced run of adjacent chunks counts once)
     bad_chunks: int = 0            # checksum or read failures, served as misses
     disk_bytes_written: int = 0
     host_to_device_bytes: int = 0
+    host_to_device_transfers: int = 0  # host->device copies (one batched copy counts once)
     device_hits: int = 0           # chunk lookups answered by the device tier
     host_hits: int = 0
     misses: int = 0                # chunk lookups that had to go to disk

@@ -1,13 +1,15 @@
 """Host-side asynchronous prefetcher: `request` starts chunk reads and returns at once, `take` waits only for
 what is still missing and hands back device arrays in original token order.
 
-Reads are store futures whose done-callbacks stage verified chunks in bounded host buffers; `take` moves the
-needed vectors to the device through the caches (score update, placement, host->device copy of only those).
+Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler;
+`take` assembles the needed vectors of host-side chunks (just read, or host-cache hits) in one host buffer and
+moves it to the device in one copy, placing device-cache hits on the device.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -17,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.stores.caches import TieredCache, pad_rows, row_bucket
-from specjax.stores.store import KVStore, Match
+from specjax.stores.caches import TieredCache
+from specjax.stores.store import ChunkRead, KVStore, Match
 
 
 @dataclasses.dataclass
 class _Entry:
-    future: object            # concurrent future of the verified chunk (None if bad)
+    read: ChunkRead           # the chunk's share of a disk read; its future is the verified chunk (None if bad)
     nbytes: int
-    speculative: bool         # issued ahead of need and not yet needed (yields to demand reads on the link)
+    speculative: bool         # issued ahead of need and not yet needed (yields to demand reads on the disk)
     holders: int = 0
     taken: bool = False       # a `take` used it (and offered it to the caches)
 
@@ -50,12 +52,19 @@ class Taken:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_rows(out, part, idx):
-    return out.at[:, idx].set(part.astype(out.dtype), mode="drop")
+def _place(out, chunk, offsets, rows):
+    """out [H, size, d] with chunk[:, offsets[i]] at row rows[i]; rows >= size are padding, dropped. offsets and
+    rows are always chunk_tokens long, so this compiles once per output size."""
+    return out.at[:, rows].set(jnp.take(chunk, offsets, axis=1).astype(out.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(shape, dtype):
+    return jnp.zeros(shape, dtype)
 
 
 class Prefetcher:
-    """Moves chunks disk -> host -> device ahead of use, within `max_buffer_bytes` of staged reads."""
+    """Moves chunks disk -> host -> device ahead of use, within `max_buffer_bytes` of staged speculative reads."""
 
     def __init__(self, store: KVStore, cache: TieredCache | None = None, *, max_buffer_bytes: int = 256 << 20):
         self.store, self.cache = store, cache
@@ -71,22 +80,31 @@ class Prefetcher:
     def buffered_bytes(self) -> int:
         return self._buffered
 
-    def _hold(self, key, demand: bool) -> bool:
-        """Hold (issuing if needed) the read of `key`; speculative reads respect the buffer bound, and a demand
-        for a speculative read in flight makes it urgent."""
-        entry = self._entries.get(key)
-        if entry is None:
-            nbytes = self.store.layout.chunk_nbytes(key[1])
-            if not demand and self._buffered + nbytes > self.max_buffer_bytes:
-                return False
-            entry = _Entry(self.store.read_chunk(*key, speculative=not demand), nbytes, speculative=not demand)
-            self._entries[key] = entry
+    def _hold(self, layer: int, kind: int, chunks, demand: bool) -> list:
+        """Hold the reads of (layer, kind, chunk) for `chunks`, issuing those not in flight as coalesced reads;
+        speculative reads respect the buffer bound, and a demand for a speculative read in flight expedites it.
+        Returns the keys held."""
+        held, new = [], []
+        nbytes = self.store.layout.chunk_nbytes(kind)
+        for c in chunks:
+            key = (layer, kind, int(c))
+            entry = self._entries.get(key)
+            if entry is None:
+                if not demand and self._buffered + nbytes * (len(new) + 1) > self.max_buffer_bytes:
+                    continue
+                new.append(int(c))
+            else:
+                if demand and entry.speculative:
+                    entry.speculative = False
+                    self.store.expedite(entry.read)
+                entry.holders += 1
+                held.append(key)
+        for read in self.store.read_chunks(layer, kind, new, speculative=not demand) if new else ():
+            key = (layer, kind, read.chunk)
+            self._entries[key] = _Entry(read, nbytes, speculative=not demand, holders=1)
             self._buffered += nbytes
-        elif demand and entry.speculative:
-            entry.speculative = False
-            self.store.expedite(*key)
-        entry.holders += 1
-        return True
+            held.append(key)
+        return held
 
     def _release_keys(self, keys) -> None:
         for key in keys:
@@ -95,14 +113,14 @@ class Prefetcher:
                 continue
             entry.holders -= 1
             if entry.holders <= 0:
-                # Forgotten here: a speculative read nobody needed is withdrawn (on an emulated disk link one
-                # that has not started is never read); any other read completes and is offered to the caches.
+                # Forgotten here: a speculative read nobody needed is withdrawn (one the disk has not been asked
+                # for yet is never read); any other read completes and is offered to the caches.
                 del self._entries[key]
                 self._buffered -= entry.nbytes
                 if entry.speculative:
-                    self.store.withdraw(*key)
+                    self.store.withdraw(entry.read)
                 if not entry.taken and self.cache is not None:
-                    entry.future.add_done_callback(functools.partial(self._keep_unused, key))
+                    entry.read.future.add_done_callback(functools.partial(self._keep_unused, key))
 
     def _keep_unused(self, key, future) -> None:
         """A read nobody took (a speculation the layer's real set superseded) was paid for: the caches place it
@@ -117,14 +135,10 @@ class Prefetcher:
         """Start reading the chunks of `positions` not already cached; returns immediately. A new request for
         the same (layer, kind) supersedes earlier speculative ones (their unshared reads are dropped)."""
         chunks = self.store.locate(match, positions, layer).unique_chunks()
-        keys = []
+        if self.cache is not None:
+            chunks = [c for c in chunks if self.cache.where((layer, kind, int(c))) is None]
         with self._lock:
-            for c in chunks:
-                key = (layer, kind, int(c))
-                if self.cache is not None and self.cache.where(key) is not None:
-                    continue
-                if self._hold(key, demand=not speculative):
-                    keys.append(key)
+            keys = self._hold(layer, kind, chunks, demand=not speculative)
             ticket = Ticket(layer, kind, keys, speculative)
             open_tickets = self._tickets.setdefault((layer, kind), [])
             for old in [t for t in open_tickets if t.speculative]:
@@ -150,7 +164,7 @@ class Prefetcher:
         For the layers that must arrive before computing (ContiguousKV's sub-period), and for a caller that may
         have to give up (Cake's loader, once the device has computed the chunk) and so waits in short slices."""
         with self._lock:
-            futures = [self._entries[key].future for t in tickets for key in t.keys if key in self._entries]
+            futures = [self._entries[key].read.future for t in tickets for key in t.keys if key in self._entries]
         _, pending = concurrent.futures.wait(futures, timeout=timeout)
         return not pending
 
@@ -164,67 +178,92 @@ class Prefetcher:
         buckets its sizes compiles each device op once per bucket.
         """
         positions = np.asarray(positions, np.int64)
+        size = len(positions) if pad_to is None else pad_to
+        if size < len(positions):
+            raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
         loc = self.store.locate(match, positions, layer)
         chunks, inverse = np.unique(loc.chunks, return_inverse=True)
         lay = self.store.layout
         self.store.metrics.add(used_token_bytes=len(positions) * lay.token_nbytes(kind))
         imp = None if importance is None else np.asarray(importance, np.float64)
-        parts, order, ok = [], [], np.ones(len(positions), bool)
-        waiting = []
-        with self._lock:
-            demand_keys = []
-            for i, c in enumerate(chunks):
-                key, sel = (layer, kind, int(c)), np.flatnonzero(inverse == i)
-                offsets = loc.offsets[sel]
+        rows_of = [np.flatnonzero(inverse == i) for i in range(len(chunks))]
+        sources, missing = [], []  # (chunk array, offsets, rows) | (key, offsets, rows) still to come from disk
+        with self._lock, self._batched():
+            for c, rows in zip(chunks, rows_of):
+                key, offsets = (layer, kind, int(c)), loc.offsets[rows]
                 if self.cache is not None:
-                    vectors = self.cache.access(key, offsets, chunk_tokens=lay.chunk_tokens,
-                                                importance=None if imp is None else imp[sel].sum())
-                    if vectors is not None:
-                        parts.append(vectors)
-                        order.append(sel)
+                    array = self.cache.lookup(key, len(rows), chunk_tokens=lay.chunk_tokens,
+                                              importance=None if imp is None else imp[rows].sum())
+                    if array is not None:
+                        sources.append((array, offsets, rows))
                         continue
-                self._hold(key, demand=True)
+                missing.append((key, offsets, rows))
+            demand_keys = self._hold(layer, kind, [key[2] for key, _, _ in missing], demand=True)
+            for key in demand_keys:
                 self._entries[key].taken = True
-                demand_keys.append(key)
-                waiting.append((key, sel, offsets, self._entries[key].future))
+            futures = [self._entries[key].read.future for key, _, _ in missing]
         start = time.perf_counter()
-        for _, _, _, future in waiting:
-            future.result()
+        concurrent.futures.wait(futures)
         waited_ms = (time.perf_counter() - start) * 1e3
-        for key, sel, offsets, future in waiting:
-            array = future.result()
-            if array is None:
-                ok[sel] = False
-                parts.append(jnp.zeros((lay.heads(kind), row_bucket(len(sel)), lay.head_dim), lay.np_dtype))
-            elif self.cache is not None:
-                parts.append(self.cache.admit(key, array, offsets))
-            else:
-                host = np.ascontiguousarray(array[:, offsets])
-                self.store.metrics.add(host_to_device_bytes=host.nbytes)
-                parts.append(pad_rows(jax.device_put(host), row_bucket(len(sel))))
-            order.append(sel)
+        ok = np.ones(len(positions), bool)
+        with self._batched():
+            for (key, offsets, rows), future in zip(missing, futures):
+                array = future.result()
+                if array is None:
+                    ok[rows] = False
+                    continue
+                if self.cache is not None:
+                    self.cache.admit(key, array)
+                sources.append((array, offsets, rows))
         with self._lock:
             self._release_keys(demand_keys)
             for ticket in list(self._tickets.get((layer, kind), [])):
                 self._cancel_locked(ticket)
-        size = len(positions) if pad_to is None else pad_to
-        if size < len(positions):
-            raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
-        return Taken(self._assemble(parts, order, size, lay, kind), ok, waited_ms, len(waiting))
+        return Taken(self._assemble(sources, size, lay, kind), ok, waited_ms, len(missing))
 
-    @staticmethod
-    def _assemble(parts, order, size, lay, kind) -> jax.Array:
-        """Scatter each chunk's vectors (`[heads, row_bucket(len(rows)), d]`, the caches' padded shape) to their
-        rows of a [heads, size, d] array, so the device ops compile once per (output size, row bucket)."""
-        out = jnp.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
-        for part, rows in zip(parts, order):
-            idx = np.full(part.shape[1], size, np.int32)  # row `size` is out of range: its padding is dropped
-            idx[: len(rows)] = rows
-            out = _scatter_rows(out, part, jnp.asarray(idx))
+    def _assemble(self, sources, size: int, lay, kind: int) -> jax.Array:
+        """`[heads, size, d]` on the device with each source's vectors at its rows (zeros elsewhere): the vectors
+        that are in host memory (read from disk, host-cache hits) cross in one host->device copy; device-cache
+        hits are placed on the device, one op per chunk."""
+        shape = (lay.heads(kind), size, lay.head_dim)
+        host = [(a, o, r) for a, o, r in sources if isinstance(a, np.ndarray)]
+        on_device = [(a, o, r) for a, o, r in sources if not isinstance(a, np.ndarray)]
+        if host:
+            buffer = np.zeros(shape, lay.np_dtype)
+            for array, offsets, rows in host:
+                buffer[:, rows] = array[:, offsets]
+            out = self._to_device(buffer)
+        else:
+            out = _zeros(shape, lay.np_dtype)
+        c = lay.chunk_tokens
+        for array, offsets, rows in on_device:
+            out = _place(out, array, jnp.asarray(_padded(offsets, c, 0)), jnp.asarray(_padded(rows, c, size)))
         return out
+
+    def _batched(self):
+        """Chunks the caches move to the device meanwhile cross in one copy (see TieredCache.batched_transfers)."""
+        return self.cache.batched_transfers() if self.cache is not None else contextlib.nullcontext()
+
+    def _to_device(self, host: np.ndarray) -> jax.Array:
+        if self.cache is not None:
+            return self.cache.to_device(host)
+        self.store.metrics.add(host_to_device_bytes=host.nbytes, host_to_device_transfers=1)
+        return jax.device_put(host)
+
+    def compile_assembly(self, kind: int, size: int) -> None:
+        """Compile the device-side placement for an output of `size` rows outside any timed request."""
+        lay = self.store.layout
+        chunk = np.zeros((lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype)
+        jax.block_until_ready(self._assemble([(jax.device_put(chunk), np.arange(1), np.arange(1))], size, lay, kind))
 
     def close(self) -> None:
         with self._lock:
             for tickets in list(self._tickets.values()):
                 for t in list(tickets):
                     self._cancel_locked(t)
+
+
+def _padded(x, length: int, fill: int) -> np.ndarray:
+    out = np.full(length, fill, np.int32)
+    out[: len(x)] = x
+    return out

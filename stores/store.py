@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import threading
@@ -78,6 +79,35 @@ class Gathered:
     """Vectors `[heads, n, head_dim]` in the requested order; `ok[i]` False where a bad chunk must be recomputed."""
     array: np.ndarray
     ok: np.ndarray
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted."""
+    read: object
+    n_chunks: int
+    unwanted: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class ChunkRead:
+    """One chunk's share of a run read: `future` resolves with the verified chunk (None if bad)."""
+    layer: int
+    kind: int
+    chunk: int
+    run: _Run
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long."""
+    runs = []
+    for c in sorted(set(chunks)):
+        if runs and runs[-1][0] + runs[-1][1] == c and runs[-1][1] < max_chunks:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((c, 1))
+    return runs
 
 
 class Match:
@@ -257,12 +287,14 @@ class KVStore:
     def __init__(self, location, fingerprint: dict | None = None, *, create: bool = True,
                  read_only: bool = False, direct_io: bool = False, disk_bandwidth: float | None = None,
                  disk_capacity_bytes: int | None = None, context: ts.Context | None = None,
-                 gc_orphans: bool = True, write_threads: int = 4):
+                 gc_orphans: bool = True, write_threads: int = 4, max_inflight_bytes: int | None = None,
+                 max_read_bytes: int | None = None):
         self.kvstore_spec = {"driver": "file", "path": str(location)} if isinstance(location, (str, bytes)) \
             or hasattr(location, "__fspath__") else dict(location)
         self.context = kvarray.make_context(direct_io, context)
         self.read_only = read_only
         self.disk_capacity_bytes = disk_capacity_bytes
+        self.max_read_bytes = max_read_bytes  # None: as the read scheduler sizes reads for the disk
         self.metrics = StoreMetrics()
         self._manifest = ManifestIO(self.kvstore_spec, self.context)
         self.where = self._manifest.where
@@ -282,7 +314,7 @@ class KVStore:
             self.fingerprint = self._full_fingerprint(fingerprint)
             self._tree, self._segments, self.generation, self._next_chunk = RadixTree(), {}, 0, 0
             self._arrays = KVArrays(self.kvstore_spec, self.layout, self.context, create=True,
-                                    disk_bandwidth=disk_bandwidth)
+                                    disk_bandwidth=disk_bandwidth, max_inflight_bytes=max_inflight_bytes)
             self._commit_manifest()
         else:
             stored_layout = Layout(**body["layout"])
@@ -292,7 +324,7 @@ class KVStore:
             self.layout = stored_layout
             self._load(body)
             self._arrays = KVArrays(self.kvstore_spec, self.layout, self.context, create=False,
-                                    disk_bandwidth=disk_bandwidth)
+                                    disk_bandwidth=disk_bandwidth, max_inflight_bytes=max_inflight_bytes)
             if gc_orphans and not read_only:
                 self._delete_orphans()
         self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
@@ -572,51 +604,80 @@ class KVStore:
         if self._seg_by_first.pop(seg.first_chunk, None) is not None:
             self._seg_firsts.remove(seg.first_chunk)
 
-    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
-        """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted).
-        A speculative read yields to demand reads on an emulated disk link (`expedite` when it is needed,
-        `withdraw` when it is not); a withdrawn read's future is cancelled."""
-        expected = self._expected_checksum(layer, kind, chunk)
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        if expected is None:
-            raise KeyError(f"chunk {chunk} belongs to no segment of the store")
+    @property
+    def scheduler(self):
+        """The disk's read queue (stores.scheduler): its measured rate, what waits in it."""
+        return self._arrays.scheduler
 
-        def done(f):
-            if f.cancelled():  # a withdrawn speculative read: nothing was read
-                out.cancel()
-                return
-            try:
-                array = f.result()
-            except Exception as e:  # noqa: BLE001 -- unreadable chunk: a miss, never an exception to serve
-                log.warning("chunk %d layer %d %s unreadable: %s", chunk, layer, kvarray.KIND_NAMES[kind], e)
+    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False) -> list[ChunkRead]:
+        """Read chunks of one layer and kind: runs of adjacent ids go to the disk as one read (at most
+        `max_read_bytes`, by default as large as the disk's scheduler allows). Each `ChunkRead.future` resolves with its verified chunk `[heads, chunk_tokens,
+        head_dim]`, or None if it is bad (counted), and is cancelled if its read was withdrawn unread."""
+        chunks = [int(c) for c in chunks]
+        expected = {c: self._expected_checksum(layer, kind, c) for c in chunks}
+        for c, e in expected.items():
+            if e is None:
+                raise KeyError(f"chunk {c} belongs to no segment of the store")
+        reads = []
+        max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
+        for first, n in _runs(chunks, max(1, max_bytes // self.layout.chunk_nbytes(kind))):
+            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative), n)
+            parts = [ChunkRead(layer, kind, first + j, run) for j in range(n)]
+            run.read.future.add_done_callback(functools.partial(self._verify, parts, expected))
+            reads += parts
+        order = {r.chunk: r for r in reads}
+        return [order[c] for c in chunks]
+
+    def _verify(self, parts: list, expected: dict, f) -> None:
+        """Split a landed run into its chunks, each checked against its checksum before it is served."""
+        if f.cancelled():  # withdrawn before it was read: nothing was read
+            for part in parts:
+                part.future.cancel()
+            return
+        first = parts[0]
+        try:
+            array = f.result()
+        except Exception as e:  # noqa: BLE001 -- unreadable chunks: misses, never an exception to serve
+            log.warning("chunks %d..%d layer %d %s unreadable: %s", first.chunk, parts[-1].chunk, first.layer,
+                        kvarray.KIND_NAMES[first.kind], e)
+            self.metrics.add(bad_chunks=len(parts))
+            for part in parts:
+                part.future.set_result(None)
+            return
+        self.metrics.add(disk_bytes=array.nbytes, chunks_read=len(parts), read_requests=1)
+        c = self.layout.chunk_tokens
+        for j, part in enumerate(parts):
+            chunk = array if len(parts) == 1 else np.ascontiguousarray(array[:, j * c:(j + 1) * c])
+            if chunk_checksum(chunk) != expected[part.chunk]:
+                log.warning("chunk %d layer %d %s fails its checksum", part.chunk, part.layer,
+                            kvarray.KIND_NAMES[part.kind])
                 self.metrics.add(bad_chunks=1)
-                out.set_result(None)
-                return
-            self.metrics.add(disk_bytes=array.nbytes, chunks_read=1)
-            if chunk_checksum(array) != expected:
-                log.warning("chunk %d layer %d %s fails its checksum", chunk, layer, kvarray.KIND_NAMES[kind])
-                self.metrics.add(bad_chunks=1)
-                out.set_result(None)
+                part.future.set_result(None)
             else:
-                out.set_result(array)
+                part.future.set_result(chunk)
 
-        self._arrays.read_chunk(layer, kind, chunk, speculative=speculative).add_done_callback(done)
-        return out
+    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
+        """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted)."""
+        return self.read_chunks(layer, kind, [chunk], speculative=speculative)[0].future
 
-    def expedite(self, layer: int, kind: int, chunk: int) -> None:
-        """A speculative read of this chunk still in flight is needed now (see `read_chunk`)."""
-        self._arrays.expedite(layer, kind, chunk)
+    def expedite(self, read: ChunkRead) -> None:
+        """A speculative read is needed now: its run joins the disk's demand queue (if it has not been issued)."""
+        self._arrays.scheduler.expedite(read.run.read)
 
-    def withdraw(self, layer: int, kind: int, chunk: int) -> None:
-        """Speculative reads of this chunk are no longer wanted: on an emulated disk link those not yet started
-        are dropped (their futures cancelled, nothing counted as read); elsewhere they complete."""
-        self._arrays.withdraw(layer, kind, chunk)
+    def withdraw(self, read: ChunkRead) -> None:
+        """A speculative chunk is no longer wanted; once no chunk of its run is, a run not yet issued is dropped
+        unread (its futures cancelled, nothing counted as read)."""
+        with self._lock:
+            read.run.unwanted += 1
+            done = read.run.unwanted == read.run.n_chunks
+        if done:
+            self._arrays.scheduler.withdraw(read.run.read)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
         """Future of `Gathered` for the located positions; chunks are read concurrently."""
         lay = self.layout
         chunks, inverse = np.unique(loc.chunks, return_inverse=True)
-        futures = [self.read_chunk(layer, kind, int(c)) for c in chunks]
+        futures = [r.future for r in self.read_chunks(layer, kind, chunks)]
         self.metrics.add(used_token_bytes=len(loc.chunks) * lay.token_nbytes(kind))
 
         def assemble(arrays):

@@ -262,7 +262,7 @@ def test_unknown_system():
 
 def test_ablations_change_the_policy():
     s = make_system("spec", no_itf=True, no_reorder=True, no_score_cache=True, no_prefetch=True)
-    assert (s.identify, s.reorder, s.cache_policy, s.prefetch) == ("h2o", False, "lfu", "probe")
+    assert (s.identify, s.reorder, s.cache_policy, s.prefetch) == ("h2o", False, "lfu", "certain")
     assert s.name == "spec-no_itf-no_reorder-no_score_cache-no_prefetch"
 
 
@@ -297,3 +297,58 @@ def test_corrupt_chunk_is_recomputed_not_served(model, tmp_path):
     assert r.recomputed_bad_chunks and r.io["bad_chunks"] >= 1
     assert r.reused_tokens == 0
     np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+
+
+def test_no_itf_reads_no_probe_key(model):
+    """spec --no_itf identifies with H2O: it reads all keys and never a probe key it would not use."""
+    req = _request(model, prefix_len=64, seed=4)
+    engine = Engine(model, make_system("spec", no_itf=True), _store(model),
+                    EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
+    engine.warm(req.prefix)
+    kinds = []
+    read_chunks = engine.store.read_chunks
+
+    def recording(layer, kind, chunks, **kw):
+        kinds.append(kind)
+        return read_chunks(layer, kind, chunks, **kw)
+
+    engine.store.read_chunks = recording
+    engine.run(req)
+    assert K in kinds and V in kinds and PROBE not in kinds
+
+
+@pytest.mark.parametrize("field, value", [("identify", "magic"), ("prefetch", "kv"), ("cache_policy", "mru")])
+def test_unknown_policy_modes_are_refused_when_the_system_is_built(field, value):
+    import dataclasses
+
+    with pytest.raises(SpecjaxError, match=f"unknown {field} '{value}'"):
+        dataclasses.replace(make_system("spec"), **{field: value})
+
+
+def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(model):
+    """With a measured rate and window, spec speculates only the best-ranked chunks whose bytes fit; with none
+    measured yet, the whole guess."""
+    req = _request(model, prefix_len=96, seed=5)
+    engine = Engine(model, make_system("spec"), _store(model), EngineConfig(retention=0.25))
+    engine.warm(req.prefix)
+    engine.run(req)
+    assert engine.speculation_window_s is not None and engine.speculation_window_s > 0  # measured online
+    match = engine.store.match(req.prefix)
+    from specjax.engine.engine import _Clock, _LayerIO
+
+    io = _LayerIO(engine, match, match.length, 128, _Clock())
+    previous = np.arange(0, 96, 3)
+    ranked, _ = io.speculation_ranking(2, previous)
+    pair = sum(engine.store.layout.chunk_nbytes(kind) for kind in (K, V))
+    assert len(ranked) >= 3
+    assert list(io._within_budget(2, ranked, 2.5 * pair)) == list(ranked[:2])
+    assert list(io._within_budget(2, ranked, math.inf)) == list(ranked)
+    assert len(io._within_budget(2, ranked, 0)) == 0
+    rate = engine.store.scheduler.rate_bytes_per_s()
+    assert io.speculation_bytes() == pytest.approx(rate * engine.speculation_window_s, rel=0.05, abs=pair)
+    engine.store.scheduler.max_inflight_bytes = 0  # one read at a time: the queue itself bounds speculation
+    assert io.speculation_bytes() == math.inf
+    engine.store.scheduler.max_inflight_bytes = 4 << 20
+    engine.speculation_window_s = None
+    assert io.speculation_bytes() == math.inf
+    match.close()

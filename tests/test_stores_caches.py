@@ -2,6 +2,7 @@
 
 import time
 
+import jax
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -306,3 +307,29 @@ def test_prefetcher_withdraws_superseded_speculation_before_it_is_read(slow_stor
     assert taken.chunks_from_disk == 1 and store.metrics.snapshot()["chunks_read"] == read + 1
     prefetcher.close()
     m.close()
+
+
+def test_take_moves_a_layers_host_vectors_in_one_copy_and_batches_device_placement(filled_store):
+    """However many chunks a take reads from disk, their vectors cross in one host->device copy, and the chunks the
+    device tier keeps cross together in one more: not one copy per chunk."""
+    store, tokens, kv = filled_store
+    chunk_bytes = store.layout.chunk_nbytes(V)
+    for device_bytes in (0, 64 * chunk_bytes):
+        cache = TieredCache(device_bytes, 0, "lru", metrics=store.metrics)
+        prefetcher = Prefetcher(store, cache)
+        m = store.match(tokens)
+        positions = np.arange(0, 200, 7)  # in all 13 chunks
+        before = store.metrics.snapshot()
+        taken = prefetcher.take(m, 1, V, positions)
+        after = store.metrics.snapshot()
+        np.testing.assert_array_equal(np.asarray(taken.array), kv[1][V][:, positions])
+        assert taken.chunks_from_disk == 13
+        transfers = after["host_to_device_transfers"] - before["host_to_device_transfers"]
+        assert transfers == (1 if device_bytes == 0 else 2), transfers
+        assert len(cache.tiers["device"].items) == (0 if device_bytes == 0 else 13)
+        assert all(isinstance(a, jax.Array) for a in cache.tiers["device"].items.values())
+        # the device hits are placed on the device: exact, and nothing crosses but no buffer of host vectors
+        again = prefetcher.take(m, 1, V, positions[::-1])
+        np.testing.assert_array_equal(np.asarray(again.array), kv[1][V][:, positions[::-1]])
+        prefetcher.close()
+        m.close()

@@ -23,7 +23,6 @@ from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
 from specjax.stores import K, V
-from specjax.stores.caches import row_bucket
 
 # Layers of a chunk the loader keeps in flight: enough to keep the (emulated) disk busy between reads, few enough
 # that little is left queued on it when the device finishes the chunk first.
@@ -313,10 +312,7 @@ class CakeEngine(Engine):
         reach an index no warm-up request reached), and the loader's assembly of whole and partial store chunks
         (compiled on the loader thread mid-request, it would hold up the device side)."""
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
-        lay = self.store.layout
-        for rows in {lay.chunk_tokens, m % lay.chunk_tokens} - {0}:
-            part = jnp.zeros((lay.kv_heads, row_bucket(rows), lay.head_dim), lay.np_dtype)  # as the caches pad it
-            jax.block_until_ready(self.prefetcher._assemble([part], [np.arange(rows)], c, lay, K))
+        self.prefetcher.compile_assembly(K, c)
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         buffers = _zero_buffers(cfg.num_layers, shape, dtype)

@@ -198,6 +198,7 @@ class Engine:
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = None
         self.requests_run = 0
+        self.speculation_window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
@@ -401,6 +402,8 @@ class Engine:
                 keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
                 selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
                 return state, keys, values, selection, importance, chosen[None]
+        if system.identify not in ("h2o", "itf"):  # ITF's fallback is H2O; Systems refuse unknown modes
+            raise SpecjaxError(f"the layer loop cannot identify with {system.identify!r}")
         # Per-head H2O: every head's scores from all keys, then the values of each head's top-k.
         keys = io.take_all(layer, K)
         scores = io.clock.timed("identify", _scores, q, keys, own_k, m, n, kv_head_of_probe=self.kv_of_head,
@@ -534,6 +537,7 @@ class _LayerIO:
         self.prefetched: dict[int, np.ndarray] = {}
         self.stats = {"prefetched": 0, "used": 0, "hit": 0}
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
+        self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
 
     # what the system reads for a layer before it is needed
     def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
@@ -546,16 +550,18 @@ class _LayerIO:
             return
         self._request_certain(layer, speculative=False)
         if kind == "speculative" and previous is not None and len(previous):
+            self._window_opened[layer] = time.perf_counter()
             guess = self._speculate(layer, previous)
             pf.request(self.match, layer, K, guess, speculative=True)
             pf.request(self.match, layer, V, guess, speculative=True)
             self.prefetched[layer] = guess
 
-    # what a layer reads whatever it selects: all its KV, all its keys, or its probe keys
-    CERTAIN_READS = {"kv": (K, V), "keys": (K,), "probe": (PROBE,), "speculative": (PROBE,)}
-
     def _request_certain(self, layer: int, *, speculative: bool) -> None:
-        for kind in self.CERTAIN_READS.get(self.engine.system.prefetch, ()):
+        """Request what `layer` reads whatever it selects (the identification's certain reads), for systems that
+        prefetch them."""
+        if self.engine.system.prefetch in ("none", "periods"):
+            return
+        for kind in self.engine.system.certain_reads:
             self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
 
     def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
@@ -566,10 +572,47 @@ class _LayerIO:
         by chunk: the chunks of `layer` holding most of the previous set, as many chunks as that set
         occupied in its own layer (the same I/O budget), and every token in them is prefetched. Without
         reordering (or with one order for all layers) this is exactly the chunks of the previous set.
+
+        Layer awareness on a real device: only as many of those chunks (best first, cached ones free) as the
+        disk can deliver in the time it has before the layer's own reads are demanded, from the disk's rate and
+        that window, both measured online (`speculation_bytes`).
         """
         chunks, _ = self.speculation_ranking(layer, previous)
+        chunks = self._within_budget(layer, chunks, self.speculation_bytes())
         store = self.engine.store
         return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, chunks)]
+
+    def speculation_bytes(self) -> float:
+        """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
+        issuing a layer's speculation and demanding that layer's K/V, less what is queued already (inf until
+        both have been measured). A scheduler that issues one read at a time (an emulated link) needs no cap:
+        its queue already reads only what the disk gets to before the speculation is superseded, and the rest
+        is withdrawn unread; a deeper queue commits reads to the disk at once, so the cap does that there."""
+        scheduler, window_s = self.engine.store.scheduler, self.engine.speculation_window_s
+        rate = scheduler.rate_bytes_per_s()
+        if rate is None or window_s is None or scheduler.max_inflight_bytes == 0:
+            return math.inf
+        return rate * window_s - scheduler.queued_bytes()
+
+    def _within_budget(self, layer: int, ranked: np.ndarray, budget: float) -> np.ndarray:
+        """The longest head of `ranked` chunks whose uncached K and V bytes fit in `budget`."""
+        cache, lay = self.engine.cache, self.engine.store.layout
+        spent = 0
+        for i, chunk in enumerate(ranked):
+            spent += sum(lay.chunk_nbytes(kind) for kind in (K, V)
+                         if cache is None or cache.where((layer, kind, int(chunk))) is None)
+            if spent > budget:
+                return ranked[:i]
+        return ranked
+
+    def _close_window(self, layer: int) -> None:
+        """The layer's K/V are demanded now: the time since its speculation was issued is the window the disk had
+        for it (moving average over layers and requests, kept by the engine)."""
+        opened = self._window_opened.pop(layer, None)
+        if opened is not None:
+            window = time.perf_counter() - opened
+            old = self.engine.speculation_window_s
+            self.engine.speculation_window_s = window if old is None else 0.8 * old + 0.2 * window
 
     def speculation_ranking(self, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The chunks of `layer` `_speculate` reads, best first, and how many of `previous` each holds."""
@@ -638,6 +681,8 @@ class _LayerIO:
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
+        if kind != PROBE:
+            self._close_window(layer)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to)
         if not taken.ok.all():

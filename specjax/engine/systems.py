@@ -8,10 +8,16 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.errors import SpecjaxError
+from specjax.stores import K, PROBE, V
+from specjax.stores.caches import POLICIES
 
-# load everything | all keys then per-head top-k | probe heads + threshold | whole chunks chosen once per period
-IDENTIFY = ("none", "h2o", "itf", "chunks")
-PREFETCH = ("none", "kv", "keys", "probe", "speculative", "periods")
+# What each identification must read of a layer whatever it then selects: everything | all keys (to score every
+# head) | the probe heads' keys | nothing up front (ContiguousKV's periods plan their own reads)
+CERTAIN_READS = {"none": (K, V), "h2o": (K,), "itf": (PROBE,), "chunks": ()}
+IDENTIFY = tuple(CERTAIN_READS)
+# what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
+# its selection | ContiguousKV's intra- and inter-period plan
+PREFETCH = ("none", "certain", "speculative", "periods")
 SCHEDULES = ("layers", "cake")  # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake)
 # CacheBlend's token selection: what deviation ranks tokens (recomputed vs reused vectors), and whether later layers
 # keep filtering the set (the paper) or keep the check layer's set (the authors' reference code)
@@ -39,26 +45,43 @@ class System:
     blend_deviation: str = "value"
     blend_filter: str = "gradual"
 
+    def __post_init__(self):
+        for field, value, known in (("identify", self.identify, IDENTIFY), ("prefetch", self.prefetch, PREFETCH),
+                                    ("schedule", self.schedule, SCHEDULES),
+                                    ("cache_policy", self.cache_policy, POLICIES),
+                                    ("blend_deviation", self.blend_deviation, BLEND_DEVIATIONS),
+                                    ("blend_filter", self.blend_filter, BLEND_FILTERS)):
+            if value not in known:
+                raise SpecjaxError(f"system {self.name!r}: unknown {field} {value!r}; choose one of "
+                                   f"{', '.join(known)}")
+        if (self.prefetch == "periods") != (self.identify == "chunks"):
+            raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
+
     @property
     def prunes(self) -> bool:
         return self.identify != "none"
+
+    @property
+    def certain_reads(self) -> tuple[int, ...]:
+        """The store kinds (K, V, PROBE) a layer reads whatever it selects; what `certain` prefetch reads ahead."""
+        return CERTAIN_READS[self.identify]
 
 
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("recompute", reuse=False),
-        System("as_full", identify="none", prefetch="kv", cache_policy="lru"),
-        System("as_h2o_lru", identify="h2o", prefetch="keys", cache_policy="lru"),
-        System("as_h2o_lfu", identify="h2o", prefetch="keys", cache_policy="lfu"),
-        System("impress", identify="itf", prefetch="probe", cache_policy="spec_score", reorder=True),
+        System("as_full", identify="none", prefetch="certain", cache_policy="lru"),
+        System("as_h2o_lru", identify="h2o", prefetch="certain", cache_policy="lru"),
+        System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu"),
+        System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
         System("cake", identify="none", cache_policy="lru", schedule="cake"),
         # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
-        System("full_reuse", prefetch="kv", cache_policy="lru", blend=0.0),
-        System("cacheblend", prefetch="kv", cache_policy="lru", blend=0.15),
+        System("full_reuse", prefetch="certain", cache_policy="lru", blend=0.0),
+        System("cacheblend", prefetch="certain", cache_policy="lru", blend=0.15),
     )
 }
 
@@ -95,7 +118,7 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
         if no_score_cache:
             changes["cache_policy"] = "lfu"
         if no_prefetch and system.prefetch == "speculative":
-            changes["prefetch"] = "probe"
+            changes["prefetch"] = "certain"
         if alpha is not None:
             changes["alpha"] = alpha
     if system.identify == "chunks":

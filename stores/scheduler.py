@@ -1,0 +1,184 @@
+"""One read queue per disk: demand reads before speculative ones, bounded bytes in flight, and the disk's delivered
+rate measured online. An emulated disk (`bytes_per_s`) is a bandwidth model inside the same queue.
+
+A read waits in the queue until the bytes in flight leave room for it; only then is it issued to the disk. So a
+speculative read that is superseded while it waits (`withdraw`) is never read, and one that becomes needed
+(`expedite`) joins the demand queue. A read already issued is never interrupted.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import heapq
+import itertools
+import threading
+import time
+from typing import Callable
+
+QUEUED, ISSUED, DONE, WITHDRAWN = "queued", "issued", "done", "withdrawn"
+DEFAULT_INFLIGHT_BYTES = 4 << 20  # a real disk: enough reads in flight for an NVMe queue, little to withdraw
+MAX_READ_BYTES = 1 << 20  # one read of adjacent chunks is at most this large...
+MAX_READ_S = 0.002  # ...and holds the disk at most this long at its rate, so a demand read never waits long
+
+
+@dataclasses.dataclass(eq=False)
+class Read:
+    """One disk request: `issue()` starts it and returns a concurrent future of its data."""
+
+    issue: Callable[[], concurrent.futures.Future]
+    nbytes: int
+    speculative: bool
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    state: str = QUEUED
+    deliver_at: float = 0.0  # emulated link: monotonic time its bytes have crossed
+
+
+class ReadScheduler:
+    """Issues queued reads in priority order while at most `max_inflight_bytes` are in flight (at least one read
+    always may be); with `bytes_per_s` the link moves one read's bytes after another at that rate."""
+
+    def __init__(self, *, max_inflight_bytes: int | None = None, bytes_per_s: float | None = None):
+        if bytes_per_s is not None and bytes_per_s <= 0:
+            raise ValueError(f"disk bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+        if max_inflight_bytes is not None and max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+        # An emulated link moves one read at a time by default, so queued reads keep their order and stay
+        # withdrawable until the link takes them, as a host-side submission queue in front of a slow disk.
+        default = 0 if bytes_per_s else DEFAULT_INFLIGHT_BYTES
+        self.max_inflight_bytes = default if max_inflight_bytes is None else int(max_inflight_bytes)
+        self.bytes_per_s = bytes_per_s
+        self._demand: collections.deque = collections.deque()
+        self._speculative: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._inflight = 0          # reads issued, not yet delivered
+        self._inflight_bytes = 0
+        self._link_free_at = 0.0
+        self._busy_since: float | None = None  # rate: delivered bytes over the time reads were in flight
+        self._busy_s = 0.0
+        self._delivered_bytes = 0
+        self._timer = _Timer() if bytes_per_s else None
+
+    # -- the queue -----------------------------------------------------------------------------
+
+    def submit(self, read: Read) -> Read:
+        with self._lock:
+            (self._speculative if read.speculative else self._demand).append(read)
+            ready = self._take_ready()
+        self._issue(ready)
+        return read
+
+    def expedite(self, read: Read) -> None:
+        """The read is needed now: a queued speculative read joins the demand queue."""
+        with self._lock:
+            if read.speculative and read.state == QUEUED:
+                self._speculative.remove(read)
+                self._demand.append(read)
+            read.speculative = False
+
+    def withdraw(self, read: Read) -> bool:
+        """Drop a speculative read that has not been issued (its future is cancelled); False if it was issued."""
+        with self._lock:
+            if not (read.speculative and read.state == QUEUED):
+                return False
+            self._speculative.remove(read)
+            read.state = WITHDRAWN
+        read.future.cancel()
+        return True
+
+    def _take_ready(self) -> list[Read]:
+        """Reads to issue now, in priority order, within the in-flight bound (called with the lock held)."""
+        ready = []
+        while self._demand or self._speculative:
+            queue = self._demand or self._speculative
+            read = queue[0]
+            if self._inflight and self._inflight_bytes + read.nbytes > self.max_inflight_bytes:
+                break
+            queue.popleft()
+            read.state = ISSUED
+            if self._inflight == 0:
+                self._busy_since = time.monotonic()
+            self._inflight += 1
+            self._inflight_bytes += read.nbytes
+            if self.bytes_per_s:
+                start = max(time.monotonic(), self._link_free_at)
+                self._link_free_at = read.deliver_at = start + read.nbytes / self.bytes_per_s
+            ready.append(read)
+        return ready
+
+    def _issue(self, reads: list[Read]) -> None:
+        for read in reads:
+            try:
+                disk = read.issue()
+            except BaseException as e:  # noqa: BLE001 -- delivered to the reader
+                disk = concurrent.futures.Future()
+                disk.set_exception(e)
+            disk.add_done_callback(lambda f, read=read: self._landed(read, f))
+
+    def _landed(self, read: Read, disk: concurrent.futures.Future) -> None:
+        if self._timer is not None and read.deliver_at > time.monotonic():
+            self._timer.at(read.deliver_at, lambda: self._deliver(read, disk))
+        else:
+            self._deliver(read, disk)
+
+    def _deliver(self, read: Read, disk: concurrent.futures.Future) -> None:
+        with self._lock:
+            read.state = DONE
+            self._inflight -= 1
+            self._inflight_bytes -= read.nbytes
+            self._delivered_bytes += read.nbytes
+            if self._inflight == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+                if self._busy_s > 2.0:  # a window of about the last few seconds of reading
+                    self._busy_s, self._delivered_bytes = self._busy_s / 2, self._delivered_bytes // 2
+            ready = self._take_ready()
+        self._issue(ready)
+        try:
+            read.future.set_result(disk.result())
+        except BaseException as e:  # noqa: BLE001 -- the reader's miss, never the scheduler's failure
+            read.future.set_exception(e)
+
+    # -- what the disk delivers ------------------------------------------------------------------
+
+    def rate_bytes_per_s(self) -> float | None:
+        """Bytes delivered per second of time with reads in flight, over recent reading; None before any."""
+        with self._lock:
+            busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+            if self._delivered_bytes == 0 or busy <= 0:
+                return None
+            return self._delivered_bytes / busy
+
+    def max_read_bytes(self) -> int:
+        """How large one read may be: MAX_READ_BYTES, or less where the disk (emulated, or at its measured rate)
+        would spend more than MAX_READ_S on it (callers still read at least one chunk)."""
+        rate = self.bytes_per_s or self.rate_bytes_per_s()
+        return MAX_READ_BYTES if rate is None else int(min(MAX_READ_BYTES, rate * MAX_READ_S))
+
+    def queued_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._demand) + sum(r.nbytes for r in self._speculative)
+
+
+class _Timer:
+    """One thread that runs callbacks at given monotonic times (an emulated link's deliveries)."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        threading.Thread(target=self._run, name="kv-disk-link", daemon=True).start()
+
+    def at(self, when: float, fn) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (when, next(self._seq), fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cv.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, fn = heapq.heappop(self._heap)
+            fn()

@@ -1,0 +1,152 @@
+"""The read scheduler: demand before speculative, expedite, withdraw unread, bounded bytes in flight, the measured
+rate; on a real (here: controlled) disk and on the emulated link, which is the same queue with a bandwidth model."""
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+
+from specjax.stores import K, KVStore
+from specjax.stores.scheduler import ISSUED, QUEUED, WITHDRAWN, Read, ReadScheduler
+
+
+class _Disk:
+    """A disk whose reads complete when the test says so; records the order reads were issued in."""
+
+    def __init__(self):
+        self.issued, self.pending = [], {}
+
+    def read(self, name, nbytes, speculative=False):
+        def issue():
+            self.issued.append(name)
+            self.pending[name] = concurrent.futures.Future()
+            return self.pending[name]
+
+        return Read(issue, nbytes, speculative)
+
+    def finish(self, name):
+        self.pending.pop(name).set_result(name)
+
+
+def test_real_disk_path_orders_bounds_expedites_and_withdraws():
+    disk = _Disk()
+    sched = ReadScheduler(max_inflight_bytes=300)
+    first = sched.submit(disk.read("d0", 200))
+    spec = [sched.submit(disk.read(f"s{i}", 100, speculative=True)) for i in range(3)]
+    assert disk.issued == ["d0", "s0"]  # 300 bytes in flight: the bound holds the rest in the queue
+    demand = sched.submit(disk.read("d1", 100))
+    sched.expedite(spec[2])
+    assert sched.withdraw(spec[1]) and spec[1].state == WITHDRAWN and spec[1].future.cancelled()
+    assert not sched.withdraw(spec[0])  # issued: reads already at the disk are never interrupted
+    assert not sched.withdraw(spec[2])  # expedited: a demand read now
+    disk.finish("d0")
+    assert disk.issued == ["d0", "s0", "d1", "s2"]  # demand first, then the expedited one; s1 never read
+    assert first.future.result() == "d0"
+    for name in ("s0", "d1", "s2"):
+        disk.finish(name)
+    assert demand.future.result() == "d1" and spec[2].future.result() == "s2"
+    assert spec[1].state == WITHDRAWN and "s1" not in disk.issued
+
+
+def test_one_read_always_goes_out_even_past_the_bound():
+    disk = _Disk()
+    sched = ReadScheduler(max_inflight_bytes=10)
+    sched.submit(disk.read("big", 1000))
+    queued = sched.submit(disk.read("next", 1))
+    assert disk.issued == ["big"] and queued.state == QUEUED and sched.queued_bytes() == 1
+    disk.finish("big")
+    assert disk.issued == ["big", "next"] and queued.state == ISSUED
+
+
+def test_measured_rate_is_bytes_over_time_with_reads_in_flight():
+    disk = _Disk()
+    sched = ReadScheduler()
+    assert sched.rate_bytes_per_s() is None
+    sched.submit(disk.read("a", 1_000_000))
+    time.sleep(0.1)
+    disk.finish("a")
+    time.sleep(0.2)  # idle time does not count
+    rate = sched.rate_bytes_per_s()
+    assert 5e6 < rate <= 1e7, rate  # 1 MB in about 0.1 s
+
+
+def test_a_failed_read_reaches_its_reader_and_frees_the_queue():
+    def fail():
+        raise OSError("boom")
+
+    disk = _Disk()
+    sched = ReadScheduler(max_inflight_bytes=0)
+    bad = sched.submit(Read(fail, 10, False))
+    good = sched.submit(disk.read("ok", 10))
+    assert isinstance(bad.future.exception(timeout=1), OSError)
+    disk.finish("ok")
+    assert good.future.result(timeout=1) == "ok"
+
+
+def test_emulated_link_is_the_same_queue_with_a_bandwidth_model():
+    """1 MB/s: 10 kB reads take 10 ms each, back to back; speculative reads wait for demand ones."""
+    done = []
+    sched = ReadScheduler(bytes_per_s=1e6)  # one read on the link at a time by default
+
+    def read(name, speculative):
+        f = concurrent.futures.Future()
+        f.set_result(name)  # the disk itself is instant here: the link sets the pace
+        r = Read(lambda: f, 10_000, speculative)
+        r.future.add_done_callback(lambda f: f.cancelled() or done.append((name, time.monotonic())))
+        return r
+
+    start = time.monotonic()
+    sched.submit(read("d0", False))
+    spec = [sched.submit(read(f"s{i}", True)) for i in range(3)]
+    sched.submit(read("d1", False))
+    sched.withdraw(spec[1])
+    deadline = time.monotonic() + 2
+    while len(done) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [n for n, _ in done] == ["d0", "d1", "s0", "s2"]
+    assert 0.04 <= done[-1][1] - start < 0.1  # four 10 ms transfers, back to back
+    assert 0.7e6 < sched.rate_bytes_per_s() <= 1.05e6
+
+
+def test_store_coalesces_adjacent_chunks_and_verifies_each(tmp_path):
+    """Adjacent chunks go to the disk as one read; every chunk is still checked and served on its own."""
+    fp = {"arch": "t", "num_layers": 1, "kv_heads": 2, "head_dim": 8, "probe_heads": 0, "chunk_tokens": 4}
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 40, 8)).astype(np.float32)
+    with KVStore.open(str(tmp_path / "s"), fp) as store:
+        store.insert(np.arange(40), [(k, k, None)])
+    with KVStore.open(str(tmp_path / "s"), fp, max_read_bytes=3 * 2 * 4 * 8 * 4) as store:
+        reads = store.read_chunks(0, K, [0, 1, 2, 3, 7, 9])
+        got = [r.future.result(timeout=10) for r in reads]
+        for chunk, array in zip([0, 1, 2, 3, 7, 9], got):
+            np.testing.assert_array_equal(array, k[:, chunk * 4:(chunk + 1) * 4])
+        counts = store.metrics.snapshot()
+        assert counts["chunks_read"] == 6
+        assert counts["read_requests"] == 4  # [0, 1, 2] [3] [7] [9]: runs of at most 3 chunks
+        assert len({id(r.run) for r in reads}) == 4
+
+
+def test_store_withdraws_a_run_only_when_none_of_its_chunks_is_wanted(tmp_path):
+    fp = {"arch": "t", "num_layers": 1, "kv_heads": 1, "head_dim": 8, "probe_heads": 0, "chunk_tokens": 4}
+    k = np.ones((1, 16, 8), np.float32)
+    with KVStore.open(str(tmp_path / "s"), fp) as store:
+        store.insert(np.arange(16), [(k, k, None)])
+    gate = threading.Event()
+    with KVStore.open(str(tmp_path / "s"), fp, max_inflight_bytes=0) as store:
+        blocker = Read(lambda: _after(gate), 1, False)
+        store.scheduler.submit(blocker)  # holds the disk, so the reads below stay queued
+        run = store.read_chunks(0, K, [0, 1], speculative=True)
+        store.withdraw(run[0])
+        assert run[1].run.read.state == QUEUED  # chunk 1 is still wanted
+        store.withdraw(run[1])
+        assert run[0].future.cancelled() and run[1].future.cancelled()
+        gate.set()
+        blocker.future.result(timeout=5)
+        assert store.metrics.snapshot()["chunks_read"] == 0
+
+
+def _after(event):
+    f = concurrent.futures.Future()
+    threading.Thread(target=lambda: (event.wait(5), f.set_result(None)), daemon=True).start()
+    return f
