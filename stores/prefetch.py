@@ -73,6 +73,7 @@ class Prefetcher:
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
+        self._compiled: set = set()  # (kind, output rows) whose assembly ops are compiled
         if cache is not None:
             store.on_free(cache.invalidate)
 
@@ -181,6 +182,8 @@ class Prefetcher:
         size = len(positions) if pad_to is None else pad_to
         if size < len(positions):
             raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
+        if (kind, size) not in self._compiled:
+            self.compile_assembly(kind, size)
         loc = self.store.locate(match, positions, layer)
         chunks, inverse = np.unique(loc.chunks, return_inverse=True)
         lay = self.store.layout
@@ -251,10 +254,13 @@ class Prefetcher:
         return jax.device_put(host)
 
     def compile_assembly(self, kind: int, size: int) -> None:
-        """Compile the device-side placement for an output of `size` rows outside any timed request."""
+        """Compile every device op of assembling `size` rows (the zeros an all-device-hit take starts from, the
+        placement of device hits), whichever of them this use needs: a later take of the same size, whatever
+        the caches then hold, compiles nothing."""
         lay = self.store.layout
         chunk = np.zeros((lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype)
         jax.block_until_ready(self._assemble([(jax.device_put(chunk), np.arange(1), np.arange(1))], size, lay, kind))
+        self._compiled.add((kind, size))
 
     def close(self) -> None:
         with self._lock:

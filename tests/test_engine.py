@@ -17,6 +17,7 @@ from specjax.models import transformer as T
 from specjax.stores import K, PROBE, V, KVStore
 
 TOL = 1e-4
+EXACT = 1e-5  # fp32: the same computation over the same KV, up to summation order
 
 
 @pytest.fixture(scope="module", params=["tiny-opt", "tiny-llama"])
@@ -84,15 +85,17 @@ def test_chunked_prefill_matches_plain_forward(model, name):
                                    atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["as_full", "spec", "impress", "as_h2o_lfu"])
+@pytest.mark.parametrize("name", ["as_full", "spec", "impress", "as_h2o_lfu", "as_h2o_lru"])
 def test_full_retention_equals_recompute(model, name):
+    """Reusing every stored token through the read scheduler, the coalesced reads and the batched copies gives
+    recompute's outputs to fp32 rounding."""
     req = _request(model)
     base = _run(model, "recompute", req)
     r = _run(model, name, req, retention=1.0)
     assert r.reused_tokens == len(req.prefix) and r.computed_tokens == len(req.query)
-    np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=TOL, rtol=0)
+    np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=EXACT, rtol=0)
     np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
-                               [c for c, _ in base.continuation_logprobs], atol=TOL, rtol=0)
+                               [c for c, _ in base.continuation_logprobs], atol=EXACT, rtol=0)
 
 
 def test_second_request_reuses_the_stored_prefix(model):
@@ -346,9 +349,6 @@ def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(
     assert len(io._within_budget(2, ranked, 0)) == 0
     rate = engine.store.scheduler.rate_bytes_per_s()
     assert io.speculation_bytes() == pytest.approx(rate * engine.speculation_window_s, rel=0.05, abs=pair)
-    engine.store.scheduler.max_inflight_bytes = 0  # one read at a time: the queue itself bounds speculation
-    assert io.speculation_bytes() == math.inf
-    engine.store.scheduler.max_inflight_bytes = 4 << 20
     engine.speculation_window_s = None
     assert io.speculation_bytes() == math.inf
     match.close()

@@ -333,3 +333,22 @@ def test_take_moves_a_layers_host_vectors_in_one_copy_and_batches_device_placeme
         np.testing.assert_array_equal(np.asarray(again.array), kv[1][V][:, positions[::-1]])
         prefetcher.close()
         m.close()
+
+
+def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(filled_store):
+    """The first take of a size compiles every assembly op of that size, so a later take that starts from device
+    zeros (all device hits) where the first one copied a host buffer compiles nothing in a timed request."""
+    from specjax.eval.compiles import CompileCounter
+
+    store, tokens, kv = filled_store
+    cache = TieredCache(64 * store.layout.chunk_nbytes(V), 0, "lru", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    positions = np.array([3, 40, 41, 150])
+    prefetcher.take(m, 0, V, positions, pad_to=12)  # from disk: a host buffer; the chunks stay on the device
+    with CompileCounter() as compiles:
+        again = prefetcher.take(m, 0, V, positions, pad_to=12)  # device hits only
+    np.testing.assert_array_equal(np.asarray(again.array)[:, :4], kv[0][V][:, positions])
+    assert again.chunks_from_disk == 0 and compiles.count == 0
+    prefetcher.close()
+    m.close()

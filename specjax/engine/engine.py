@@ -585,12 +585,10 @@ class _LayerIO:
     def speculation_bytes(self) -> float:
         """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
         issuing a layer's speculation and demanding that layer's K/V, less what is queued already (inf until
-        both have been measured). A scheduler that issues one read at a time (an emulated link) needs no cap:
-        its queue already reads only what the disk gets to before the speculation is superseded, and the rest
-        is withdrawn unread; a deeper queue commits reads to the disk at once, so the cap does that there."""
+        both have been measured)."""
         scheduler, window_s = self.engine.store.scheduler, self.engine.speculation_window_s
         rate = scheduler.rate_bytes_per_s()
-        if rate is None or window_s is None or scheduler.max_inflight_bytes == 0:
+        if rate is None or window_s is None:
             return math.inf
         return rate * window_s - scheduler.queued_bytes()
 
