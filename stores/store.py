@@ -611,8 +611,9 @@ class KVStore:
 
     def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False) -> list[ChunkRead]:
         """Read chunks of one layer and kind: runs of adjacent ids go to the disk as one read (at most
-        `max_read_bytes`, by default as large as the disk's scheduler allows). Each `ChunkRead.future` resolves with its verified chunk `[heads, chunk_tokens,
-        head_dim]`, or None if it is bad (counted), and is cancelled if its read was withdrawn unread."""
+        `max_read_bytes`, by default as large as the disk's scheduler allows). Each `ChunkRead.future` resolves
+        with its verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is
+        cancelled if its read was withdrawn unread."""
         chunks = [int(c) for c in chunks]
         expected = {c: self._expected_checksum(layer, kind, c) for c in chunks}
         for c, e in expected.items():

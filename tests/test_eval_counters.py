@@ -2,7 +2,6 @@
 host->device transfers."""
 
 import json
-import pathlib
 
 import jax
 import numpy as np
