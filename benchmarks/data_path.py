@@ -39,11 +39,12 @@ from specjax.eval import __main__ as eval_main
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import code_version
+from specjax.stores import bench
 from specjax.stores.bench import chunk_path, read_direct
 
 IO_KEYS = ("disk_bytes", "chunks_read", "read_requests", "host_to_device_transfers", "host_to_device_bytes")
-PAGE_CACHE = ("bypassed with O_DIRECT on both sides (TensorStore file_io_mode=direct; os.O_DIRECT for preadv); "
-              "the page cache is not dropped (needs root); a VM host may still cache the virtual disk")
+PAGE_CACHE = (f"{bench.PAGE_CACHE}, on both sides; the page cache is not dropped (needs root); a VM host may still "
+              "cache the virtual disk")
 
 
 def parse_args(argv):
@@ -144,7 +145,7 @@ def request_record(request, result, raw: RawRead, raw_first: bool, scheduler_rat
     io_ms = result.breakdown_ms["probe_io"] + result.breakdown_ms["kv_io_stall"]
     disk_bytes = result.io["disk_bytes"]
     return {"request_id": request.request_id, "prefix_tokens": len(request.prefix_ids),
-            **{k: result.io[k] for k in IO_KEYS if k in result.io},  # newer counters may be absent
+            **{k: result.io[k] for k in IO_KEYS},
             "ttft_ms": result.ttft_ms, **{f"{k}_ms": v for k, v in result.breakdown_ms.items()},
             "engine_io_ms": io_ms, "engine_MBps": disk_bytes / io_ms / 1e3 if io_ms else None,
             "scheduler_MBps": scheduler_rate / 1e6 if scheduler_rate else None,
@@ -251,7 +252,7 @@ def print_summary(r: dict) -> None:
         print(f"(the engine's read scheduler measured {m['scheduler_MBps']:.1f} MB/s per request median: bytes over "
               f"time with reads in flight, not over stalls)")
     print(f"engine / raw = {r['ratio_engine_over_raw']:.3f}; per request median: {m['disk_bytes'] / 1e6:.2f} MB, "
-          f"{m['chunks_read']:.0f} chunks" + "".join(f", {m[k]:.0f} {k}" for k in IO_KEYS[2:4] if k in m))
+          f"{m['chunks_read']:.0f} chunks" + "".join(f", {m[k]:.0f} {k}" for k in IO_KEYS[2:4]))
     print(r["page_cache"])
 
 

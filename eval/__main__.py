@@ -28,7 +28,7 @@ from specjax.eval.errors import EvalError
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.progress import Progress
-from specjax.eval.units import parse_bandwidth, parse_fewshot, parse_retentions, parse_size
+from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
 
 FLAGS = flags.FLAGS
 
@@ -115,7 +115,7 @@ flags.register_validator("gpu_cache", lambda v: _ok(parse_size, v), "must be a s
 flags.register_validator("cpu_cache", lambda v: _ok(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
 flags.register_validator("disk_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
                          "must be a rate like 5GB/s or 800MB/s")
-flags.register_validator("inflight_bytes", lambda v: v is None or _ok(_size_bytes, v),
+flags.register_validator("inflight_bytes", lambda v: v is None or _ok(parse_bytes, v),
                          "must be a size like 4MiB or 512KB")
 flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
                          "must be a rate like 25GB/s")
@@ -139,13 +139,6 @@ OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
              "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
              "blend_filter", "store", "output_dir", "preset")
-
-
-def _size_bytes(text: str) -> int:
-    value, is_fraction = parse_size(text)
-    if is_fraction:
-        raise ValueError(f"{text!r}: give bytes, not a percentage")
-    return int(value)
 
 
 def _ok(parse, value) -> bool:
@@ -223,7 +216,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
-        inflight_bytes=_size_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
+        inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
         options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
                                         "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
                                         "blend_ratio", "blend_deviation", "blend_filter")})

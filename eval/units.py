@@ -23,6 +23,14 @@ def parse_size(text: str) -> tuple[float, bool]:
     return float(m.group(1)) * _UNITS[m.group(2).lower()], False
 
 
+def parse_bytes(text: str) -> int:
+    """A size in bytes, not a percentage: "4MiB" -> 4194304."""
+    value, is_fraction = parse_size(text)
+    if is_fraction:
+        raise ValueError(f"{text!r}: give bytes, not a percentage")
+    return int(value)
+
+
 def parse_bandwidth(text: str) -> float:
     """Bytes per second: "5GB/s" -> 5e9."""
     text = str(text).strip()

@@ -28,6 +28,7 @@ from specjax.stores.kvarray import K, MAX_CHUNKS, PROBE, Layout, _array_spec, ma
 from specjax.stores.store import KVStore
 
 ALIGN = 4096
+PAGE_CACHE = "bypassed with O_DIRECT (TensorStore file_io_mode=direct; os.O_DIRECT for preadv)"
 
 
 def _fill(directory: str, chunk_tokens: int, tokens: int, kv_heads: int, head_dim: int) -> dict:
@@ -303,7 +304,7 @@ def print_layouts(results: dict) -> None:
 
 
 def run_layout_comparison(args) -> dict:
-    results = {"page_cache": "bypassed with O_DIRECT (TensorStore file_io_mode=direct; os.O_DIRECT for preadv)",
+    results = {"page_cache": PAGE_CACHE,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores", "reads": [], "store_costs": [],
                "config": {k: getattr(args, k) for k in ("tokens", "kv_heads", "head_dim", "chunk_tokens", "fraction",
                                                         "repeats", "threads", "runs", "shard_chunks", "dtypes",
@@ -345,17 +346,19 @@ def main(argv=None) -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.compare_layouts:
-        if "," in args.chunk_tokens:
-            parser.error("--compare_layouts takes one --chunk_tokens")
-        results = run_layout_comparison(args)
-        shutil.rmtree(args.dir, ignore_errors=True)
-        if args.output:
-            with open(args.output, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
-    results = {"page_cache": "bypassed with O_DIRECT (TensorStore file_io_mode=direct; os.O_DIRECT for preadv)",
-               "layer_bytes": args.tokens * args.kv_heads * args.head_dim * 4, "reads": []}
+    if args.compare_layouts and "," in args.chunk_tokens:
+        parser.error("--compare_layouts takes one --chunk_tokens")
+    results = run_layout_comparison(args) if args.compare_layouts else run_chunk_sizes(args)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def run_chunk_sizes(args) -> dict:
+    """Store reads against preadv for each chunk size, and the throttle's accuracy."""
+    results = {"page_cache": PAGE_CACHE, "layer_bytes": args.tokens * args.kv_heads * args.head_dim * 4, "reads": []}
     for c in (int(x) for x in args.chunk_tokens.split(",")):
         row = bench_chunk_size(args.dir, c, args.tokens, args.kv_heads, args.head_dim, args.fraction,
                                args.repeats, args.threads)
@@ -369,12 +372,7 @@ def main(argv=None) -> int:
     print(f"throttle (emulated): set {t['setting_MBps']:.1f} MB/s, delivered {t['delivered_MBps']:.1f} MB/s, "
           f"error {100 * t['error']:.1f}%")
     print(results["page_cache"])
-    shutil.rmtree(args.dir, ignore_errors=True)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
-
+    return results
 
 if __name__ == "__main__":
     sys.exit(main())

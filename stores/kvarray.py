@@ -111,7 +111,7 @@ def make_context(direct_io: bool = False, context: ts.Context | None = None) -> 
 
 
 class KVArrays:
-    """The two TensorStore arrays of a store; reads return concurrent futures, optionally throttled."""
+    """The two TensorStore arrays of a store; reads of chunk runs go through its disk's `ReadScheduler`."""
 
     def __init__(self, kvstore: dict, layout: Layout, context: ts.Context, *, create: bool,
                  disk_bandwidth: float | None = None, max_inflight_bytes: int | None = None):
