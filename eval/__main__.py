@@ -87,9 +87,9 @@ flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a perio
                      "period computes (sp; default 4, at most p).")
 flags.DEFINE_integer("cake_chunk_tokens", 512, "cake: tokens per chunk computed from the front or loaded from the "
                      "back (Cake: 512); a multiple of --chunk_tokens.")
-flags.DEFINE_integer("prefill_chunk_tokens", 128, "Chunked prefill when nothing is reused (recompute, a cold "
+flags.DEFINE_integer("prefill_chunk_tokens", 0, "Chunked prefill when nothing is reused (recompute, a cold "
                      "request): more new tokens than this are computed in chunks of this many, each attending to "
-                     "the earlier chunks' KV (exact); 0: one block.")
+                     "the earlier chunks' KV (exact); 0: one block, as the plain forward.")
 flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
                    "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
 flags.DEFINE_enum("blend_deviation", "value", BLEND_DEVIATIONS, "cacheblend: the deviation between "

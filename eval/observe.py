@@ -30,6 +30,7 @@ from absl import flags
 
 from specjax.kernels import itf_threshold, probe_scores
 from specjax.models import transformer as T
+from specjax.models.attention import NEG_INF
 from specjax.models.inference import bucket
 
 FLAGS = flags.FLAGS
@@ -191,7 +192,7 @@ def _layer(cfg, kv_head_of_head, lp, h, positions, prefix_k, prefix_v, visible, 
     own = (cols[None, :] <= rows[:, None]) & (cols[None, :] < own_len)
     mask = jnp.concatenate([jnp.broadcast_to(visible[:, None, :], (H, n, visible.shape[1])),
                             jnp.broadcast_to(own[None], (H, n, n))], axis=2)
-    probs = jax.nn.softmax(jnp.where(mask, logits, T.NEG_INF), axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1)
     attn = jnp.einsum("hqk,hkd->hqd", probs.astype(vq.dtype), vq, preferred_element_type=jnp.float32)
     h_next = T.output_and_mlp(cfg, lp, h, attn.astype(q.dtype))
     if kv_head_of_head is None:

@@ -2,7 +2,6 @@
 
 import errno
 import os
-import threading
 import time
 
 import numpy as np

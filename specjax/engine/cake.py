@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine.engine import (Engine, EngineConfig, Request, RequestResult, _Clock, _context_for_continuation,
-                                   _earlier, _finish, _head_row, _LayerKV, _project, _put, _put_rows, _zero_buffers)
+                                   _finish, _head_row, _LayerKV, _project, _put, _zero_buffers)
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -271,9 +271,9 @@ class CakeEngine(Engine):
     # -- the device's side ---------------------------------------------------------------------------
 
     def _chunk_layer(self, j: int, lp, h, positions, keys, values, count):
-        """One layer of chunk j: attends to the device's chunks before it (in keys/values) and causally to itself
-        (the engine's chunked-prefill step)."""
-        return self._prefill_layer(lp, h, positions, keys, values, _earlier(j * self.chunk_tokens), count)
+        """One layer of chunk j: writes its K/V into keys / values and attends causally to the device's chunks
+        before it and to itself (the engine's chunked-prefill step). Returns (next hidden, keys, values)."""
+        return self._prefill_layer(lp, h, positions, keys, values, j * self.chunk_tokens, count)
 
     def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader
@@ -288,10 +288,9 @@ class CakeEngine(Engine):
         for layer, lp in enumerate(params["layers"]):
             if meeting.loaded_from(j):
                 return False
-            h, own_k, own_v = self._chunk_layer(j, lp, h, positions, keys[layer], values[layer], count)
+            h, keys[layer], values[layer] = self._chunk_layer(j, lp, h, positions, keys[layer], values[layer],
+                                                              count)
             h.block_until_ready()  # layer by layer, so the check above follows the loader's progress
-            keys[layer] = _put_rows(keys[layer], own_k, lo)
-            values[layer] = _put_rows(values[layer], own_v, lo)
         return True
 
     def _absorb(self, meeting: _Meeting, absorbed: set, keys: list, values: list, wait: bool = False):
@@ -319,8 +318,7 @@ class CakeEngine(Engine):
         for j in range(n_chunks):
             h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
             for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not
-                h, own_k, _ = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
-                buffers[0] = _put_rows(buffers[0], own_k, 0)
+                h, buffers[0], buffers[1] = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
         rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
 

@@ -38,9 +38,9 @@ class EngineConfig:
     reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
     cake_chunk_tokens: int = 512  # cake: tokens per chunk of its compute / load schedule (a multiple of the store's)
     # chunked prefill: with no reused prefix (recompute, a cold request), more new tokens than this are computed
-    # in chunks of this many, each attending to the earlier chunks' KV (exact; bounds attention's score tensor to
-    # [heads, chunk, tokens]); 0: one block
-    prefill_chunk_tokens: int = 128
+    # in chunks of this many, each attending to the earlier chunks' KV (exact); 0: one block, as the plain forward
+    # (attention is blocked, so one block never holds a [heads, tokens, tokens] score tensor)
+    prefill_chunk_tokens: int = 0
     trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
 
 
@@ -125,6 +125,14 @@ def _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *
     attn = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, q_len=q_len, impl=impl,
                               check_indices=False)
     return T.output_and_mlp(cfg, lp, h, attn)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("self_causal",))
+def _finish_plain(cfg, lp, h, q, keys, values, positions, visible, *, self_causal=False):
+    """A layer's tail when nothing is reused: its tokens (at `positions`) attend causally to rows [0, visible) of
+    keys / values [H_kv, W, d], row i holding position i, through the model's own attention (as the plain forward)."""
+    slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    return T.attend_and_mlp(cfg, lp, h, q, keys, values, positions, slots, slots < visible, self_causal=self_causal)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl"))
@@ -313,16 +321,17 @@ class Engine:
         layers_kv, importance, traced = [], [], []
         for layer, lp in enumerate(params["layers"]):
             q, own_k, own_v = _project(cfg, lp, h, positions)
-            if m == 0:
+            if m == 0:  # nothing reused: the plain forward's layer
                 prefix_k = prefix_v = self._no_prefix
                 selection = self._no_selection
+                h = _finish_plain(cfg, lp, h, q, own_k, own_v, positions, n, self_causal=True)
             else:
                 state, prefix_k, prefix_v, selection, imp, chosen = self._select(
                     io, state, layer, q, own_k, n, k, k_cap)
                 importance.append(imp)
                 traced.append(chosen)
-            h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
-                        impl=self.config.kernel_impl)
+                h = _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
+                            impl=self.config.kernel_impl)
             if m:
                 # Dispatched: the next layer's reads are issued while the device computes this one.
                 io.after_selection(layer, np.unique(chosen))
@@ -335,16 +344,13 @@ class Engine:
 
     # -- chunked prefill (nothing reused) ----------------------------------------------------------------
 
-    def _prefill_layer(self, lp, h, positions, keys, values, earlier, count: int):
-        """One layer of a chunk of new tokens: it attends to the tokens before it (`earlier`, a selection of this
-        layer's keys / values [H_kv, W, d]; None for the first chunk) and causally to itself; count: its valid
-        rows."""
-        if earlier is None:
-            keys = values = self._no_prefix
-            earlier = self._no_selection
+    def _prefill_layer(self, lp, h, positions, keys, values, lo: int, count: int):
+        """One layer of a chunk of new tokens at token `lo` (`count` valid rows): its K/V rows are written into this
+        layer's buffers keys / values [H_kv, W, d], and it attends causally to rows [0, lo + count) of them.
+        Returns (next hidden, keys, values)."""
         q, own_k, own_v = _project(self.cfg, lp, h, positions)
-        h = _finish(self.cfg, lp, h, q, own_k, own_v, keys, values, earlier, count, impl=self.config.kernel_impl)
-        return h, own_k, own_v
+        keys, values = _put_rows(keys, own_k, lo), _put_rows(values, own_v, lo)
+        return _finish_plain(self.cfg, lp, h, q, keys, values, positions, lo + count), keys, values
 
     def _prefill_chunked(self, tokens, writer, new_prefix):
         """Chunked prefill of all tokens (none reused): chunk by chunk through every layer, each chunk's K/V
@@ -365,11 +371,9 @@ class Engine:
             ids[:count] = tokens[lo:lo + count]
             positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
             h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-            earlier = _earlier(lo)  # the same for every layer
             for layer, lp in enumerate(params["layers"]):
-                h, own_k, own_v = self._prefill_layer(lp, h, positions, keys[layer], values[layer], earlier, count)
-                keys[layer] = _put_rows(keys[layer], own_k, lo)
-                values[layer] = _put_rows(values[layer], own_v, lo)
+                h, keys[layer], values[layer] = self._prefill_layer(lp, h, positions, keys[layer], values[layer],
+                                                                    lo, count)
                 if writer is not None and j == n_chunks - 1:
                     writer.write_layer(layer, keys[layer][:, :new_prefix], values[layer][:, :new_prefix],
                                        keys[layer][self.probe_kv, :new_prefix])
@@ -466,12 +470,6 @@ class Engine:
         logprobs = log_softmax(logits)  # on the host: no device program per continuation length
         target = np.asarray(cont)
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
-
-
-def _earlier(lo: int) -> SharedIndices | None:
-    """What a chunk of new tokens starting at token `lo` attends to besides itself: rows [0, lo) of the layers'
-    K/V buffers (chunked prefill); None for the first chunk."""
-    return SharedIndices(jnp.arange(lo, dtype=jnp.int32), lo) if lo else None
 
 
 def _pad_np(x: np.ndarray, size: int, fill: int = -1) -> np.ndarray:

@@ -1,8 +1,9 @@
 """OPT / Llama / Qwen2 as pure functions over (config, params, hidden states).
 
 Each layer is split so the prefill engine can act between projection and attention:
-`project` gives position-encoded q, k, v; `attention` is the plain masked reference (the engine
-substitutes gathered attention over selected prefix KV); `output_and_mlp` finishes the layer.
+`project` gives position-encoded q, k, v; `attention` (specjax.models.attention: blocked, never the whole score
+matrix) attends over the keys a token may see (the engine substitutes gathered attention over selected prefix KV
+when it reuses one); `output_and_mlp` finishes the layer.
 Shapes are per sequence: hidden `[T, D]`, heads-major q `[H, T, d]`, k/v `[H_kv, T, d]`.
 Queries are returned unscaled; attention applies `head_dim ** -0.5`.
 """
@@ -13,10 +14,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
-
-NEG_INF = -1e30  # finite, so fully masked padded rows stay NaN-free
+from specjax.models.attention import attention
 
 
 def layer_norm(x, scale, bias, eps):
@@ -65,33 +66,17 @@ def embed(cfg: ModelConfig, params: dict, ids, positions):
 def project(cfg: ModelConfig, lp: dict, h, positions):
     """Hidden [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d]; keys position-encoded."""
     x = norm(cfg, h, lp, "attn_norm") if cfg.pre_layer_norm else h
-    q = jnp.einsum("tD,Dhd->htd", x, lp["wq"])
-    k = jnp.einsum("tD,Dhd->htd", x, lp["wk"])
-    v = jnp.einsum("tD,Dhd->htd", x, lp["wv"])
+    weights = [lp[name] for name in ("wq", "wk", "wv")]  # [D, heads, d] each
+    # one matmul for q, k and v (on a 2-core CPU ~20% faster than three), then heads-major
+    qkv = x @ jnp.concatenate([w.reshape(w.shape[0], -1) for w in weights], axis=1)
     if "bq" in lp:
-        q, k, v = q + lp["bq"][:, None], k + lp["bk"][:, None], v + lp["bv"][:, None]
+        qkv = qkv + jnp.concatenate([lp[name].reshape(-1) for name in ("bq", "bk", "bv")])
+    ends = np.cumsum([w.shape[1] * w.shape[2] for w in weights])[:2]
+    q, k, v = (part.reshape(len(x), w.shape[1], w.shape[2]).transpose(1, 0, 2)
+               for part, w in zip(jnp.split(qkv, ends, axis=1), weights))
     if cfg.uses_rope:
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     return q, k, v
-
-
-def attention(q, k, v, q_positions, kv_positions, kv_valid=None):
-    """Reference masked attention with grouped-query heads; causal by absolute position.
-
-    q [H, Tq, d]; k, v [H_kv, Tk, d]; a key is visible to a query when its position is not later
-    and `kv_valid` (bool [Tk]) allows it. Softmax in fp32.
-    """
-    H, Tq, d = q.shape
-    H_kv = k.shape[0]
-    qg = q.reshape(H_kv, H // H_kv, Tq, d)
-    scores = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    mask = kv_positions[None, :] <= q_positions[:, None]
-    if kv_valid is not None:
-        mask = mask & kv_valid[None, :]
-    scores = jnp.where(mask, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("kgqs,ksd->kgqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(H, Tq, d).astype(q.dtype)
 
 
 def _mlp(cfg: ModelConfig, lp: dict, x):
@@ -114,9 +99,11 @@ def output_and_mlp(cfg: ModelConfig, lp: dict, h, attn):
     return norm(cfg, h + _mlp(cfg, lp, h), lp, "mlp_norm")
 
 
-def attend_and_mlp(cfg: ModelConfig, lp: dict, h, q, k, v, q_positions, kv_positions, kv_valid=None):
-    """The rest of a layer after `project`, given the keys/values the queries may see."""
-    return output_and_mlp(cfg, lp, h, attention(q, k, v, q_positions, kv_positions, kv_valid))
+def attend_and_mlp(cfg: ModelConfig, lp: dict, h, q, k, v, q_positions, kv_positions, kv_valid=None, *,
+                   self_causal: bool = False):
+    """The rest of a layer after `project`, given the keys/values the queries may see (see attention.attention)."""
+    return output_and_mlp(cfg, lp, h, attention(q, k, v, q_positions, kv_positions, kv_valid,
+                                                self_causal=self_causal))
 
 
 def final_hidden(cfg: ModelConfig, params: dict, h):
@@ -149,7 +136,7 @@ def embed_step(cfg: ModelConfig, params: dict, ids, positions):
 def self_attention_layer(cfg: ModelConfig, lp: dict, h, positions, valid):
     """One full layer over the sequence itself (plain prefill). Returns next hidden and (k, v)."""
     q, k, v = project(cfg, lp, h, positions)
-    return attend_and_mlp(cfg, lp, h, q, k, v, positions, positions, valid), k, v
+    return attend_and_mlp(cfg, lp, h, q, k, v, positions, positions, valid, self_causal=True), k, v
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4, 5))
