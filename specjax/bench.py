@@ -80,26 +80,17 @@ def torch_prefill_logits(hf_model, ids):
         return hf_model(torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=1).logits[0]
 
 
-def _seconds(prefill, repeats: int) -> list[float]:
-    def once() -> float:
-        start = time.perf_counter()
-        prefill()
-        return time.perf_counter() - start
-
-    once()  # warm-up (compile)
-    return [once() for _ in range(repeats)]
-
-
 def time_prefill(model, n_tokens: int, repeats: int) -> list[float]:
-    """Seconds per prefill of n_tokens random ids, through first-token logits ready on the device."""
+    """Seconds per prefill of n_tokens random ids, through first-token logits ready on the device (after one
+    warm-up run that compiles)."""
     ids = prompt_ids(model.config.vocab_size, n_tokens)
-    return _seconds(lambda: prefill_logits(model.config, model.params, ids).block_until_ready(), repeats)
-
-
-def time_transformers_prefill(hf_model, vocab_size: int, n_tokens: int, repeats: int) -> list[float]:
-    """Seconds per transformers prefill of the same n_tokens random ids, through first-token logits."""
-    ids = prompt_ids(vocab_size, n_tokens)
-    return _seconds(lambda: torch_prefill_logits(hf_model, ids), repeats)
+    prefill_logits(model.config, model.params, ids).block_until_ready()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        prefill_logits(model.config, model.params, ids).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | None = None
@@ -167,7 +158,7 @@ def side_setup(side: str, spec: ModelSpec, threads: int | None) -> dict:
     """Load one framework's model in this (worker) process; its versions and its float32 first-token logits of the
     check prompt."""
     model = spec.load()
-    _SIDE.update(model=model, side=side, ids={})
+    _SIDE.update(model=model, ids={})
     if side == "specjax":
         _SIDE["prefill"] = lambda ids: prefill_logits(model.config, model.params, ids).block_until_ready()
         return {"check": _check_logits(model), "model": model.name, "weights": model.weights,
