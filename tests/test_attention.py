@@ -102,6 +102,18 @@ def test_choice_order(monkeypatch):
         A.resolve_impl("fast")
 
 
+def test_cudnn_choice_off_gpu_is_blocked():
+    """'cudnn' where cuDNN cannot run it (here: no GPU, or float32) computes the blocked attention."""
+    q, k, v = inputs(5, 4, 2, 40, 40)
+    positions = jnp.arange(40)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), positions, positions)
+        if jax.default_backend() == "gpu" and dtype == jnp.bfloat16:
+            continue
+        np.testing.assert_array_equal(np.asarray(A.attention(*args, self_causal=True, impl="cudnn"), np.float32),
+                                      np.asarray(A.blocked_attention(*args), np.float32))
+
+
 @pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
 def test_plain_forward_and_engine_recompute_share_the_path(name):
     """Logits of the plain forward equal the materialised reference's, and the engine's recompute (one block and

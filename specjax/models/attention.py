@@ -8,8 +8,8 @@ $SPECJAX_ATTENTION_IMPL > by platform):
   blocks no query of a block can see are never visited, and only blocks that straddle the visibility boundary
   are masked. The default on CPU.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash attention, for a causal
-  self-attention in bfloat16 / float16 (what cuDNN supports); anything else falls back to "blocked". The default
-  on GPU.
+  self-attention in bfloat16 / float16 on a GPU (what cuDNN supports); anything else falls back to "blocked". The
+  default on GPU.
 - "reference": the materialised masked softmax, for tests and as the definition.
 
 A key is visible to a query when its position is not later and `kv_valid` allows it; softmax in float32.
@@ -76,7 +76,8 @@ def attention(q, k, v, q_positions, kv_positions, kv_valid=None, *, self_causal:
     chosen = resolve_impl(impl)
     if chosen == "reference":
         return reference_attention(q, k, v, q_positions, kv_positions, kv_valid)
-    if chosen == "cudnn" and self_causal and q.dtype in (jnp.bfloat16, jnp.float16):
+    if (chosen == "cudnn" and self_causal and q.dtype in (jnp.bfloat16, jnp.float16)
+            and jax.default_backend() == "gpu"):
         return _cudnn_causal(q, k, v, kv_valid)
     return blocked_attention(q, k, v, q_positions, kv_positions, kv_valid)
 
