@@ -178,17 +178,21 @@ def dot_nn(p: jax.Array, v: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.float32, precision=precision)
 
 
-def online_softmax_step(m_prev, l_prev, scores, valid):
-    """Fold one tile of scores into the running row max and row sum.
+def online_softmax_step(m_prev, l_prev, scores, valid, *, exp=jnp.exp):
+    """Fold one tile of scores [..., rows, keys] into the running row max and row sum.
 
     Returns (m_next, l_next, correction, p): multiply earlier accumulators by
     `correction`; `p` are this tile's unnormalised weights, exactly 0 where not valid.
+    valid None: every score is (no masking work); exp: jnp.exp2 for base-2 scores.
     """
-    scores = jnp.where(valid, scores, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, scores.max(axis=1))
-    correction = jnp.exp(m_prev - m_next)
-    p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
-    l_next = correction * l_prev + p.sum(axis=1)
+    if valid is not None:
+        scores = jnp.where(valid, scores, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+    correction = exp(m_prev - m_next)
+    p = exp(scores - m_next[..., None])
+    if valid is not None:
+        p = jnp.where(valid, p, 0.0)
+    l_next = correction * l_prev + p.sum(axis=-1)
     return m_next, l_next, correction, p
 
 

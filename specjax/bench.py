@@ -34,6 +34,7 @@ from specjax.models import inference
 from specjax.models import transformer as T
 
 FLAGS = flags.FLAGS
+CHECK_TOKENS = 16  # the prompt on which specjax and transformers must give the same first-token logits
 
 
 def define_flags() -> None:
@@ -80,17 +81,19 @@ def torch_prefill_logits(hf_model, ids):
         return hf_model(torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=1).logits[0]
 
 
+def _seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def time_prefill(model, n_tokens: int, repeats: int) -> list[float]:
     """Seconds per prefill of n_tokens random ids, through first-token logits ready on the device (after one
     warm-up run that compiles)."""
     ids = prompt_ids(model.config.vocab_size, n_tokens)
-    prefill_logits(model.config, model.params, ids).block_until_ready()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        prefill_logits(model.config, model.params, ids).block_until_ready()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+    forward = lambda: prefill_logits(model.config, model.params, ids).block_until_ready()  # noqa: E731
+    forward()
+    return [_seconds(forward) for _ in range(repeats)]
 
 
 def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | None = None
@@ -103,18 +106,17 @@ def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | 
     config = EngineConfig() if chunk_tokens is None else EngineConfig(prefill_chunk_tokens=chunk_tokens)
     engine = Engine(model, make_system("recompute"), None, config)
     request = Request(ids[:-1].tolist(), ids[-1:].tolist())
+    forward = lambda: prefill_logits(model.config, model.params, ids).block_until_ready()  # noqa: E731
     engine.run(request)  # compile
-    prefill_logits(model.config, model.params, ids).block_until_ready()
+    forward()
     engine_s, forward_s = [], []
     for _ in range(repeats):
         engine_s.append(engine.run(request).ttft_ms / 1e3)
-        start = time.perf_counter()
-        prefill_logits(model.config, model.params, ids).block_until_ready()
-        forward_s.append(time.perf_counter() - start)
+        forward_s.append(_seconds(forward))
     return engine_s, forward_s
 
 
-def check_same_function(model, hf_model, n_tokens: int = 16, tol: float = 1e-3) -> float:
+def check_same_function(model, hf_model, n_tokens: int = CHECK_TOKENS, tol: float = 1e-3) -> float:
     """Max |first-token logits of specjax - of transformers| on a short prompt, both in float32 (the float32
     transformers_model, specjax's params upcast): the two timed functions agree, or a SpecjaxError."""
     ours = _check_logits(model, n_tokens)
@@ -122,7 +124,7 @@ def check_same_function(model, hf_model, n_tokens: int = 16, tol: float = 1e-3) 
     return _agreement(ours, theirs, tol, model.name, model.config.arch)
 
 
-def _check_logits(model, n_tokens: int = 16) -> np.ndarray:
+def _check_logits(model, n_tokens: int = CHECK_TOKENS) -> np.ndarray:
     params32 = jax.tree.map(lambda x: x.astype(np.float32), model.params)
     with jax.default_matmul_precision("highest"):  # full fp32 on accelerators too: the check is of the weights
         return np.asarray(prefill_logits(model.config, params32, prompt_ids(model.config.vocab_size, n_tokens)),
@@ -133,8 +135,8 @@ def _agreement(ours, theirs, tol: float, name: str, arch: str) -> float:
     diff = float(np.abs(np.asarray(ours) - np.asarray(theirs)).max())
     if not diff <= tol:
         raise SpecjaxError(f"the transformers model built from {name}'s params disagrees with specjax: max "
-                           f"|first-token logit difference| {diff:.3g} > {tol:g} (float32, 16 tokens); the config "
-                           f"or weight mapping in specjax/torch_ref.py is wrong for {arch}")
+                           f"|first-token logit difference| {diff:.3g} > {tol:g} (float32, {CHECK_TOKENS} tokens); "
+                           f"the config or weight mapping in specjax/torch_ref.py is wrong for {arch}")
     return diff
 
 
@@ -168,7 +170,7 @@ def side_setup(side: str, spec: ModelSpec, threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     hf_model = torch_ref.transformers_model(model.config, model.params)
-    check = torch_prefill_logits(hf_model, prompt_ids(model.config.vocab_size, 16)).float().numpy()
+    check = torch_prefill_logits(hf_model, prompt_ids(model.config.vocab_size, CHECK_TOKENS)).float().numpy()
     hf_model.to(getattr(torch, np.dtype(model.dtype).name))
     _SIDE["prefill"] = lambda ids: torch_prefill_logits(hf_model, ids)
     return {"check": check, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -181,9 +183,7 @@ def side_seconds(n_tokens: int) -> float:
     if ids is None:
         ids = _SIDE["ids"][n_tokens] = prompt_ids(_SIDE["model"].config.vocab_size, n_tokens)
         _SIDE["prefill"](ids)
-    start = time.perf_counter()
-    _SIDE["prefill"](ids)
-    return time.perf_counter() - start
+    return _seconds(lambda: _SIDE["prefill"](ids))
 
 
 def compare_prefill(spec: ModelSpec, lengths: list[int], repeats: int, threads: int | None = None,

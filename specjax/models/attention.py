@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.kernels._common import online_softmax_step
+
 NEG_INF = -1e30  # finite, so fully masked padded rows stay NaN-free
 IMPLS = ("auto", "blocked", "cudnn", "reference")
 IMPL_ENV_VAR = "SPECJAX_ATTENTION_IMPL"
@@ -161,22 +163,17 @@ def key_block_schedule(q_pos, kv_pos, valid) -> Schedule:
 
 
 def _update(carry, scores, values, kv_pos=None, valid=None, q_pos=None, mask=None):
-    """One online-softmax step over a key block (base-2 scores [H_kv, rows, bk]): running max, running sum,
-    unnormalised output."""
+    """The kernels' online-softmax step over a key block (base-2 scores [H_kv, rows, bk]), then the unnormalised
+    output."""
     best, total, acc = carry
-    new_best = jnp.maximum(best, scores.max(-1))
-    weights = jnp.exp2(scores - new_best[..., None])
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
-    rescale = jnp.exp2(best - new_best)
-    acc = acc * rescale[..., None] + jnp.einsum("kqs,ksd->kqd", weights.astype(values.dtype), values,
-                                                preferred_element_type=jnp.float32)
-    return new_best, total * rescale + weights.sum(-1), acc
+    best, total, correction, weights = online_softmax_step(best, total, scores, mask, exp=jnp.exp2)
+    acc = acc * correction[..., None] + jnp.einsum("kqs,ksd->kqd", weights.astype(values.dtype), values,
+                                                   preferred_element_type=jnp.float32)
+    return best, total, acc
 
 
 def _masked_update(carry, scores, values, kv_pos, valid, q_pos):
-    mask = ((kv_pos[None, :] <= q_pos[:, None]) & valid[None, :])[None]
-    return _update(carry, jnp.where(mask, scores, NEG_INF), values, mask=mask)
+    return _update(carry, scores, values, mask=((kv_pos[None, :] <= q_pos[:, None]) & valid[None, :])[None])
 
 
 def _cudnn_causal(q, k, v, kv_valid):
