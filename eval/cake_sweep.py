@@ -99,7 +99,8 @@ def main(argv):
         if not per_bandwidth:
             raise EvalError(f"no {out}/disk-*/results.json to summarize; run the sweep first")
     else:
-        model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"])
+        model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"],
+                                    values["revision"])
         for bandwidth in bandwidths:
             values["disk_bandwidth"] = f"{bandwidth:g}"
             per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values), out / f"disk-{bandwidth / 1e6:g}MBps")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specjax.eval import metrics
+from specjax.eval import metrics, tradeoff
 from specjax.eval.systems import BREAKDOWN_KEYS
 
 # ---------------------------------------------------------------- schema (design.md section 7)
@@ -232,10 +232,30 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+TRADEOFF_PNG = "tradeoff.png"
+
+
+def tradeoff_section(results: dict) -> list[str]:
+    """The accuracy-TTFT trade-off: sentences computed from the results, the plot, the table."""
+    out = ["## Accuracy-TTFT trade-off", "", *(f"- {line}" for line in tradeoff.summary(results)), ""]
+    if tradeoff.worth_plotting(results):
+        out += [f"![accuracy vs mean TTFT]({TRADEOFF_PNG})", ""]
+    out += [tradeoff.table(results), "",
+            "`frontier`: no other run is both at least as fast and at least as accurate. Δacc is paired: the "
+            "same requests answered by both.", ""]
+    return out
+
+
 def markdown(results: dict) -> str:
     systems = results["systems"]
     ref = systems.get("recompute")
     out = [f"# {results['model']} on {results['task']}", ""]
+    for note in results.get("notes", []):  # caveats (random weights, emulation) come before any claim
+        out.append(f"- **note**: {note}")
+    if results.get("notes"):
+        out.append("")
+    out += tradeoff_section(results)
+    out += ["## Run", ""]
     emu = results["emulation"]
     emulated = emu["disk_bandwidth"] is not None or emu["pcie_bandwidth"] is not None
     out += [f"- device: {results['device']}",
@@ -252,8 +272,9 @@ def markdown(results: dict) -> str:
         dirty = " with uncommitted changes" if c.get("uncommitted_changes") else ""
         where = f"commit {c['commit'][:10]}{dirty}" if "commit" in c else f"specjax {c['version']}"
         out.append(f"- code: {where}, source hash {c['source_sha256']}")
-    for note in results.get("notes", []):
-        out.append(f"- **note**: {note}")
+    if "wall_s" in results:
+        out.append(f"- eval time: {results['wall_s']:.0f} s (workload, store, warm-up and timed requests of every "
+                   f"run; model loading not included)")
     out += ["", "## Accuracy and TTFT", ""]
     rows = []
     for key, s in systems.items():
@@ -386,6 +407,9 @@ def write_all(results: dict, output_dir: pathlib.Path) -> list[pathlib.Path]:
     write_json(results, written[0])
     written[1].write_text(markdown(results))
     plot_ttft(results, written[2])
+    if tradeoff.worth_plotting(results):
+        written.append(output_dir / TRADEOFF_PNG)
+        tradeoff.plot(results, written[-1])
     retentions = {s.get("retention") for s in results["systems"].values()} - {None}
     if len(retentions) > 1:
         written.append(output_dir / "accuracy_vs_retention.png")

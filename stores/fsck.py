@@ -1,6 +1,8 @@
 """`python -m specjax.stores.fsck DIR`: verify a KV store's manifest and every chunk checksum.
 
-Prints counts and exits 0 when clean, 1 when any problem was found, 2 when the store cannot be opened.
+DIR is one store, or a folder holding several (such as the base stores an evaluation's --store folder keeps):
+each store found under it is checked, its lines prefixed with its path, and a summary says how many were checked.
+Exits 0 when clean, 1 when any problem was found, 2 when a store (or any store at all) cannot be opened.
 Orphan chunk files (left by an insert a crash interrupted) are reported but are not a problem: they were never
 committed, and the next writable open deletes them.
 """
@@ -10,12 +12,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import pathlib
 import sys
 
 import numpy as np
 import tensorstore as ts
 
 from specjax.stores.errors import StoreError
+from specjax.stores.manifest import MANIFEST_KEY
 from specjax.stores.store import KVStore
 
 
@@ -98,22 +103,54 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
     return report
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specjax.stores.fsck", description=__doc__.splitlines()[0])
-    parser.add_argument("store", help="store directory, or a TensorStore kvstore JSON spec")
-    args = parser.parse_args(argv)
-    location = json.loads(args.store) if args.store.lstrip().startswith("{") else args.store
+def find_stores(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The stores in `folder` or below it (itself if it is one): directories with a manifest, or with KV arrays
+    whose manifest is lost (they fail to open, which is reported rather than skipped)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        if MANIFEST_KEY in files or "kv" in dirs:
+            found.append(pathlib.Path(root))
+            dirs.clear()  # a store's own subfolders are its arrays, not more stores
+    return sorted(found)
+
+
+def _check(location, label: str = "") -> int:
+    """Check one store, print what was found (each line after `label`); its exit code."""
+    prefix = f"{label}: " if label else ""
     try:
         report = fsck(location)
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prefix}error: {e}", file=sys.stderr)
         return 2
-    print(f"nodes {report.nodes}  segments {report.segments}  chunks checked {report.chunks_checked}  "
+    print(f"{prefix}nodes {report.nodes}  segments {report.segments}  chunks checked {report.chunks_checked}  "
           f"bad chunks {report.bad_chunks}  orphan chunks {report.orphan_chunks} (uncommitted, harmless)")
     for problem in report.problems:
-        print(f"problem: {problem}")
-    print("OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)")
+        print(f"{prefix}problem: {problem}")
+    print(f"{prefix}OK" if report.ok else f"{prefix}FAILED: {len(report.problems)} problem(s)")
     return 0 if report.ok else 1
+
+
+def _check_folder(folder: pathlib.Path) -> int:
+    stores = find_stores(folder)
+    if not stores:
+        print(f"error: no KV store in {folder} (no {MANIFEST_KEY} in it or below it)", file=sys.stderr)
+        return 2
+    if stores == [folder]:
+        return _check(str(folder))
+    codes = [_check(str(store), str(store.relative_to(folder))) for store in stores]
+    print(f"checked {len(stores)} stores under {folder}: {codes.count(0)} OK, {codes.count(1)} with problems, "
+          f"{codes.count(2)} could not be opened")
+    return max(codes)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specjax.stores.fsck", description=__doc__.splitlines()[0])
+    parser.add_argument("store", help="store directory, a folder of stores, or a TensorStore kvstore JSON spec")
+    args = parser.parse_args(argv)
+    if args.store.lstrip().startswith("{"):
+        return _check(json.loads(args.store))
+    path = pathlib.Path(args.store)
+    return _check_folder(path) if path.is_dir() else _check(args.store)
 
 
 if __name__ == "__main__":

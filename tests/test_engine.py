@@ -10,6 +10,7 @@ import tensorstore as ts
 
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import speculation
 from specjax.engine import state as st
 from specjax.errors import SpecjaxError
 from specjax.kernels import itf_threshold
@@ -335,20 +336,59 @@ def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(
     engine = Engine(model, make_system("spec"), _store(model), EngineConfig(retention=0.25))
     engine.warm(req.prefix)
     engine.run(req)
-    assert engine.speculation_window_s is not None and engine.speculation_window_s > 0  # measured online
+    speculator = engine.speculator
+    assert speculator.window_s is not None and speculator.window_s > 0  # measured online
     match = engine.store.match(req.prefix)
-    from specjax.engine.engine import _Clock, _LayerIO
-
-    io = _LayerIO(engine, match, match.length, 128, _Clock())
     previous = np.arange(0, 96, 3)
-    ranked, _ = io.speculation_ranking(2, previous)
+    ranked, _ = speculation.ranking(engine.store, match, 2, previous)
     pair = sum(engine.store.layout.chunk_nbytes(kind) for kind in (K, V))
     assert len(ranked) >= 3
-    assert list(io._within_budget(2, ranked, 2.5 * pair)) == list(ranked[:2])
-    assert list(io._within_budget(2, ranked, math.inf)) == list(ranked)
-    assert len(io._within_budget(2, ranked, 0)) == 0
+    assert list(speculator.within_budget(2, ranked, 2.5 * pair)) == list(ranked[:2])
+    assert list(speculator.within_budget(2, ranked, math.inf)) == list(ranked)
+    assert len(speculator.within_budget(2, ranked, 0)) == 0
     rate = engine.store.scheduler.rate_bytes_per_s()
-    assert io.speculation_bytes() == pytest.approx(rate * engine.speculation_window_s, rel=0.05, abs=pair)
-    engine.speculation_window_s = None
-    assert io.speculation_bytes() == math.inf
+    assert speculator.budget_bytes() == pytest.approx(rate * speculator.window_s, rel=0.05, abs=pair)
+    speculator.window_s = None
+    assert speculator.budget_bytes() == math.inf
+    match.close()
+
+
+def test_chunk_usage_keeps_chunks_at_least_as_likely_needed_as_not():
+    usage = speculation.ChunkUsage()
+    assert usage.likely(3, [7]).tolist() == [True]  # never matched: read, as the paper's guess
+    for needed in ([7], [], []):  # chunk 7 needed once in three requests; chunk 8 in all three
+        usage.record(3, [7, 8], needed + [8])
+    assert usage.counts(3, 7) == (3, 1) and usage.counts(3, 8) == (3, 3)
+    assert usage.likely(3, [7, 8]).tolist() == [False, True]  # (1+1)/(3+2) < 1/2 <= (3+1)/(3+2)
+    assert usage.likely(4, [7]).tolist() == [True]  # records are per layer
+    usage.record(3, [7], [7])
+    assert usage.likely(3, [7]).tolist() == [True]  # (2+1)/(4+2) = 1/2
+    usage.forget([7])
+    assert usage.counts(3, 7) == (0, 0) and usage.counts(3, 8) == (3, 3)
+
+
+def test_spec_records_what_each_layer_needed_and_does_not_speculate_what_it_never_needs(model):
+    """The engine records, per layer, the chunks each request matched and those its important set needed; a chunk
+    the layer never needed across requests is left out of that layer's guess."""
+    req = _request(model, prefix_len=96, seed=6)
+    engine = Engine(model, make_system("spec"), _store(model),
+                    EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0, trace=True))
+    engine.warm(req.prefix)
+    r = engine.run(req)
+    store, usage = engine.store, engine.speculator.usage
+    match = store.match(req.prefix)
+    layer = model.config.num_layers - 1
+    matched = store.locate(match, np.arange(match.length), layer).unique_chunks()
+    needed = set(store.locate(match, np.unique(r.selections[layer]), layer).unique_chunks().tolist())
+    assert [usage.counts(layer, int(c)) for c in matched] == [(1, int(c in needed)) for c in matched]
+    previous = np.unique(r.selections[layer - 1])
+    ranked, _ = speculation.ranking(store, match, layer, previous)
+    dropped = int(ranked[0])  # the guess's best chunk, which this layer then needs in none of two more requests
+    for _ in range(2):
+        usage.record(layer, matched, [int(c) for c in matched if int(c) != dropped])
+    engine.speculator.window_s = None  # no disk budget: only the records decide
+    chosen = engine.speculator.chunks(match, layer, previous).tolist()
+    assert dropped not in chosen
+    likely = [int(c) for c in ranked if 2 * (usage.counts(layer, int(c))[1] + 1) >= usage.counts(layer, int(c))[0] + 2]
+    assert chosen == likely and len(likely) == len(ranked) - 1  # the others were needed each time
     match.close()

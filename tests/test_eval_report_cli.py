@@ -92,7 +92,8 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     assert plan == [("recompute", None), ("fake_spec", 0.05), ("fake_spec", 0.5)]
     runs = runner.run_all(model, wl, plan, systems.SystemSettings(), tmp_path / "store")
     results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
-                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
+                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests,
+                                   extras={"notes": ["weights are random: accuracy is meaningless"]})
     assert set(results["systems"]) == {"recompute", "fake_spec@r=0.05", "fake_spec@r=0.5"}
     s = results["systems"]["fake_spec@r=0.5"]
     assert s["io"]["read_amplification"] == pytest.approx(2.5)
@@ -100,7 +101,13 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     assert s["itf"] == {"fallback_ratio": 0.5, "mean_jaccard": pytest.approx(0.6)}
     assert s["prefetch"]["precision"] == pytest.approx(0.8) and s["paired_vs_recompute"]["n"] == 8
     names = {p.name for p in report.write_all(results, tmp_path / "out")}
-    assert {"accuracy_vs_retention.png", "layers.png"} <= names
+    assert {"accuracy_vs_retention.png", "layers.png", "tradeoff.png"} <= names
+    md = (tmp_path / "out" / "results.md").read_text()
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections[:3] == ["## Accuracy-TTFT trade-off", "## Run", "## Accuracy and TTFT"]
+    assert md.index("**note**: weights are random") < md.index("## Accuracy-TTFT trade-off")  # caveats first
+    assert "3 runs of 2 systems (fake_spec at retention 0.05, 0.5), each on the same 8 requests" in md
+    assert "![accuracy vs mean TTFT](tradeoff.png)" in md and "| fake_spec@r=0.5 | 0.5 |" in md
     assert not (tmp_path / "store" / "fake_spec_r0.5").exists()  # private copies are removed
 
 
@@ -225,8 +232,8 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
     monkeypatch.setitem(systems._LOCAL, "fake_flaky", Flaky)
 
     def main(*extra):
-        flags.FLAGS(["prog", "--limit=6", "--systems=recompute,fake_flaky", f"--output_dir={tmp_path}",
-                     "--noprogress", *extra])
+        flags.FLAGS(["prog", "--limit=6", "--systems=recompute,fake_flaky", "--retention=0.25",
+                     f"--output_dir={tmp_path}", "--noprogress", *extra])
         try:
             cli.main(["prog"])
         finally:

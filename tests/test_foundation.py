@@ -51,7 +51,7 @@ def test_unknown_model_lists_known_names():
 def test_unconverted_model_says_how_to_convert(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_HOME", str(tmp_path))
     with pytest.raises(ModelNotFoundError, match=r"python -m specjax.convert --hf_dir .* --out"):
-        specjax.load_model("opt-6.7b")
+        specjax.load_model("tiny-llama")  # a registered shape with no hub repo (opt-6.7b would be downloaded)
 
 
 def test_missing_model_directory(tmp_path):

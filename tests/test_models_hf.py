@@ -12,86 +12,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
+from hf_checkpoints import CASES, VOCAB, write_hf_checkpoint  # noqa: E402
 from specjax.convert import convert_hf_dir  # noqa: E402
 from specjax.models import inference  # noqa: E402
 
 TOL = 1e-4
-VOCAB = 96
-
-
-def _opt_pre_ln():
-    return transformers.OPTConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-        max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=True,
-    )
-
-
-def _opt_post_ln_proj():
-    # As opt-350m: post-LN and a narrower embedding with project_in / project_out.
-    return transformers.OPTConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-        max_position_embeddings=64, word_embed_proj_dim=16, do_layer_norm_before=False,
-    )
-
-
-def _llama_gqa():
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, rope_theta=500.0, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-
-
-def _llama_tied():
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-
-
-def _qwen2():
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-
-
-CASES = {
-    # name: (config factory, save_pretrained kwargs)
-    "opt_pre_ln": (_opt_pre_ln, {}),
-    "opt_post_ln_project": (_opt_post_ln_proj, {"bin": True}),  # pytorch_model.bin
-    "llama_gqa_sharded": (_llama_gqa, {"max_shard_size": "20KB"}),  # model.safetensors.index.json
-    "llama_tied": (_llama_tied, {}),
-    "qwen2": (_qwen2, {}),
-}
-
-
-def _randomize(model, seed):
-    """transformers inits biases and norms to 0/1; random values exercise every tensor's mapping."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
-
-
-def _write_hf_checkpoint(name, hf_dir):
-    factory, save_kwargs = CASES[name]
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(factory(), attn_implementation="eager").float().eval()
-    _randomize(hf_model, 1)
-    if save_kwargs.get("bin"):  # transformers 5 writes only safetensors; a .bin as older checkpoints have
-        hf_model.config.save_pretrained(hf_dir)
-        torch.save(hf_model.state_dict(), hf_dir / "pytorch_model.bin")
-    else:
-        hf_model.save_pretrained(hf_dir, **save_kwargs)
-    return hf_model
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def converted(request, tmp_path_factory):
     hf_dir = tmp_path_factory.mktemp(request.param + "_hf")
-    hf_model = _write_hf_checkpoint(request.param, hf_dir)
+    hf_model = write_hf_checkpoint(request.param, hf_dir)
     out = tmp_path_factory.mktemp(request.param + "_sj") / "model"
     convert_hf_dir(hf_dir, out, dtype="float32")
     return request.param, hf_model, hf_dir, specjax.load_model(str(out))
@@ -151,16 +82,20 @@ def test_loglikelihood_is_sum_of_log_softmax(converted):
     assert model.loglikelihood(ctx, greedy_cont)[1] is True
 
 
-def test_convert_cli_stores_bfloat16(tmp_path):
-    hf_model = _write_hf_checkpoint("llama_tied", tmp_path / "hf")
-    out = tmp_path / "cli_model"
-    proc = subprocess.run(
-        [sys.executable, "-m", "specjax.convert", f"--hf_dir={tmp_path / 'hf'}", f"--out={out}"],
-        capture_output=True, text=True,
-    )
+def _convert_cli(hf_dir, out, *flags):
+    proc = subprocess.run([sys.executable, "-m", "specjax.convert", f"--hf_dir={hf_dir}", f"--out={out}", *flags],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((out / "specjax_model.json").read_text())["dtype"] == "bfloat16"
-    model = specjax.load_model(str(out), dtype="float32")
+    return json.loads((out / "specjax_model.json").read_text())
+
+
+def test_convert_cli_casts_only_when_asked(tmp_path):
+    hf_model = write_hf_checkpoint("llama_tied", tmp_path / "hf")
+    kept = _convert_cli(tmp_path / "hf", tmp_path / "kept")
+    assert (kept["source_dtype"], kept["dtype"]) == ("float32", "float32")
+    cast = _convert_cli(tmp_path / "hf", tmp_path / "cast", "--dtype=bfloat16")
+    assert (cast["source_dtype"], cast["dtype"]) == ("float32", "bfloat16")
+    model = specjax.load_model(str(tmp_path / "cast"), dtype="float32")
     ids = list(range(10))
     ours, ref = model.logits(ids), _torch_logits(hf_model, ids)
     # bf16-stored weights: close to the fp32 model, but not equal to it.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine import state as st
+from specjax.engine.speculation import Speculator
 from specjax.engine.systems import System
 from specjax.errors import SpecjaxError
 from specjax.kernels import PerHeadIndices, SharedIndices, gathered_attention, probe_scores
@@ -135,8 +136,15 @@ def _finish_plain(cfg, lp, h, q, keys, values, positions, visible, *, self_causa
     return T.attend_and_mlp(cfg, lp, h, q, keys, values, positions, slots, slots < visible, self_causal=self_causal)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl"))
-def _scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl):
+@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl", "q_heads", "kv_heads"))
+def _scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl, q_heads=None, kv_heads=None):
+    """Scores of the prefix keys from query heads `q_heads` of q (None: all), each against KV head
+    kv_head_of_probe[i] of prefix_k and of own_k's heads `kv_heads` (None: all); the heads are taken inside the
+    jitted step, so a probe layer dispatches no gather of its own."""
+    if q_heads is not None:
+        q = q[np.asarray(q_heads)]
+    if kv_heads is not None:
+        own_k = own_k[np.asarray(kv_heads)]
     return probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe, prefix_len=prefix_len,
                         q_len=q_len, impl=impl)
 
@@ -204,9 +212,8 @@ class Engine:
         self.kv_of_probe = tuple(probe_kv.index(h // group) for h in probe_q)
         self.probe_q, self.probe_kv = np.asarray(probe_q), np.asarray(probe_kv)
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
-        self.cache = self.prefetcher = None
+        self.cache = self.prefetcher = self.speculator = None
         self.requests_run = 0
-        self.speculation_window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
@@ -214,6 +221,8 @@ class Engine:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
                                      metrics=store.metrics, pcie_bandwidth=config.pcie_bandwidth)
             self.prefetcher = Prefetcher(store, self.cache)
+            if system.prefetch == "speculative":
+                self.speculator = Speculator(store, self.cache)
 
     # -- storing prefixes ------------------------------------------------------------------------
 
@@ -396,13 +405,15 @@ class Engine:
             return state, keys, values, sel, np.ones(m, np.float32), np.arange(m)[None]
         if system.identify == "itf":
             probe_k = io.take_all(layer, PROBE, phase="probe_io")
-            scores = io.clock.timed("identify", _scores, q[self.probe_q, :], probe_k, own_k[self.probe_kv, :],
-                                    m, n, kv_head_of_probe=self.kv_of_probe, impl=impl)
+            scores = io.clock.timed("identify", _scores, q, probe_k, own_k, m, n, kv_head_of_probe=self.kv_of_probe,
+                                    impl=impl, q_heads=tuple(map(int, self.probe_q)),
+                                    kv_heads=tuple(map(int, self.probe_kv)))
             state, shared, use_shared = io.clock.timed(
                 "identify", st.itf_select, state, layer, scores, k, m, system.alpha, k_cap=k_cap)
             importance = _normalised_importance(scores, m)
             if bool(use_shared):
                 chosen = np.asarray(shared)[:k]
+                io.identified(layer, chosen)
                 keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
                 selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
                 return state, keys, values, selection, importance, chosen[None]
@@ -415,6 +426,7 @@ class Engine:
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
         union = np.unique(chosen)
+        io.identified(layer, union, kinds=(V,))
         state = st.record_union(state, layer, jnp.asarray(_pad_np(union, m_pad)), len(union))
         union_pad = bucket(len(union))
         values = _scatter_tokens(keys, jnp.asarray(_pad_np(union, union_pad, fill=m_pad)),
@@ -547,12 +559,6 @@ class _LayerIO:
                 pf.request(self.match, layer, K, self.all_positions)
             return
         self._request_certain(layer, speculative=False)
-        if kind == "speculative" and previous is not None and len(previous):
-            self._window_opened[layer] = time.perf_counter()
-            guess = self._speculate(layer, previous)
-            pf.request(self.match, layer, K, guess, speculative=True)
-            pf.request(self.match, layer, V, guess, speculative=True)
-            self.prefetched[layer] = guess
 
     def _request_certain(self, layer: int, *, speculative: bool) -> None:
         """Request what `layer` reads whatever it selects (the identification's certain reads), for systems that
@@ -563,60 +569,11 @@ class _LayerIO:
             self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
 
     def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
-        """Positions whose K/V to read ahead for `layer`, guessed from the previous layer's important set.
-
-        Reads are whole chunks, and a reordered store lays each layer out in its own importance order, so
-        the previous set's tokens can sit scattered over this layer's chunks. The guess is therefore chunk
-        by chunk: the chunks of `layer` holding most of the previous set, as many chunks as that set
-        occupied in its own layer (the same I/O budget), and every token in them is prefetched. Without
-        reordering (or with one order for all layers) this is exactly the chunks of the previous set.
-
-        Layer awareness on a real device: only as many of those chunks (best first, cached ones free) as the
-        disk can deliver in the time it has before the layer's own reads are demanded, from the disk's rate and
-        that window, both measured online (`speculation_bytes`).
-        """
-        chunks, _ = self.speculation_ranking(layer, previous)
-        chunks = self._within_budget(layer, chunks, self.speculation_bytes())
-        store = self.engine.store
-        return self.all_positions[np.isin(store.locate(self.match, self.all_positions, layer).chunks, chunks)]
-
-    def speculation_bytes(self) -> float:
-        """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
-        issuing a layer's speculation and demanding that layer's K/V, less what is queued already (inf until
-        both have been measured)."""
-        scheduler, window_s = self.engine.store.scheduler, self.engine.speculation_window_s
-        rate = scheduler.rate_bytes_per_s()
-        if rate is None or window_s is None:
-            return math.inf
-        return rate * window_s - scheduler.queued_bytes()
-
-    def _within_budget(self, layer: int, ranked: np.ndarray, budget: float) -> np.ndarray:
-        """The longest head of `ranked` chunks whose uncached K and V bytes fit in `budget`."""
-        cache, lay = self.engine.cache, self.engine.store.layout
-        spent = 0
-        for i, chunk in enumerate(ranked):
-            spent += sum(lay.chunk_nbytes(kind) for kind in (K, V)
-                         if cache is None or cache.where((layer, kind, int(chunk))) is None)
-            if spent > budget:
-                return ranked[:i]
-        return ranked
-
-    def _close_window(self, layer: int) -> None:
-        """The layer's K/V are demanded now: the time since its speculation was issued is the window the disk had
-        for it (moving average over layers and requests, kept by the engine)."""
-        opened = self._window_opened.pop(layer, None)
-        if opened is not None:
-            window = time.perf_counter() - opened
-            old = self.engine.speculation_window_s
-            self.engine.speculation_window_s = window if old is None else 0.8 * old + 0.2 * window
-
-    def speculation_ranking(self, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The chunks of `layer` `_speculate` reads, best first, and how many of `previous` each holds."""
-        store = self.engine.store
-        budget = len(store.locate(self.match, previous, layer - 1).unique_chunks())
-        chunks, counts = np.unique(store.locate(self.match, previous, layer).chunks, return_counts=True)
-        best = np.argsort(-counts, kind="stable")[:budget]
-        return chunks[best], counts[best]
+        """Positions whose K/V to read ahead for `layer`: every token of the chunks the speculator picks from the
+        previous layer's important set (specjax.engine.speculation)."""
+        chunks = self.engine.speculator.chunks(self.match, layer, previous)
+        located = self.engine.store.locate(self.match, self.all_positions, layer).chunks
+        return self.all_positions[np.isin(located, chunks)]
 
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
@@ -663,8 +620,31 @@ class _LayerIO:
             importance = self.period_importance[positions[chunks == chunk]].sum()
             cache.feedback((layer, kind, int(chunk)), importance=float(importance))
 
+    def identified(self, layer: int, chosen: np.ndarray, kinds=(K, V)) -> None:
+        """The layer's important set is known, before its `kinds` are taken: with speculative prefetch, its reads
+        are queued (demand first), then the next layer's guess from it, so the disk reads that guess during this
+        layer's own stall and compute, not only after them. A guess read whose chunk the next layer does not
+        need is withdrawn there unless the disk has already taken it."""
+        speculator = self.engine.speculator
+        following = layer + 1
+        if speculator is None or following >= self.engine.cfg.num_layers or not len(chosen):
+            return
+        for kind in kinds:
+            self.engine.prefetcher.request(self.match, layer, kind, chosen)
+        self._window_opened[following] = time.perf_counter()
+        guess = self._speculate(following, chosen)
+        for kind in (K, V):
+            self.engine.prefetcher.request(self.match, following, kind, guess, speculative=True)
+        self.prefetched[following] = guess
+
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
-        """The layer's token set is known: score the speculation made for it, then speculate for the next."""
+        """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
+        which chunks it needed, and request the next layers' certain reads."""
+        if self.engine.speculator is not None:
+            store = self.engine.store
+            self.engine.speculator.usage.record(
+                layer, store.locate(self.match, self.all_positions, layer).unique_chunks(),
+                store.locate(self.match, chosen, layer).unique_chunks())
         guess = self.prefetched.pop(layer, None)
         if guess is not None:
             hit = len(np.intersect1d(guess, chosen, assume_unique=True))
@@ -677,8 +657,9 @@ class _LayerIO:
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
-        if kind != PROBE:
-            self._close_window(layer)
+        opened = self._window_opened.pop(layer, None) if kind != PROBE else None
+        if opened is not None:
+            self.engine.speculator.observe_window(opened)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to)
         if not taken.ok.all():

@@ -1,0 +1,119 @@
+"""SPEC's layer-aware speculation (paper IV-C): which chunks of layer i+1 to read while layer i computes.
+
+The guess is the paper's: layer i's important set predicts layer i+1's. Reads are whole chunks, and a reordered
+store lays each layer out in its own importance order, so the previous set's tokens can sit scattered over the
+next layer's chunks; the guess is therefore chunk by chunk (`ranking`).
+
+Two things measured online decide how much of that guess is read (`Speculator.chunks`), so that speculation pays
+on a real disk and not only on a slow emulated one:
+
+- **Each chunk's record** (`ChunkUsage`): how often this layer has needed the chunk, over the requests that matched
+  it. A speculative read that goes unused costs the disk what a used one saves the layer (its read), so a chunk
+  is read ahead only while it is at least as likely to be needed as not. The estimate is Laplace's, (used + 1) /
+  (matched + 2): a chunk never seen is read, as is one the layer needed in half its requests or more; one the
+  layer has needed in fewer is left to the demand read, as impress reads it. This is SPEC's importance-informed
+  idea (the scores that reorder the store and rank the caches) carried into the prefetcher; it needs no setting.
+- **The disk's budget**: only as many of those chunks (best first, cached ones free) as the disk can deliver in
+  the time before the layer's own reads are demanded, from its measured rate and that measured window.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+
+from specjax.stores import K, V
+
+
+class ChunkUsage:
+    """(layer, chunk) -> how many requests matched the chunk and how many of them needed it at that layer."""
+
+    def __init__(self):
+        self._matched: dict = {}
+        self._needed: dict = {}
+        self._lock = threading.Lock()
+
+    def record(self, layer: int, matched_chunks, needed_chunks) -> None:
+        """One request's layer: it matched `matched_chunks` and its important set needed `needed_chunks`."""
+        with self._lock:
+            for c in matched_chunks:
+                key = (layer, int(c))
+                self._matched[key] = self._matched.get(key, 0) + 1
+            for c in needed_chunks:
+                key = (layer, int(c))
+                self._needed[key] = self._needed.get(key, 0) + 1
+
+    def likely(self, layer: int, chunks) -> np.ndarray:
+        """Per chunk: is it at least as likely to be needed as not, (needed + 1) / (matched + 2) >= 1/2?"""
+        with self._lock:
+            matched = np.array([self._matched.get((layer, int(c)), 0) for c in chunks], np.int64)
+            needed = np.array([self._needed.get((layer, int(c)), 0) for c in chunks], np.int64)
+        return 2 * (needed + 1) >= matched + 2
+
+    def counts(self, layer: int, chunk: int) -> tuple[int, int]:
+        """(matched, needed) of one chunk at one layer."""
+        with self._lock:
+            return self._matched.get((layer, chunk), 0), self._needed.get((layer, chunk), 0)
+
+    def forget(self, chunk_ids) -> None:
+        """The store deleted these chunks (ids are never reused in a process; this frees the memory)."""
+        ids = set(chunk_ids)
+        with self._lock:
+            for table in (self._matched, self._needed):
+                for key in [key for key in table if key[1] in ids]:
+                    del table[key]
+
+
+def ranking(store, match, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of `layer` the guess reads, best first, and how many of `previous` (layer - 1's important set)
+    each holds: those holding most of the set, as many chunks as the set occupied in its own layer (the same I/O
+    budget). Without reordering (or with one order for all layers) this is exactly the chunks of the set."""
+    budget = len(store.locate(match, previous, layer - 1).unique_chunks())
+    chunks, counts = np.unique(store.locate(match, previous, layer).chunks, return_counts=True)
+    best = np.argsort(-counts, kind="stable")[:budget]
+    return chunks[best], counts[best]
+
+
+class Speculator:
+    """One engine's speculation: the chunks' records and the measured window, kept across its requests."""
+
+    def __init__(self, store, cache=None):
+        self.store, self.cache = store, cache
+        self.usage = ChunkUsage()
+        self.window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
+        store.on_free(self.usage.forget)
+
+    def chunks(self, match, layer: int, previous: np.ndarray) -> np.ndarray:
+        """The chunks of `layer` to read ahead: the guess's chunks that their record says are likely needed,
+        best first, as many as the disk's budget holds."""
+        ranked, _ = ranking(self.store, match, layer, previous)
+        ranked = ranked[self.usage.likely(layer, ranked)]
+        return self.within_budget(layer, ranked, self.budget_bytes())
+
+    def budget_bytes(self) -> float:
+        """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
+        issuing a layer's speculation and demanding that layer's K/V, less what is queued already (inf until
+        both have been measured)."""
+        rate = self.store.scheduler.rate_bytes_per_s()
+        if rate is None or self.window_s is None:
+            return math.inf
+        return rate * self.window_s - self.store.scheduler.queued_bytes()
+
+    def within_budget(self, layer: int, ranked: np.ndarray, budget: float) -> np.ndarray:
+        """The longest head of `ranked` chunks whose uncached K and V bytes fit in `budget`."""
+        lay, spent = self.store.layout, 0
+        for i, chunk in enumerate(ranked):
+            spent += sum(lay.chunk_nbytes(kind) for kind in (K, V)
+                         if self.cache is None or self.cache.where((layer, kind, int(chunk))) is None)
+            if spent > budget:
+                return ranked[:i]
+        return ranked
+
+    def observe_window(self, opened: float) -> None:
+        """A layer's K/V are demanded now, its speculation having been issued at `opened` (perf_counter): the
+        time between is the window the disk had (moving average over layers and requests)."""
+        window = time.perf_counter() - opened
+        self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
