@@ -548,6 +548,7 @@ class _LayerIO:
         self.stats = {"prefetched": 0, "used": 0, "hit": 0}
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
+        self._located: dict[int, np.ndarray] = {}  # layer -> chunk of each of all_positions (_chunks_of_all)
 
     # what the system reads for a layer before it is needed
     def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
@@ -572,8 +573,14 @@ class _LayerIO:
         """Positions whose K/V to read ahead for `layer`: every token of the chunks the speculator picks from the
         previous layer's important set (specjax.engine.speculation)."""
         chunks = self.engine.speculator.chunks(self.match, layer, previous)
-        located = self.engine.store.locate(self.match, self.all_positions, layer).chunks
-        return self.all_positions[np.isin(located, chunks)]
+        return self.all_positions[np.isin(self._chunks_of_all(layer), chunks)]
+
+    def _chunks_of_all(self, layer: int) -> np.ndarray:
+        """The chunk of each of the request's positions at `layer`, located once: speculation for the layer and
+        the record of what it needed both use it."""
+        if layer not in self._located:
+            self._located[layer] = self.engine.store.locate(self.match, self.all_positions, layer).chunks
+        return self._located[layer]
 
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
@@ -642,9 +649,8 @@ class _LayerIO:
         which chunks it needed, and request the next layers' certain reads."""
         if self.engine.speculator is not None:
             store = self.engine.store
-            self.engine.speculator.usage.record(
-                layer, store.locate(self.match, self.all_positions, layer).unique_chunks(),
-                store.locate(self.match, chosen, layer).unique_chunks())
+            self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
+                                                store.locate(self.match, chosen, layer).unique_chunks())
         guess = self.prefetched.pop(layer, None)
         if guess is not None:
             hit = len(np.intersect1d(guess, chosen, assume_unique=True))
