@@ -72,9 +72,9 @@ class _Oracle:
 
 def _accuracy(model, workload, ratio, oracle: _Oracle | None) -> dict:
     settings = systems_lib.SystemSettings(
-        retention=1.0, chunk_tokens=64, gpu_cache_bytes=0, cpu_cache_bytes=0, disk_bandwidth=None,
+        retention=1.0, gpu_cache_bytes=0, cpu_cache_bytes=0, disk_bandwidth=None,
         pcie_bandwidth=None, direct_io=False, seed=0,
-        options={"blend_ratio": ratio, "blend_filter": FLAGS.blend_filter})
+        blend_ratio=ratio, blend_filter=FLAGS.blend_filter)
     system = systems_lib.make_system("cacheblend", model, settings)
     wrong = []
     with tempfile.TemporaryDirectory(prefix="specjax-oracle-") as tmp:

@@ -39,7 +39,7 @@ from specjax.eval import __main__ as eval_main
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import code_version
-from specjax.stores import bench
+from specjax.stores import Layout, bench
 from specjax.stores.bench import chunk_path, read_direct
 
 IO_KEYS = ("disk_bytes", "chunks_read", "read_requests", "host_to_device_transfers", "host_to_device_bytes")
@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--prefix_tokens", type=int, default=None, help="extend every prefix to this many tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--system", default="as_full", help="engine system (as_full reads every prefix chunk)")
-    p.add_argument("--chunk_tokens", type=int, default=64)
+    p.add_argument("--chunk_tokens", type=int, default=Layout.chunk_tokens)
     p.add_argument("--threads", type=int, default=32,
                    help="raw reader threads (= file_io_concurrency of specjax.stores.kvarray.make_context)")
     p.add_argument("--store", default=None, help="scratch directory for the stores (default: a temporary one)")

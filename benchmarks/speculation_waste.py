@@ -15,7 +15,7 @@ previous layer's set (`--thresholds`). With the same caches, impress would read 
     python benchmarks/speculation_waste.py --task piqa --data_dir ../shared/data --limit 24 \\
         --prefix_tokens 1024 --systems spec --retention 0.25 --output_dir /tmp/waste
 
-It wraps `specjax.engine.engine._LayerIO.after_selection` to look, never to change what is read; a measurement
+It wraps `specjax.engine.layer_io.LayerIO.after_selection` to look, never to change what is read; a measurement
 aid, not a system. Prints the table and writes OUTPUT_DIR/speculation_waste.json.
 """
 
@@ -27,7 +27,7 @@ import pathlib
 
 from absl import app, flags
 
-from specjax.engine import engine as engine_lib
+from specjax.engine import layer_io
 from specjax.engine import speculation
 from specjax.eval import __main__ as eval_main
 from specjax.stores import K, V
@@ -40,7 +40,7 @@ _counts: collections.Counter = collections.Counter()
 
 
 def _look(thresholds):
-    after_selection = engine_lib._LayerIO.after_selection
+    after_selection = layer_io.LayerIO.after_selection
 
     def looking(io, layer, chosen):
         previous = getattr(io, "_waste_previous", None)
@@ -49,7 +49,7 @@ def _look(thresholds):
         io._waste_previous = chosen
         return after_selection(io, layer, chosen)
 
-    engine_lib._LayerIO.after_selection = looking
+    layer_io.LayerIO.after_selection = looking
 
 
 def _count(io, layer, previous, chosen, thresholds):

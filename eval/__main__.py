@@ -20,7 +20,9 @@ import time
 import numpy as np
 from absl import flags
 
+from specjax import sharding
 from specjax.engine.systems import BLEND_DEVIATIONS, BLEND_FILTERS
+from specjax.engine.types import EngineConfig
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import systems as systems_lib
@@ -29,6 +31,7 @@ from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.progress import Progress
 from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
+from specjax.stores import Layout
 
 FLAGS = flags.FLAGS
 
@@ -42,8 +45,13 @@ flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"],
                   "Weights: `pretrained` (converted checkpoint) or `random` (real shapes, for timing only: "
                   "accuracy is then meaningless and results say so).")
 flags.DEFINE_string("dtype", None, "Model dtype (float32, bfloat16, float16); default: the model's own.")
+flags.DEFINE_integer("tensor_parallel", 1, "Devices to split the model over by attention head and MLP unit "
+                     "(jax.sharding mesh over the first N; specjax.sharding); each device holds, loads and attends "
+                     "over its own KV heads. 1: one device, no mesh. On CPU, "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.")
 # task and workload
-flags.DEFINE_string("task", "needle", "Task: " + "; ".join(f"{k} ({v})" for k, v in tasks_lib.TASKS.items()) + ".")
+flags.DEFINE_string("task", "needle",
+                    "Task: " + "; ".join(f"{k} ({v.description})" for k, v in tasks_lib.TASKS.items()) + ".")
 flags.DEFINE_string("data_dir", None, "Folder with task files laid out like ../shared/data (see its README.md). "
                     "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
 flags.DEFINE_string("data_path", None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per line.")
@@ -68,7 +76,8 @@ flags.DEFINE_string("systems", "default", "Comma-separated systems: " + ", ".joi
 flags.DEFINE_string("retention", "0.25,0.75", "Fraction of prefix tokens kept, or a comma-separated list to sweep "
                     "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others (recompute, "
                     "as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT trade-off over them.")
-flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its own 16).")
+flags.DEFINE_integer("chunk_tokens", Layout.chunk_tokens,
+                     "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its own 16).")
 flags.DEFINE_string("gpu_cache", "15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of "
                     "the workload's stored prefix KV (SPEC: 10GB of ~60GB).")
 flags.DEFINE_string("cpu_cache", "50%", "CPU prefix-KV cache budget: bytes or a percentage of the stored prefix "
@@ -89,11 +98,11 @@ flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the c
                      "first layer (p; default 8).")
 flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
                      "period computes (sp; default 4, at most p).")
-flags.DEFINE_integer("cake_chunk_tokens", 512, "cake: tokens per chunk computed from the front or loaded from the "
-                     "back (Cake: 512); a multiple of --chunk_tokens.")
-flags.DEFINE_integer("prefill_chunk_tokens", 0, "Chunked prefill when nothing is reused (recompute, a cold "
-                     "request): more new tokens than this are computed in chunks of this many, each attending to "
-                     "the earlier chunks' KV (exact); 0: one block, as the plain forward.")
+flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
+                     "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
+flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "
+                     "reused (recompute, a cold request): more new tokens than this are computed in chunks of this "
+                     "many, each attending to the earlier chunks' KV (exact); 0: one block, as the plain forward.")
 flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
                    "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
 flags.DEFINE_enum("blend_deviation", "value", BLEND_DEVIATIONS, "cacheblend: the deviation between "
@@ -124,6 +133,7 @@ flags.register_validator("inflight_bytes", lambda v: v is None or _ok(parse_byte
 flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
                          "must be a rate like 25GB/s")
 flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
+flags.register_validator("tensor_parallel", lambda v: v >= 1, "must be at least 1 (1: one device)")
 flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
 flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
 for _name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
@@ -136,13 +146,17 @@ flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
 flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
 NEEDLE_DEFAULT_LIMIT = 16
+# flags that are SystemSettings fields of the same name
+SYSTEM_FLAGS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers",
+                "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
+                "blend_filter")
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "no_itf",
              "no_reorder",
              "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
              "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
-             "blend_filter", "store", "output_dir", "preset", "revision")
+             "blend_filter", "store", "output_dir", "preset", "revision", "tensor_parallel")
 
 
 def _ok(parse, value) -> bool:
@@ -153,11 +167,13 @@ def _ok(parse, value) -> bool:
         return False
 
 
-def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None):
+def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None,
+               tensor_parallel: int = 1):
     import specjax
 
     try:
-        return specjax.load_model(name, dtype=dtype, init=init, seed=seed, revision=revision)
+        return specjax.load_model(name, dtype=dtype, init=init, seed=seed, revision=revision,
+                                  tensor_parallel=tensor_parallel)
     except (ValueError, KeyError, FileNotFoundError, NotImplementedError) as e:
         raise EvalError(f"cannot load model '{name}': {e}") from None
 
@@ -221,9 +237,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        options={k: values[k] for k in ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens",
-                                        "period_layers", "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens",
-                                        "blend_ratio", "blend_deviation", "blend_filter")})
+        **{k: values[k] for k in SYSTEM_FLAGS})
 
     code = code_version()
     partial = PartialRuns(output_dir, {
@@ -255,6 +269,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         "store_bytes": store_bytes, "kv_bytes_per_token": kv_per_token,
         "tokenizer": tokenizer_source, "prompt_format": task.prompt_format, "data_source": task.source,
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
+        "sharding": sharding.describe(model.config, getattr(model, "mesh", None)),
         "same_store_contents": "base store written once from every unique prefix; each run opens its own "
                                "copy; caches warmed with each unique prefix once, in first-arrival order, "
                                "then one untimed request per unseen shape (compiles left in timed requests: "
@@ -311,7 +326,8 @@ def main(argv):
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
     systems_lib.resolve(values["systems"])  # fail on unknown systems before loading a model
-    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"])
+    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"],
+                       values["tensor_parallel"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
     for name in task_list:

@@ -13,21 +13,16 @@ from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
 
-ABLATIONS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch")
-
-
 class EngineSystem:
     """One engine system: populate/open a store, warm its caches, run requests."""
 
     def __init__(self, name: str, model, settings: SystemSettings):
-        options = dict(settings.options)
-        ablations = {a: bool(options.get(a)) for a in ABLATIONS}
-        self.system = make_system(name, alpha=options.get("alpha"), chunk_tokens=options.get("ckv_chunk_tokens"),
-                                  period_layers=options.get("period_layers"),
-                                  subperiod_layers=options.get("subperiod_layers"),
-                                  blend_ratio=options.get("blend_ratio"),
-                                  blend_deviation=options.get("blend_deviation"),
-                                  blend_filter=options.get("blend_filter"), **ablations)
+        s = settings
+        self.system = make_system(name, no_itf=s.no_itf, no_reorder=s.no_reorder, no_score_cache=s.no_score_cache,
+                                  no_prefetch=s.no_prefetch, chunk_tokens=s.ckv_chunk_tokens,
+                                  period_layers=s.period_layers, subperiod_layers=s.subperiod_layers,
+                                  blend_ratio=s.blend_ratio, blend_deviation=s.blend_deviation,
+                                  blend_filter=s.blend_filter)
         self.name = self.system.name
         self.needs_store = self.system.reuse
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own
@@ -35,10 +30,8 @@ class EngineSystem:
         self.config = EngineConfig(
             retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
             cpu_cache_bytes=settings.cpu_cache_bytes or 0, pcie_bandwidth=settings.pcie_bandwidth,
-            kernel_impl=options.get("kernel_impl", "auto"), reorder_every=int(options.get("reorder_every", 0)),
-            cake_chunk_tokens=int(options.get("cake_chunk_tokens") or EngineConfig.cake_chunk_tokens),
-            prefill_chunk_tokens=int(EngineConfig.prefill_chunk_tokens if options.get("prefill_chunk_tokens") is None
-                                     else options["prefill_chunk_tokens"]))
+            kernel_impl=s.kernel_impl, reorder_every=s.reorder_every, cake_chunk_tokens=s.cake_chunk_tokens,
+            prefill_chunk_tokens=s.prefill_chunk_tokens)
         if self.system.schedule == "cake":  # a bad flag fails before any store is written
             cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None
@@ -69,10 +62,10 @@ class EngineSystem:
 
     def warm(self, requests) -> None:
         """Compile every shape the run will use and fill the caches (`warm_up`)."""
-        warm_up(self.engine, [_engine_request(r) for r in requests])
+        warm_up(self.engine, [r.engine_request() for r in requests])
 
     def run(self, request) -> Outcome:
-        return _outcome(self.engine.run(_engine_request(request)), request)
+        return _outcome(self.engine.run(request.engine_request()), request)
 
     def close(self) -> None:
         if self.store is not None:
@@ -100,7 +93,7 @@ class BlendSystem(EngineSystem):
         return list(dict.fromkeys(keys))
 
     def run(self, request) -> Outcome:
-        r = self.engine.run(_engine_request(request))
+        r = self.engine.run(request.engine_request())
         outcome = _outcome(r, request)
         recomputed = r.layers.get("recomputed", [1.0] * self.model.config.num_layers)  # else recomputed all
         outcome.layers["recomputed"] = [float(x) for x in recomputed]
@@ -127,11 +120,6 @@ def _outcome(r, request) -> Outcome:
     return Outcome(logprobs, greedy, r.ttft_ms, r.breakdown_ms, _counters(r, len(request.prefix_ids)), _layers(r))
 
 
-def _engine_request(r) -> Request:
-    return Request(list(r.prefix_ids), list(r.query_ids), [list(c) for c in r.choice_ids],
-                   [list(c) for c in getattr(r, "chunk_ids", ())])
-
-
 def _counters(r, prefix_tokens: int) -> dict:
     io = r.io
     jaccard = np.asarray(r.layers["jaccard"], np.float64)
@@ -140,18 +128,17 @@ def _counters(r, prefix_tokens: int) -> dict:
     p = r.prefetch
     retained = np.asarray(r.layers["retained"], np.float64)
     return {
-        "disk_bytes": io.get("disk_bytes", 0), "cpu_to_gpu_bytes": io.get("host_to_device_bytes", 0),
-        "chunks_read": io.get("chunks_read", 0), "used_bytes": io.get("used_token_bytes", 0),
+        "disk_bytes": io.get("disk_bytes", 0), "host_to_device_bytes": io.get("host_to_device_bytes", 0),
+        "chunks_read": io.get("chunks_read", 0), "used_token_bytes": io.get("used_token_bytes", 0),
         "read_requests": io.get("read_requests", 0), "host_to_device_transfers": io.get("host_to_device_transfers", 0),
         "cache_lookups": io.get("device_hits", 0) + io.get("host_hits", 0) + io.get("misses", 0),
-        "gpu_hits": io.get("device_hits", 0), "cpu_hits": io.get("host_hits", 0),
+        "device_hits": io.get("device_hits", 0), "host_hits": io.get("host_hits", 0),
         "itf_layers": int(measured.sum()), "itf_fallbacks": int((fallback & measured).sum()),
         "jaccard_sum": float(jaccard[measured].sum()),
-        "prefetch_issued": p["prefetched_tokens"], "prefetch_used": p["hit_tokens"],
-        "prefetch_needed": p["used_tokens"],
+        **{key: p[key] for key in ("prefetch_issued", "prefetch_used", "prefetch_needed")},
         "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
         "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
-        "checksum_failures": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
+        "bad_chunks": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
         **_split_counters(r),
     }
 
@@ -164,7 +151,7 @@ def _split_counters(r) -> dict:
 def _layers(r) -> dict:
     if not r.reused_tokens:
         return {}
-    layers = {"retention": [float(x) for x in r.layers["retained"]],
+    layers = {"retained": [float(x) for x in r.layers["retained"]],
               "fallback": [1.0 if f else 0.0 for f in r.layers["fallback"]]}
     jaccard = np.asarray(r.layers["jaccard"], np.float64)
     if not np.isnan(jaccard).any():  # measured only by systems that identify with probe heads

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specjax.eval import metrics, tradeoff
+from specjax.eval import metrics, tasks as tasks_lib, tradeoff
 from specjax.eval.systems import BREAKDOWN_KEYS
 
 # ---------------------------------------------------------------- schema (design.md section 7)
@@ -24,10 +24,10 @@ SYSTEM_SCHEMA = {
     "accuracy": {"acc": NUMBER, "acc_norm": NUMBER, "stderr": NUMBER, "n": INT},
     "ttft_ms": {"mean": NUMBER, "p50": NUMBER, "p95": NUMBER, "p99": NUMBER},
     "breakdown_ms": {k: NUMBER for k in BREAKDOWN_KEYS},
-    "io": {"disk_bytes": INT, "cpu_to_gpu_bytes": INT, "chunks_read": INT, "read_amplification": NUMBER,
+    "io": {"disk_bytes": INT, "host_to_device_bytes": INT, "chunks_read": INT, "read_amplification": NUMBER,
            "read_requests_per_request": NUMBER, "bytes_per_read": NUMBER_OR_NULL,
            "host_to_device_transfers_per_request": NUMBER},
-    "cache": {"gpu_hit_ratio": NUMBER, "cpu_hit_ratio": NUMBER},
+    "cache": {"device_hit_ratio": NUMBER, "host_hit_ratio": NUMBER},
     "itf": ("nullable", {"fallback_ratio": NUMBER, "mean_jaccard": NUMBER}),
     "prefetch": ("nullable", {"precision": NUMBER, "recall": NUMBER}),
     "compilations_timed": INT,  # XLA compiles inside the timed requests (each request's in its counters)
@@ -111,11 +111,11 @@ def _stderr(x: float) -> float:
     return 0.0 if not math.isfinite(x) else x  # n < 2: no spread to estimate
 
 
-def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) -> dict:
-    """One `systems.<key>` object from a runner.Run and the requests it answered."""
+def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, metric=metrics.accuracy) -> dict:
+    """One `systems.<key>` object from a runner.Run and the requests it answered, scored by the task's `metric`."""
     outs = run.outcomes
     scored = [(o.choice_logprobs, r.choices, r.gold) for o, r in zip(outs, requests)]
-    acc = metrics.accuracy(scored)
+    acc = metric(scored)
     totals = {}
     for o in outs:
         for k, v in o.counters.items():
@@ -127,14 +127,14 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None) 
                      "n": acc["n"], "acc_norm_stderr": _stderr(acc["acc_norm_stderr"])},
         "ttft_ms": metrics.latency_summary([o.ttft_ms for o in outs]),
         "breakdown_ms": breakdown,
-        "io": {"disk_bytes": int(get("disk_bytes")), "cpu_to_gpu_bytes": int(get("cpu_to_gpu_bytes")),
+        "io": {"disk_bytes": int(get("disk_bytes")), "host_to_device_bytes": int(get("host_to_device_bytes")),
                "chunks_read": int(get("chunks_read")),
-               "read_amplification": _ratio(get("disk_bytes"), get("used_bytes")),
+               "read_amplification": _ratio(get("disk_bytes"), get("used_token_bytes")),
                "read_requests_per_request": _ratio(get("read_requests"), len(outs)),
                "bytes_per_read": get("disk_bytes") / get("read_requests") if get("read_requests") else None,
                "host_to_device_transfers_per_request": _ratio(get("host_to_device_transfers"), len(outs))},
-        "cache": {"gpu_hit_ratio": _ratio(get("gpu_hits"), get("cache_lookups")),
-                  "cpu_hit_ratio": _ratio(get("cpu_hits"), get("cache_lookups"))},
+        "cache": {"device_hit_ratio": _ratio(get("device_hits"), get("cache_lookups")),
+                  "host_hit_ratio": _ratio(get("host_hits"), get("cache_lookups"))},
         "itf": None,
         "prefetch": None,
         "compilations_timed": int(get("compilations")),
@@ -190,9 +190,10 @@ def build_results(*, model: str, task: str, weights: str, device: str, emulation
     if reference is not None:
         ref_correct = metrics.per_request_correct(
             [(o.choice_logprobs, q.choices, q.gold) for o, q in zip(reference.outcomes, requests)])
+    metric = tasks_lib.TASKS[task].metric if task in tasks_lib.TASKS else metrics.accuracy
     systems = {}
     for run in runs:
-        systems[run.key] = system_entry(run, requests, ref_correct if run.system != "recompute" else None)
+        systems[run.key] = system_entry(run, requests, ref_correct if run.system != "recompute" else None, metric)
     results = {"model": model, "task": task, "weights": weights, "device": device, "emulation": emulation,
                "config": config, "systems": systems}
     results.update(extras or {})
@@ -296,11 +297,11 @@ def markdown(results: dict) -> str:
         io, c = s["io"], s["cache"]
         itf = s["itf"]
         pf = s["prefetch"]
-        rows.append([k, _fmt_bytes(io["disk_bytes"]), _fmt_bytes(io["cpu_to_gpu_bytes"]), str(io["chunks_read"]),
-                     f"{io['read_amplification']:.2f}", f"{c['gpu_hit_ratio']:.2f}", f"{c['cpu_hit_ratio']:.2f}",
+        rows.append([k, _fmt_bytes(io["disk_bytes"]), _fmt_bytes(io["host_to_device_bytes"]), str(io["chunks_read"]),
+                     f"{io['read_amplification']:.2f}", f"{c['device_hit_ratio']:.2f}", f"{c['host_hit_ratio']:.2f}",
                      f"{itf['fallback_ratio']:.2f} / {itf['mean_jaccard']:.2f}" if itf else "-",
                      f"{pf['precision']:.2f} / {pf['recall']:.2f}" if pf else "-"])
-    out.append(_table(["system", "disk read", "CPU->GPU", "chunks read", "read ampl.", "GPU hit", "CPU hit",
+    out.append(_table(["system", "disk read", "host->device", "chunks read", "read ampl.", "device hit", "host hit",
                        "ITF fallback / Jaccard", "prefetch precision / recall"], rows))
     out += ["", "## Reads, transfers and compiles (means per timed request; compiles: total)", ""]
     out.append(_table(["system", "read requests", "bytes per read", "host->device transfers", "compiles timed"], [
@@ -386,8 +387,8 @@ def plot_layers(results: dict, path: pathlib.Path) -> bool:
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     for key, layers in entries.items():
-        if "retention" in layers:
-            ax1.plot(layers["retention"], marker=".", label=key)
+        if "retained" in layers:
+            ax1.plot(layers["retained"], marker=".", label=key)
         if "fallback" in layers:
             ax2.plot(layers["fallback"], marker=".", label=key)
     ax1.set_ylabel("KV loaded / prefix")

@@ -21,12 +21,12 @@ import time
 
 import jax
 
+from specjax.engine import shape_key
 from specjax.eval import systems as systems_lib
 from specjax.eval.compiles import CompileCounter
 from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
-from specjax.models.inference import bucket
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def compile_requests(workload: Workload) -> list:
     beyond them. They run untimed after the warm-up, so that no timed request pays for JIT compilation
     (otherwise the first system of a run would pay for shapes the later ones reuse)."""
     def shape(r):
-        return r.prefix_ids, bucket(len(r.query_ids)), bucket(max(map(len, r.choice_ids), default=1), minimum=8)
+        return shape_key(r.prefix_ids, r.query_ids, r.choice_ids)
 
     seen = {shape(r) for r in warmup_requests(workload)}
     extra = []

@@ -18,32 +18,30 @@ are plugged in by `specjax.eval.engine_systems`.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
+from specjax.engine.types import EngineConfig
 from specjax.eval.errors import EvalError
-from specjax.models.inference import log_softmax
+from specjax.stores import Layout
 
 BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 
 # Counters a system may report per request (missing ones count as 0). Ratios in results.json
 # are computed from their sums over the run:
-#   read_amplification = disk_bytes / used_bytes           (bytes read / bytes of tokens used)
-#   gpu_hit_ratio = gpu_hits / cache_lookups; cpu_hit_ratio = cpu_hits / cache_lookups
+#   read_amplification = disk_bytes / used_token_bytes     (bytes read / bytes of tokens used)
+#   device_hit_ratio = device_hits / cache_lookups; host_hit_ratio = host_hits / cache_lookups
 #   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
 #   prefetch precision = prefetch_used / prefetch_issued; recall = prefetch_used / prefetch_needed
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
 COUNTER_KEYS = (
-    "disk_bytes", "cpu_to_gpu_bytes", "chunks_read", "used_bytes", "read_requests", "host_to_device_transfers",
-    "cache_lookups", "gpu_hits", "cpu_hits",
+    "disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests", "host_to_device_transfers",
+    "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_used", "prefetch_needed",
-    "prefix_tokens", "reused_tokens", "retained_tokens", "checksum_failures",
+    "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
     "computed_prefix_tokens", "compilations",
 )
 
@@ -57,7 +55,7 @@ class Outcome:
     ttft_ms: float  # arrival -> first-token logits ready (block_until_ready)
     breakdown_ms: dict[str, float]  # BREAKDOWN_KEYS; sums to about ttft_ms
     counters: dict[str, float] = dataclasses.field(default_factory=dict)  # COUNTER_KEYS
-    # per-layer records, lists of num_layers floats: "retention" (kept / prefix tokens),
+    # per-layer records, lists of num_layers floats: "retained" (kept / prefix tokens),
     # "fallback" (1.0 if ITF fell back), "jaccard"; empty when the system has none
     layers: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
@@ -70,6 +68,9 @@ def as_outcome(x: Any) -> Outcome:
     missing = [k for k in ("choice_logprobs", "choice_greedy", "ttft_ms") if get(k) is None]
     if missing:
         raise TypeError(f"system outcome lacks {missing}")
+    unknown = sorted(set(get("counters") or {}) - set(COUNTER_KEYS))
+    if unknown:  # one vocabulary: a counter results.json would not know is a bug, not a new name
+        raise TypeError(f"system outcome has unknown counters {unknown}; known: {', '.join(COUNTER_KEYS)}")
     return Outcome(
         [float(v) for v in get("choice_logprobs")], [bool(v) for v in get("choice_greedy")],
         float(get("ttft_ms")), {k: float(v) for k, v in (get("breakdown_ms") or {}).items()},
@@ -83,7 +84,7 @@ class SystemSettings:
     """Every knob a system may use; recorded in results.json under config."""
 
     retention: float = 0.25
-    chunk_tokens: int = 64
+    chunk_tokens: int = Layout.chunk_tokens  # the store's default chunk
     gpu_cache_bytes: int | None = None
     cpu_cache_bytes: int | None = None
     disk_bandwidth: float | None = None  # bytes/s, emulated (token bucket) when set
@@ -91,7 +92,23 @@ class SystemSettings:
     direct_io: bool = False
     inflight_bytes: int | None = None  # the read scheduler's bound on bytes in flight (None: its default)
     seed: int = 0
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # no_itf, no_prefetch, ...
+    # SPEC's ablations (paper Fig. 18)
+    no_itf: bool = False
+    no_reorder: bool = False
+    no_score_cache: bool = False
+    no_prefetch: bool = False
+    # ContiguousKV's chunk, period and sub-period sizes (None: the paper's, as the engine's System declares them)
+    ckv_chunk_tokens: int | None = None
+    period_layers: int | None = None
+    subperiod_layers: int | None = None
+    # CacheBlend's recompute ratio, deviation and filtering (None: the system's own)
+    blend_ratio: float | None = None
+    blend_deviation: str | None = None
+    blend_filter: str | None = None
+    cake_chunk_tokens: int = EngineConfig.cake_chunk_tokens
+    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
+    kernel_impl: str = EngineConfig.kernel_impl
+    reorder_every: int = EngineConfig.reorder_every
 
 
 class System(Protocol):
@@ -129,69 +146,22 @@ KNOWN_SYSTEMS = {s.name: s for s in (
 DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
 
 
-# ---------------------------------------------------------------- recompute
-
-
-class Recompute:
-    """ReComp: no reuse; prefill prefix + query from scratch. All of TTFT is compute."""
-
-    name = "recompute"
-    needs_store = False
-
-    def __init__(self, model, settings: SystemSettings):
-        self.model = model
-        self.settings = settings
-
-    def populate(self, store_path, prefixes):
-        raise AssertionError("recompute does not use a store")
-
-    def open(self, store_path):
-        pass
-
-    def warm(self, requests):
-        # nothing to cache; one prefill per warm-up request compiles the shapes it will see
-        for r in requests:
-            self.model.logits(list(r.context_ids))
-
-    def run(self, request) -> Outcome:
-        context = list(request.context_ids)
-        start = time.perf_counter()  # the request arrives
-        last = np.asarray(self.model.logits(context)[-1])  # a numpy array: computed and on host
-        ttft_ms = (time.perf_counter() - start) * 1e3
-        first = log_softmax(last)
-        logprobs, greedy = [], []
-        for choice in request.choice_ids:
-            if len(choice) == 1:  # one-token continuations come from the prefill itself
-                logprobs.append(float(first[choice[0]]))
-                greedy.append(bool(int(np.argmax(first)) == choice[0]))
-            else:
-                ll, is_greedy = self.model.loglikelihood(context, list(choice))
-                logprobs.append(float(ll))
-                greedy.append(bool(is_greedy))
-        breakdown = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0, "compute": ttft_ms}
-        counters = {"prefix_tokens": len(request.prefix_ids)}
-        return Outcome(logprobs, greedy, ttft_ms, breakdown, counters)
-
-    def close(self):
-        pass
-
-
 # ---------------------------------------------------------------- registry
 
 Factory = Callable[[Any, SystemSettings], System]
-_LOCAL: dict[str, Factory] = {"recompute": Recompute}
+# Systems from outside the engine, by name (a plugin's or a test's); they win over the engine's of the same name.
+PLUGINS: dict[str, Factory] = {}
 
 
 def _engine_systems() -> dict[str, Factory]:
-    """Systems the prefill engine builds (specjax.engine), recompute included."""
+    """Every system the prefill engine builds (specjax.engine), recompute included, so all are timed alike."""
     from specjax.eval.engine_systems import factories
 
     return factories()
 
 
 def available() -> dict[str, Factory]:
-    # The engine's recompute replaces the local one, so every system is timed by the same engine.
-    return {**_LOCAL, **_engine_systems()}
+    return {**_engine_systems(), **PLUGINS}
 
 
 def resolve(spec: str) -> list[str]:

@@ -1,9 +1,11 @@
-"""Evaluation tasks: data + prompt template + choices + metric, in lm-evaluation-harness formats.
+"""Evaluation tasks, each declared once: data source, prompt, choices, few-shot source, metric.
 
-A task yields `Example`s (context text, choice strings, gold index). Few-shot blocks are
-`context + target_delimiter + choices[gold]` joined by "\\n\\n", as lm-eval renders them.
-Data is read from `--data_dir`, then `$SPECJAX_DATA`, then the Hugging Face hub (when the
-`datasets` package is installed and the hub is reachable). `needle` needs no data files.
+`TASKS` maps a name to its `TaskSpec`, as lm-evaluation-harness keeps one YAML per task; adding a
+task is adding one declaration. A task yields `Example`s (context text, choice strings, gold
+index) in lm-eval's formats. Few-shot blocks are `context + target_delimiter + choices[gold]`
+joined by "\\n\\n", as lm-eval renders them. File tasks are read from `--data_dir`, then
+`$SPECJAX_DATA`, then the Hugging Face hub (when the `datasets` package is installed and the hub
+is reachable); `mc_jsonl` reads `--data_path`; `needle` and `rag` are generated.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from specjax.eval import metrics
 from specjax.eval.errors import EvalError
 
 FEWSHOT_DELIMITER = "\n\n"
@@ -54,31 +57,75 @@ class Task:
     synthetic: bool = False
 
 
-# ---------------------------------------------------------------- data resolution
+# ---------------------------------------------------------------- declarations
+# A row is a dict holding the fields a task's prompt and choices name, and "gold" (the index of
+# the right choice). A data source (Files, UserFile, Synthetic) turns its records into rows, and
+# its `examples(spec, data_dir, data_path)` gives (the items asked, the few-shot split's items or
+# [] when the task declares no such split, where they were read from).
 
-HF_SOURCES = {
-    "piqa": ("baber/piqa", None, "validation", "train"),
-    "copa": ("aps/super_glue", "copa", "validation", "train"),
-    "openbookqa": ("allenai/openbookqa", "main", "test", "train"),
-    "rte": ("aps/super_glue", "rte", "validation", "train"),
-    "sst2": ("nyu-mll/glue", "sst2", "validation", "train"),
-    "subj": ("SetFit/subj", None, "test", "train"),
-    "trec": ("CogComp/trec", None, "test", "train"),
-}
-
-# The files each task needs under a data directory (see ../shared/data/README.md).
-LOCAL_FILES = {
-    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
-    "copa": ("copa/copa.jsonl",),
-    "openbookqa": ("openbookqa/openbook_qa.jsonl",),
-    "rte": ("rte/val.jsonl", "rte/train.jsonl"),
-    "sst2": ("sst2/stsa.binary.dev", "sst2/stsa.binary.train"),
-    "subj": ("subj/test.jsonl", "subj/train.jsonl"),
-    "trec": ("trec/test.jsonl", "trec/train.jsonl"),
-}
+FROM_DOCS = "docs"  # few-shot examples come from the items asked, never the asked item itself
+NO_FEWSHOT = "none"  # synthetic tasks: the workload generates prefixes, no examples in them
 
 
-def candidate_data_dirs(data_dir: str | None) -> list[tuple[str, pathlib.Path]]:
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One split of a file task: its files under a data directory, and its name on the hub."""
+
+    files: tuple[str, ...]  # read together into rows (PIQA: the items, then their labels)
+    hub_split: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Hub:
+    """A Hugging Face hub dataset, read when no data directory holds the task's files."""
+
+    path: str
+    name: str | None
+    row: Callable[[dict], dict]  # a hub record -> a row
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """Rows from files under --data_dir or $SPECJAX_DATA (laid out like ../shared/data), else the hub."""
+
+    docs: Split  # the items asked
+    read: Callable[..., list[dict]]  # a split's files (paths, in `Split.files` order) -> rows
+    hub: Hub
+
+    def examples(self, spec: TaskSpec, data_dir: str | None, data_path: str | None):
+        splits = [self.docs] + ([spec.fewshot] if isinstance(spec.fewshot, Split) else [])
+        files = [f for s in splits for f in s.files]
+        if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
+            raise EvalError(f"--data_dir {data_dir} is not a directory")
+        for _, root in _data_dirs(data_dir):
+            if all((root / f).is_file() for f in files):
+                read = [[spec.example(r) for r in self.read(*(root / f for f in s.files))] for s in splits]
+                return read[0], read[1] if len(read) > 1 else [], str(root)
+        return self._hub_examples(spec, splits, files, data_dir)
+
+    def _hub_examples(self, spec: TaskSpec, splits: list[Split], files: list[str], data_dir: str | None):
+        def missing(note: str) -> EvalError:
+            where = ", ".join(f"{how}={root}" for how, root in _data_dirs(data_dir))
+            return EvalError(
+                f"data for task '{spec.name}' not found: looked for {', '.join(files)} in "
+                f"{where or 'no --data_dir given and $SPECJAX_DATA unset'}; {note}. "
+                f"Pass --data_dir DIR (a folder laid out like ../shared/data, see its README.md)")
+
+        try:
+            import datasets  # optional: only used when no local files are found
+        except ImportError:
+            raise missing("the `datasets` package is not installed, so the Hugging Face hub was not tried") from None
+        hub = self.hub
+        try:
+            read = [[spec.example(hub.row(r)) for r in datasets.load_dataset(hub.path, hub.name, split=s.hub_split)]
+                    for s in splits]
+        except Exception as e:  # network, missing dataset, schema drift: all end the run the same way
+            raise missing(f"the Hugging Face hub ({hub.path}) failed: {type(e).__name__}: {str(e)[:200]}") from None
+        name = f"/{hub.name}" if hub.name else ""
+        return read[0], read[1] if len(read) > 1 else [], f"huggingface:{hub.path}{name}:{self.docs.hub_split}"
+
+
+def _data_dirs(data_dir: str | None) -> list[tuple[str, pathlib.Path]]:
     """Where to look for task files, in order, each with the setting that named it."""
     found = []
     if data_dir:
@@ -88,27 +135,83 @@ def candidate_data_dirs(data_dir: str | None) -> list[tuple[str, pathlib.Path]]:
     return found
 
 
-def resolve_task_dir(task: str, data_dir: str | None) -> pathlib.Path | None:
-    """The first data directory holding all of `task`'s files; None if none does."""
-    if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
-        raise EvalError(f"--data_dir {data_dir} is not a directory")
-    for _, root in candidate_data_dirs(data_dir):
-        if all((root / f).is_file() for f in LOCAL_FILES[task]):
-            return root
-    return None
+@dataclasses.dataclass(frozen=True)
+class UserFile:
+    """Rows from the JSONL file given by --data_path: one {"query", "choices", "gold"} object per line."""
+
+    def examples(self, spec: TaskSpec, data_dir: str | None, data_path: str | None):
+        if not data_path:
+            raise EvalError(f"--task {spec.name} needs --data_path FILE (one {{\"query\",\"choices\",\"gold\"}} "
+                            f"per line)")
+        file = pathlib.Path(data_path).expanduser()
+        if not file.is_file():
+            raise EvalError(f"--data_path {data_path}: no such file")
+        docs = []
+        with open(file, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    row = {"query": r["query"], "choices": list(r["choices"]), "gold": int(r["gold"])}
+                except (ValueError, KeyError, TypeError) as e:
+                    raise EvalError(f"{file}:{n}: expected {{\"query\",\"choices\",\"gold\"}}: {e}") from None
+                if not row["choices"] or not 0 <= row["gold"] < len(row["choices"]):
+                    raise EvalError(f"{file}:{n}: gold {row['gold']} is not an index into "
+                                    f"{len(row['choices'])} choices")
+                docs.append(spec.example(row))
+        if not docs:
+            raise EvalError(f"{file}: no items")
+        return docs, [], str(file)
 
 
-def _missing_data_message(task: str, data_dir: str | None, hub_note: str) -> str:
-    looked = [f"{how}={root}" for how, root in candidate_data_dirs(data_dir)]
-    where = ", ".join(looked) if looked else "no --data_dir given and $SPECJAX_DATA unset"
-    files = ", ".join(LOCAL_FILES[task])
-    return (
-        f"data for task '{task}' not found: looked for {files} in {where}; {hub_note}. "
-        f"Pass --data_dir DIR (a folder laid out like ../shared/data, see its README.md)"
-    )
+@dataclasses.dataclass(frozen=True)
+class Synthetic:
+    """No stored items: the workload (eval/workload.py) generates each request with its prefix."""
+
+    def examples(self, spec: TaskSpec, data_dir: str | None, data_path: str | None):
+        return [], [], "synthetic (seeded)"
 
 
-# ---------------------------------------------------------------- file readers
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """Everything that makes one task, in one declaration."""
+
+    name: str
+    description: str  # one line, for --task's help
+    data: Files | UserFile | Synthetic  # data source
+    prompt: str  # the context: a str.format template over a row's fields
+    choices: tuple[str, ...] | str  # a template per choice (fixed ones name no field), or the row key listing them
+    fewshot: Split | str  # few-shot source: another split of the files, FROM_DOCS or NO_FEWSHOT
+    balanced_fewshot: bool  # few-shot examples round-robin over gold classes
+    metric: Callable[..., dict]  # scores (choice loglikelihoods, choices, gold) per request
+    prompt_format: str  # which harness / paper the prompt follows (recorded with results)
+
+    def __post_init__(self):
+        if not (isinstance(self.fewshot, Split) and isinstance(self.data, Files)
+                or self.fewshot in (FROM_DOCS, NO_FEWSHOT)):
+            raise ValueError(f"task {self.name}: few-shot source {self.fewshot!r} is not a Split of its files, "
+                             f"FROM_DOCS or NO_FEWSHOT")
+
+    def example(self, row: dict) -> Example:
+        """A row as the model reads it: the prompt, the choices and the gold index."""
+        if isinstance(self.choices, str):
+            choices = row[self.choices]
+        else:
+            choices = [c.format(**row) for c in self.choices]
+        gold = int(row["gold"])
+        return Example(self.prompt.format(**row), tuple(str(c) for c in choices), gold,
+                       label=str(gold) if self.balanced_fewshot else None)
+
+    def load(self, data_dir: str | None = None, data_path: str | None = None) -> Task:
+        """The task with its data (see `load_task`)."""
+        docs, pool, source = self.data.examples(self, data_dir, data_path)
+        same = self.fewshot == FROM_DOCS
+        return Task(self.name, tuple(docs), tuple(docs if same else pool), same, self.balanced_fewshot,
+                    self.prompt_format, source, synthetic=isinstance(self.data, Synthetic))
+
+
+# ---------------------------------------------------------------- file readers (records -> rows)
 
 
 def _read_jsonl(path: pathlib.Path) -> list[dict]:
@@ -116,165 +219,43 @@ def _read_jsonl(path: pathlib.Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def piqa_example(goal: str, sol1: str, sol2: str, label: int) -> Example:
-    # lm-eval tasks/piqa/piqa.yaml: "Question: {{goal}}\nAnswer:", choices [sol1, sol2]
-    return Example(f"Question: {goal}\nAnswer:", (sol1, sol2), int(label))
+def _piqa_rows(items: pathlib.Path, labels: pathlib.Path) -> list[dict]:
+    rows, golds = _read_jsonl(items), labels.read_text().split()
+    if len(rows) != len(golds):
+        raise EvalError(f"{items.parent}: {len(rows)} items but {len(golds)} labels")
+    return [{**r, "gold": y} for r, y in zip(rows, golds)]
 
 
-def copa_example(query: str, choices: Sequence[str], gold: int) -> Example:
-    # lm-eval tasks/super_glue/copa/utils.py: premise without its period + " because"/" therefore",
-    # choices with a lower-cased first letter; llm-foundry's copa.jsonl stores exactly that.
-    return Example(query, tuple(choices), int(gold))
+def _rte_rows(path: pathlib.Path) -> list[dict]:
+    # label 0 = entailment = "True", as lm-eval's GLUE / SuperGLUE RTE
+    return [{**r, "gold": 0 if r["label"] == "entailment" else 1} for r in _read_jsonl(path)]
 
 
-def openbookqa_example(query: str, choices: Sequence[str], gold: int) -> Example:
-    # lm-eval tasks/openbookqa/openbookqa.yaml: doc_to_text = question_stem, choices = choices.text
-    return Example(query, tuple(choices), int(gold))
-
-
-def rte_example(premise: str, hypothesis: str, entailed: bool) -> Example:
-    # lm-eval tasks/glue/rte/default.yaml and super_glue/rte: label 0 = entailment = "True"
-    text = f"{premise}\nQuestion: {hypothesis} True or False?\nAnswer:"
-    gold = 0 if entailed else 1
-    return Example(text, ("True", "False"), gold, label=str(gold))
-
-
-def sst2_example(sentence: str, label: int) -> Example:
-    # lm-eval tasks/glue/sst2/default.yaml
-    text = f"{sentence}\nQuestion: Is this sentence positive or negative?\nAnswer:"
-    return Example(text, ("negative", "positive"), int(label), label=str(label))
-
-
-SUBJ_LABELS = ("subjective", "objective")
-TREC_LABELS = ("description", "entity", "expression", "human", "location", "number")
-
-
-def subj_example(sentence: str, label: int) -> Example:
-    # yaolu/ordered-prompt config/subj.yaml (the data's source; lm-eval has no SUBJ task)
-    return Example(f"Input: {sentence}\nType:", SUBJ_LABELS, int(label), label=str(label))
-
-
-def trec_example(sentence: str, label: int) -> Example:
-    # yaolu/ordered-prompt config/trec.yaml (the data's source; lm-eval has no TREC task)
-    return Example(f"Question: {sentence}\nType:", TREC_LABELS, int(label), label=str(label))
-
-
-def _strip_quotes(sentence: str) -> str:
-    # ordered-prompt's jsonl keeps the CSV quoting of some sentences ("\"...\"")
-    if len(sentence) >= 2 and sentence[0] == sentence[-1] == '"':
-        return sentence[1:-1]
-    return sentence
-
-
-def _read_sst2(path: pathlib.Path) -> list[Example]:
-    out = []
+def _sst2_rows(path: pathlib.Path) -> list[dict]:
+    # one "<label> <sentence>" per line
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                label, sentence = line.split(" ", 1)
-                out.append(sst2_example(sentence, int(label)))
-    return out
+        pairs = [line.strip().split(" ", 1) for line in f if line.strip()]
+    return [{"sentence": sentence, "gold": label} for label, sentence in pairs]
 
 
-def _load_local(task: str, root: pathlib.Path) -> tuple[list[Example], list[Example] | None]:
-    """(docs, fewshot pool or None when the pool is the docs themselves)."""
-    if task == "piqa":
-        rows = _read_jsonl(root / "piqa/valid.jsonl")
-        labels = (root / "piqa/valid-labels.lst").read_text().split()
-        if len(rows) != len(labels):
-            raise EvalError(f"{root}/piqa: {len(rows)} items but {len(labels)} labels")
-        return [piqa_example(r["goal"], r["sol1"], r["sol2"], int(y)) for r, y in zip(rows, labels)], None
-    if task == "copa":
-        return [copa_example(r["query"], r["choices"], r["gold"]) for r in _read_jsonl(root / "copa/copa.jsonl")], None
-    if task == "openbookqa":
-        rows = _read_jsonl(root / "openbookqa/openbook_qa.jsonl")
-        return [openbookqa_example(r["query"], r["choices"], r["gold"]) for r in rows], None
-    if task == "rte":
-        def read(name):
-            return [rte_example(r["premise"], r["hypothesis"], r["label"] == "entailment")
-                    for r in _read_jsonl(root / "rte" / name)]
-        return read("val.jsonl"), read("train.jsonl")
-    if task == "sst2":
-        return _read_sst2(root / "sst2/stsa.binary.dev"), _read_sst2(root / "sst2/stsa.binary.train")
-    if task in ("subj", "trec"):
-        make = subj_example if task == "subj" else trec_example
-        def read(name):
-            return [make(_strip_quotes(r["sentence"]), int(r["label"])) for r in _read_jsonl(root / task / name)]
-        return read("test.jsonl"), read("train.jsonl")
-    raise AssertionError(task)
+def _ordered_prompt_rows(path: pathlib.Path) -> list[dict]:
+    # ordered-prompt's jsonl keeps the CSV quoting of some sentences ("\"...\"")
+    def unquote(s: str) -> str:
+        return s[1:-1] if len(s) >= 2 and s[0] == s[-1] == '"' else s
+    return [{"sentence": unquote(r["sentence"]), "gold": r["label"]} for r in _read_jsonl(path)]
 
 
-def _from_hub_row(task: str, r: dict) -> Example:
-    if task == "piqa":
-        return piqa_example(r["goal"], r["sol1"], r["sol2"], r["label"])
-    if task == "copa":
-        connector = {"cause": "because", "effect": "therefore"}[r["question"]]
-        lower = [c[0].lower() + c[1:] for c in (r["choice1"], r["choice2"])]
-        return copa_example(r["premise"].strip()[:-1] + f" {connector}", lower, r["label"])
-    if task == "openbookqa":
-        gold = r["choices"]["label"].index(r["answerKey"].strip())
-        return openbookqa_example(r["question_stem"], r["choices"]["text"], gold)
-    if task == "rte":
-        return rte_example(r["premise"], r["hypothesis"], r["label"] == 0)
-    if task == "sst2":
-        return sst2_example(r["sentence"], r["label"])
-    if task == "subj":
-        # SetFit/subj: label 0 = objective, 1 = subjective (the opposite of ordered-prompt)
-        return subj_example(r["text"], 1 - int(r["label"]))
-    if task == "trec":
-        # CogComp/trec coarse_label: ABBR, ENTY, DESC, HUM, LOC, NUM
-        remap = {0: 2, 1: 1, 2: 0, 3: 3, 4: 4, 5: 5}
-        return trec_example(r["text"], remap[int(r["coarse_label"])])
-    raise AssertionError(task)
+def _copa_hub_row(r: dict) -> dict:
+    # lm-eval super_glue/copa/utils.py: premise without its period + " because"/" therefore", choices
+    # with a lower-cased first letter (llm-foundry's copa.jsonl stores exactly that)
+    connector = {"cause": "because", "effect": "therefore"}[r["question"]]
+    return {"query": r["premise"].strip()[:-1] + f" {connector}",
+            "choices": [c[0].lower() + c[1:] for c in (r["choice1"], r["choice2"])], "gold": r["label"]}
 
 
-def _load_hub(task: str, data_dir: str | None) -> tuple[list[Example], list[Example] | None, str]:
-    try:
-        import datasets  # optional: only used when no local files are found
-    except ImportError:
-        raise EvalError(_missing_data_message(task, data_dir, "the `datasets` package is not installed, "
-                                              "so the Hugging Face hub was not tried")) from None
-    path, name, split, train_split = HF_SOURCES[task]
-    try:
-        docs_ds = datasets.load_dataset(path, name, split=split)
-        docs = [_from_hub_row(task, r) for r in docs_ds]
-        pool = None
-        if task in ("rte", "sst2", "subj", "trec"):
-            pool = [_from_hub_row(task, r) for r in datasets.load_dataset(path, name, split=train_split)]
-    except Exception as e:  # network, missing dataset, schema drift: all end the run the same way
-        raise EvalError(_missing_data_message(
-            task, data_dir, f"the Hugging Face hub ({path}) failed: {type(e).__name__}: {str(e)[:200]}")) from None
-    return docs, pool, f"huggingface:{path}" + (f"/{name}" if name else "") + f":{split}"
-
-
-# ---------------------------------------------------------------- mc_jsonl
-
-
-def load_mc_jsonl(path: str | None) -> Task:
-    """Any multiple-choice JSONL: one {"query", "choices", "gold"} object per line."""
-    if not path:
-        raise EvalError("--task mc_jsonl needs --data_path FILE (one {\"query\",\"choices\",\"gold\"} per line)")
-    file = pathlib.Path(path).expanduser()
-    if not file.is_file():
-        raise EvalError(f"--data_path {path}: no such file")
-    docs = []
-    with open(file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                query, choices, gold = r["query"], list(r["choices"]), int(r["gold"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise EvalError(f"{file}:{n}: expected {{\"query\",\"choices\",\"gold\"}}: {e}") from None
-            if not choices or not 0 <= gold < len(choices):
-                raise EvalError(f"{file}:{n}: gold {gold} is not an index into {len(choices)} choices")
-            docs.append(Example(query, tuple(str(c) for c in choices), gold))
-    if not docs:
-        raise EvalError(f"{file}: no items")
-    return Task("mc_jsonl", tuple(docs), tuple(docs), True, False,
-                "lm-eval multiple_choice: context = query, continuation = ' ' + choice", str(file))
+def _openbookqa_hub_row(r: dict) -> dict:
+    return {"query": r["question_stem"], "choices": r["choices"]["text"],
+            "gold": r["choices"]["label"].index(r["answerKey"].strip())}
 
 
 # ---------------------------------------------------------------- needle (synthetic)
@@ -359,6 +340,8 @@ NEEDLE_FILLER = (
     "A young couple opened a small restaurant near the station.",
 )
 NEEDLE_HEADER = "Read the notes below and remember the secret codes.\n"
+# The question repeats a fact's own words up to its value: the answer is a near-copy from the prefix.
+NEEDLE_QUESTION = "The secret code of {key} is"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +353,7 @@ class NeedleDoc:
     filler: tuple[str, ...] = ()  # text on the line(s) before each fact ("" for none)
 
     def fact(self, i: int) -> str:
-        return f"The secret code of {self.keys[i]} is {self.values[i]}."
+        return NEEDLE_QUESTION.format(key=self.keys[i]) + f" {self.values[i]}."
 
     def body(self) -> str:
         """The facts, each after its filler, one sentence per line (every line ends with a newline)."""
@@ -379,10 +362,6 @@ class NeedleDoc:
 
     def text(self) -> str:
         return NEEDLE_HEADER + self.body() + "\n"
-
-    def question(self, i: int, choices: Sequence[str], gold: int) -> Example:
-        """The fact's own words up to its value: the answer is a near-copy from the prefix."""
-        return Example(f"The secret code of {self.keys[i]} is", tuple(choices), gold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,21 +422,18 @@ def make_needle_doc(rng: np.random.Generator, spec: NeedleSpec) -> NeedleDoc:
     return NeedleDoc(tuple(keys), tuple(values[:n]), filler)
 
 
-def needle_question(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choices: int) -> Example:
-    """Ask about fact i; the distractors are other values of the same document."""
+def _question_row(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choices: int) -> dict:
+    """A row asking about fact i; the distractors are other values of the same document."""
     gold_value = doc.values[i]
     others = sorted({v for v in doc.values if v != gold_value})
     picked = [str(v) for v in rng.choice(others, min(num_choices - 1, len(others)), replace=False)]
     gold = int(rng.integers(len(picked) + 1))
-    choices = picked[:gold] + [gold_value] + picked[gold:]
-    return doc.question(i, choices, gold)
+    return {"key": doc.keys[i], "choices": picked[:gold] + [gold_value] + picked[gold:], "gold": gold}
 
 
-def needle_task() -> Task:
-    """Placeholder task object: needle items are generated with their prefixes by the workload."""
-    return Task("needle", (), (), False, False,
-                "synthetic key-value retrieval among filler text; answer only in the prefix",
-                "synthetic (seeded)", synthetic=True)
+def needle_question(doc: NeedleDoc, i: int, rng: np.random.Generator, num_choices: int) -> Example:
+    """Ask about fact i in the words of the needle task's prompt."""
+    return TASKS["needle"].example(_question_row(doc, i, rng, num_choices))
 
 
 # ---------------------------------------------------------------- rag (synthetic, CacheBlend)
@@ -489,66 +465,93 @@ def make_rag_pool(rng: np.random.Generator, spec: RagSpec, needle: NeedleSpec) -
 
 def rag_question(chunks: Sequence[NeedleDoc], chunk: int, fact: int, rng: np.random.Generator,
                  num_choices: int) -> Example:
-    """Ask about fact `fact` of chunks[chunk]; distractors are other codes of the same context. The
-    question starts on a new line after the last chunk."""
+    """Ask about fact `fact` of chunks[chunk] in the words of the rag task's prompt (a new line after the
+    last chunk); distractors are other codes of the same context."""
     merged = NeedleDoc(tuple(k for c in chunks for k in c.keys), tuple(v for c in chunks for v in c.values))
     index = sum(len(c.keys) for c in chunks[:chunk]) + fact
-    ex = needle_question(merged, index, rng, num_choices)
-    return dataclasses.replace(ex, context="\n" + ex.context)
-
-
-def rag_task() -> Task:
-    """Placeholder task object: rag items are generated with their chunks by the workload."""
-    return Task("rag", (), (), False, False,
-                "synthetic RAG: independently cached needle chunks in varying order, question about one fact",
-                "synthetic (seeded)", synthetic=True)
-
+    return TASKS["rag"].example(_question_row(merged, index, rng, num_choices))
 
 # ---------------------------------------------------------------- registry
 
-TASKS: dict[str, str] = {
-    "piqa": "PIQA validation (1838), lm-eval format, few-shot from the same file",
-    "rte": "RTE validation (277), lm-eval format, few-shot from train",
-    "copa": "COPA validation (100), lm-eval format, few-shot from the same file",
-    "openbookqa": "OpenBookQA test (500), lm-eval format, few-shot from the same file",
-    "sst2": "SST-2 dev (872), lm-eval GLUE format, few-shot from train",
-    "subj": "SUBJ test (2000), ordered-prompt format, few-shot from train",
-    "trec": "TREC coarse test (500), ordered-prompt format, few-shot from train",
-    "mc_jsonl": "any {query, choices, gold} JSONL given by --data_path",
-    "needle": "synthetic long-context key-value retrieval: secret codes among filler sentences (no data files)",
-    "rag": "synthetic RAG: 4-6 independently cached needle chunks in varying order, one fact asked (no data files)",
-}
-
-PROMPT_FORMATS = {
-    "piqa": "lm-eval tasks/piqa/piqa.yaml",
-    "rte": "lm-eval tasks/glue/rte/default.yaml",
-    "copa": "lm-eval tasks/super_glue/copa (single space before the choice)",
-    "openbookqa": "lm-eval tasks/openbookqa/openbookqa.yaml",
-    "sst2": "lm-eval tasks/glue/sst2/default.yaml",
-    "subj": "yaolu/ordered-prompt config/subj.yaml",
-    "trec": "yaolu/ordered-prompt config/trec.yaml",
-}
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
+    TaskSpec(
+        "piqa", "PIQA validation (1838), lm-eval format, few-shot from the same file",
+        data=Files(Split(("piqa/valid.jsonl", "piqa/valid-labels.lst"), "validation"), _piqa_rows,
+                   Hub("baber/piqa", None, lambda r: {**r, "gold": r["label"]})),
+        prompt="Question: {goal}\nAnswer:", choices=("{sol1}", "{sol2}"),
+        fewshot=FROM_DOCS, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="lm-eval tasks/piqa/piqa.yaml"),
+    TaskSpec(
+        "rte", "RTE validation (277), lm-eval format, few-shot from train",
+        data=Files(Split(("rte/val.jsonl",), "validation"), _rte_rows,
+                   Hub("aps/super_glue", "rte", lambda r: {**r, "gold": 0 if r["label"] == 0 else 1})),
+        prompt="{premise}\nQuestion: {hypothesis} True or False?\nAnswer:", choices=("True", "False"),
+        fewshot=Split(("rte/train.jsonl",), "train"), balanced_fewshot=True, metric=metrics.accuracy,
+        prompt_format="lm-eval tasks/glue/rte/default.yaml"),
+    TaskSpec(
+        "copa", "COPA validation (100), lm-eval format, few-shot from the same file",
+        data=Files(Split(("copa/copa.jsonl",), "validation"), _read_jsonl,
+                   Hub("aps/super_glue", "copa", _copa_hub_row)),
+        prompt="{query}", choices="choices",  # llm-foundry's copa.jsonl: lm-eval's text, see _copa_hub_row
+        fewshot=FROM_DOCS, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="lm-eval tasks/super_glue/copa (single space before the choice)"),
+    TaskSpec(
+        "openbookqa", "OpenBookQA test (500), lm-eval format, few-shot from the same file",
+        data=Files(Split(("openbookqa/openbook_qa.jsonl",), "test"), _read_jsonl,
+                   Hub("allenai/openbookqa", "main", _openbookqa_hub_row)),
+        prompt="{query}", choices="choices",  # lm-eval: question_stem, choices.text
+        fewshot=FROM_DOCS, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="lm-eval tasks/openbookqa/openbookqa.yaml"),
+    TaskSpec(
+        "sst2", "SST-2 dev (872), lm-eval GLUE format, few-shot from train",
+        data=Files(Split(("sst2/stsa.binary.dev",), "validation"), _sst2_rows,
+                   Hub("nyu-mll/glue", "sst2", lambda r: {"sentence": r["sentence"], "gold": r["label"]})),
+        prompt="{sentence}\nQuestion: Is this sentence positive or negative?\nAnswer:",
+        choices=("negative", "positive"),
+        fewshot=Split(("sst2/stsa.binary.train",), "train"), balanced_fewshot=True, metric=metrics.accuracy,
+        prompt_format="lm-eval tasks/glue/sst2/default.yaml"),
+    TaskSpec(
+        "subj", "SUBJ test (2000), ordered-prompt format, few-shot from train",
+        # SetFit/subj: label 0 = objective, 1 = subjective (the opposite of ordered-prompt)
+        data=Files(Split(("subj/test.jsonl",), "test"), _ordered_prompt_rows,
+                   Hub("SetFit/subj", None, lambda r: {"sentence": r["text"], "gold": 1 - int(r["label"])})),
+        prompt="Input: {sentence}\nType:", choices=("subjective", "objective"),  # lm-eval has no SUBJ task
+        fewshot=Split(("subj/train.jsonl",), "train"), balanced_fewshot=True, metric=metrics.accuracy,
+        prompt_format="yaolu/ordered-prompt config/subj.yaml"),
+    TaskSpec(
+        "trec", "TREC coarse test (500), ordered-prompt format, few-shot from train",
+        # CogComp/trec coarse_label: ABBR, ENTY, DESC, HUM, LOC, NUM
+        data=Files(Split(("trec/test.jsonl",), "test"), _ordered_prompt_rows,
+                   Hub("CogComp/trec", None, lambda r: {
+                       "sentence": r["text"], "gold": {0: 2, 1: 1, 2: 0, 3: 3, 4: 4, 5: 5}[int(r["coarse_label"])]})),
+        prompt="Question: {sentence}\nType:",  # lm-eval has no TREC task
+        choices=("description", "entity", "expression", "human", "location", "number"),
+        fewshot=Split(("trec/train.jsonl",), "train"), balanced_fewshot=True, metric=metrics.accuracy,
+        prompt_format="yaolu/ordered-prompt config/trec.yaml"),
+    TaskSpec(
+        "mc_jsonl", "any {query, choices, gold} JSONL given by --data_path",
+        data=UserFile(), prompt="{query}", choices="choices",
+        fewshot=FROM_DOCS, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="lm-eval multiple_choice: context = query, continuation = ' ' + choice"),
+    TaskSpec(
+        "needle", "synthetic long-context key-value retrieval: secret codes among filler sentences (no data files)",
+        data=Synthetic(), prompt=NEEDLE_QUESTION, choices="choices",
+        fewshot=NO_FEWSHOT, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="synthetic key-value retrieval among filler text; answer only in the prefix"),
+    TaskSpec(
+        "rag", "synthetic RAG: 4-6 independently cached needle chunks in varying order, one fact asked "
+               "(no data files)",
+        data=Synthetic(), prompt="\n" + NEEDLE_QUESTION, choices="choices",
+        fewshot=NO_FEWSHOT, balanced_fewshot=False, metric=metrics.accuracy,
+        prompt_format="synthetic RAG: independently cached needle chunks in varying order, question about one fact"),
+)}
 
 
 def load_task(name: str, data_dir: str | None = None, data_path: str | None = None) -> Task:
     """The task `name` with its data; EvalError (one line) for unknown names or missing data."""
     if name not in TASKS:
         raise EvalError(f"unknown task '{name}'; known tasks: {', '.join(TASKS)}")
-    if name == "mc_jsonl":
-        return load_mc_jsonl(data_path)
-    if name == "needle":
-        return needle_task()
-    if name == "rag":
-        return rag_task()
-    root = resolve_task_dir(name, data_dir)
-    if root is not None:
-        docs, pool = _load_local(name, root)
-        source = str(root)
-    else:
-        docs, pool, source = _load_hub(name, data_dir)
-    same = pool is None
-    balanced = name in ("rte", "sst2", "subj", "trec")
-    return Task(name, tuple(docs), tuple(docs if same else pool), same, balanced, PROMPT_FORMATS[name], source)
+    return TASKS[name].load(data_dir, data_path)
 
 
 def sample_fewshot(task: Task, count: int, rng: np.random.Generator, exclude: set[int] = frozenset()) -> list[int]:

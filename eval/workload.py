@@ -14,13 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specjax.engine.types import Request as EngineRequest
 from specjax.eval import tasks as tasks_lib
 from specjax.eval.errors import EvalError
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request: shared prefix tokens + its own query tokens, and the choices to score."""
+    """One evaluation request: shared prefix tokens + its own query tokens, the choices to score, and what the
+    evaluation knows of it (arrival, item, gold). The engine runs `engine_request()`."""
 
     request_id: int  # arrival order
     prefix_id: int  # requests with the same prefix_id share prefix_ids exactly
@@ -36,6 +38,11 @@ class Request:
     @property
     def context_ids(self) -> tuple[int, ...]:
         return self.prefix_ids + self.query_ids
+
+    def engine_request(self) -> EngineRequest:
+        """The tokens the engine runs: prefix, query, the choices as continuations, and the prefix's text chunks."""
+        return EngineRequest(list(self.prefix_ids), list(self.query_ids), [list(c) for c in self.choice_ids],
+                             [list(c) for c in self.chunk_ids])
 
 
 @dataclasses.dataclass(frozen=True)

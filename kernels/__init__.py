@@ -7,13 +7,7 @@ from specjax.kernels.gathered_attention import (
     gathered_attention_pallas,
     gathered_attention_reference,
 )
-from specjax.kernels.itf import (
-    itf_threshold,
-    mean_pairwise_jaccard,
-    shared_topk,
-    topk_per_head,
-    use_shared_selection,
-)
+from specjax.kernels.itf import Identification, identify, itf_threshold, mean_pairwise_jaccard
 from specjax.kernels.probe_scores import (
     probe_scores,
     probe_scores_pallas,
@@ -26,6 +20,5 @@ __all__ = [
     "probe_scores", "probe_scores_pallas", "probe_scores_reference",
     "gathered_attention", "gathered_attention_pallas", "gathered_attention_reference",
     "SharedIndices", "PerHeadIndices", "BlockTable", "Selection",
-    "topk_per_head", "shared_topk", "mean_pairwise_jaccard", "itf_threshold",
-    "use_shared_selection",
+    "Identification", "identify", "mean_pairwise_jaccard", "itf_threshold",
 ]

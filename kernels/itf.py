@@ -1,10 +1,11 @@
-"""SPEC's similarity-guided identification (ITF, design 4.2) on probe-head scores:
-per-head top-k sets, their mean pairwise Jaccard, the threshold, and the shared set."""
+"""SPEC's similarity-guided identification (ITF, design 4.2) on probe-head scores: per-head top-k sets, their
+mean pairwise Jaccard, the threshold, and the shared set. The one implementation of ITF's decision."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,27 +15,41 @@ from jax import lax
 from specjax.kernels._common import length_or_full
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def topk_per_head(scores: jax.Array, k: int, prefix_len=None) -> jax.Array:
-    """Per head, the k highest-scoring prefix tokens as int32[P, k], sorted by position.
+def top_k(scores: jax.Array, k_cap: int, prefix_len=None) -> jax.Array:
+    """Per row, the indices of the k_cap highest scores among the first `prefix_len` columns, best first
+    (int32 [..., k_cap]). Columns at or past `prefix_len` (padding) come only after every valid one."""
+    valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+    _, idx = lax.top_k(jnp.where(valid, scores, -jnp.inf), k_cap)
+    return idx.astype(jnp.int32)
 
-    Columns at or past `prefix_len` (padding) are never chosen unless k exceeds it.
-    """
-    return _topk_sorted(_mask_padding(scores, prefix_len), k)
+
+def normalised(scores: jax.Array, prefix_len=None) -> jax.Array:
+    """Each row's scores over the valid prefix divided by their sum (zeros past it): every head one vote."""
+    valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+    masked = jnp.where(valid, scores, 0.0)
+    return masked / jnp.maximum(masked.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def shared_topk(scores: jax.Array, k: int, prefix_len=None) -> jax.Array:
-    """One index set for all heads: int32[k], sorted by position.
+class Identification(NamedTuple):
+    """One layer's ITF decision (all jax arrays)."""
 
-    Each head's scores are first divided by their sum over the valid prefix (so every probe
-    head has one vote of equal weight), then summed over heads; the top-k of that sum wins.
-    """
-    scores = _mask_padding(scores, prefix_len, fill=0.0)
-    total = scores.sum(axis=1, keepdims=True)
-    normalised = scores / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-    summed = _mask_padding(normalised.sum(axis=0, keepdims=True), prefix_len)
-    return _topk_sorted(summed, k)[0]
+    shared: jax.Array  # int32 [k_cap]: top-k of the probes' summed normalised scores, best first
+    per_probe: jax.Array  # int32 [P, k_cap]: each probe's own top-k, best first
+    jaccard: jax.Array  # the probes' mean pairwise Jaccard over their first k entries
+    threshold: jax.Array  # t = j ** alpha
+    use_shared: jax.Array  # jaccard >= threshold: every head takes `shared`
+
+
+@functools.partial(jax.jit, static_argnames=("k_cap",))
+def identify(probe_scores: jax.Array, k, prefix_len, alpha, *, k_cap: int) -> Identification:
+    """SPEC's similarity-guided identification (ITF, design 4.2) of one layer from its probe heads' H2O scores
+    f32 [P, m_pad]: the first `k` of each k_cap-long set are valid. The engine (`engine.state.itf_select`) and the
+    observations (`eval.observe`) both decide with this function."""
+    per_probe = top_k(probe_scores, k_cap, prefix_len)
+    jaccard = mean_pairwise_jaccard(per_probe, count=k)
+    threshold = itf_threshold(k, prefix_len, alpha)
+    shared = top_k(normalised(probe_scores, prefix_len).sum(0), k_cap, prefix_len)
+    return Identification(shared, per_probe, jaccard, threshold, jaccard >= threshold)
 
 
 @jax.jit
@@ -72,21 +87,3 @@ def itf_threshold(k, n, alpha=0.6) -> jax.Array:
     overlap = k * k / jnp.maximum(n, 1.0)
     expected = jnp.where(k > 0, overlap / jnp.maximum(2 * k - overlap, 1e-30), 0.0)
     return expected ** alpha
-
-
-@jax.jit
-def use_shared_selection(mean_jaccard, k, n, alpha=0.6) -> jax.Array:
-    """True when the probe heads agree enough (J >= t) to share one index set this layer."""
-    return mean_jaccard >= itf_threshold(k, n, alpha)
-
-
-def _mask_padding(scores, prefix_len, fill=-jnp.inf):
-    valid = jnp.arange(scores.shape[1]) < length_or_full(prefix_len, scores.shape[1])
-    return jnp.where(valid[None, :], scores, fill)
-
-
-def _topk_sorted(scores, k):
-    if not 0 <= k <= scores.shape[1]:
-        raise ValueError(f"k={k} must be in [0, {scores.shape[1]}] (the prefix length).")
-    _, idx = lax.top_k(scores, k)
-    return jnp.sort(idx, axis=1).astype(jnp.int32)

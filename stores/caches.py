@@ -11,45 +11,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import heapq
 import itertools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.inference import bucket
 from specjax.stores.kvarray import Throttle
 from specjax.stores.metrics import StoreMetrics
 
 POLICIES = ("lru", "lfu", "spec_score", "attention_score")
 DEVICE, HOST = "device", "host"
-
-
-def row_bucket(n: int) -> int:
-    """Rows a gather of n token vectors is padded to: 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, ... (at most 25% over
-    n past 16), so the device ops that follow compile once per bucket, not once per n."""
-    return bucket(n, minimum=4)
-
-
-def padded_offsets(offsets) -> np.ndarray:
-    """offsets [n] padded to row_bucket(n) by repeating the last one (padding rows are dropped by the caller)."""
-    offsets = np.asarray(offsets, np.int32)
-    out = np.full(row_bucket(len(offsets)), offsets[-1] if len(offsets) else 0, np.int32)
-    out[: len(offsets)] = offsets
-    return out
-
-
-@jax.jit
-def _gather_rows(chunk, idx):
-    return jnp.take(chunk, idx, axis=1)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def pad_rows(x, rows: int):
-    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
 
 
 @dataclasses.dataclass
@@ -153,7 +126,6 @@ class TieredCache:
         self._lock = threading.RLock()
         self.events: list | None = [] if record_events else None
         self._deferred: list | None = None  # keys placed on the device inside `batched_transfers`, not yet copied
-        self.sent_vectors = 0  # token vectors copied host -> device for use (not promotions)
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -199,16 +171,6 @@ class TieredCache:
                 if keys:
                     for key, array in zip(keys, self.to_device([device[k] for k in keys])):
                         device[key] = array
-
-    def _send(self, host_array: np.ndarray, offsets: np.ndarray):
-        """Only the requested vectors cross to the device; there they are padded to row_bucket(len(offsets))."""
-        self.sent_vectors += len(offsets)
-        vectors = self.to_device(np.ascontiguousarray(host_array[:, offsets]))
-        return pad_rows(vectors, row_bucket(len(offsets)))
-
-    @staticmethod
-    def _gather(device_array, offsets: np.ndarray):
-        return _gather_rows(device_array, jnp.asarray(padded_offsets(offsets)))
 
     def _event(self, *event) -> None:
         if self.events is not None:
@@ -268,20 +230,13 @@ class TieredCache:
                 self._event("evict", victim, HOST)
         return True
 
-    def admit(self, key, host_array: np.ndarray, offsets=None):
-        """Place a chunk just read from disk by its score (device, host or neither); if `offsets` is given,
-        return those token vectors on the device (only they cross, unless the chunk went to the device), as
-        `[heads, row_bucket(len(offsets)), head_dim]` with padding rows after them."""
+    def admit(self, key, host_array: np.ndarray) -> None:
+        """Place a chunk just read from disk by its score: on the device, in host memory or neither. (Serving its
+        vectors is the prefetcher's: `Prefetcher.take` assembles every take's vectors in one place.)"""
         with self._lock:
             if self.where(key) is None:
                 if not self._try_place(DEVICE, key, host_array):
                     self._try_place(HOST, key, host_array)
-            if offsets is None:
-                return None
-            offsets = np.asarray(offsets)
-            if key in self.tiers[DEVICE].items:
-                return self._gather(self.tiers[DEVICE].items[key], offsets)
-            return self._send(host_array, offsets)
 
     def lookup(self, key, n_needed: int | None = None, *, chunk_tokens: int | None = None,
                important_fraction: float | None = None, importance: float | None = None):
@@ -302,28 +257,6 @@ class TieredCache:
                 return array
             self.metrics.add(misses=1)
             return None
-
-    def access(self, key, offsets, *, chunk_tokens: int | None = None, important_fraction: float | None = None,
-               importance: float | None = None):
-        """`lookup`, then only `offsets` of the chunk on the device: `[heads, row_bucket(len(offsets)), head_dim]`
-        with padding rows after them (a host hit sends only those vectors), None on a miss."""
-        offsets = np.asarray(offsets)
-        array = self.lookup(key, len(offsets), chunk_tokens=chunk_tokens, important_fraction=important_fraction,
-                            importance=importance)
-        if array is None:
-            return None
-        if isinstance(array, np.ndarray):
-            return self._send(array, offsets)
-        return self._gather(array, offsets)
-
-    def get_host(self, key) -> np.ndarray | None:
-        """The whole chunk as host memory if cached (no stats), e.g. to serve a read that also needs it."""
-        with self._lock:
-            if key in self.tiers[HOST].items:
-                return self.tiers[HOST].items[key]
-            if key in self.tiers[DEVICE].items:
-                return np.asarray(self.tiers[DEVICE].items[key])
-        return None
 
     def invalidate(self, chunk_ids) -> None:
         """Forget deleted chunks (their ids are never reused within a process, this only frees memory)."""

@@ -1,5 +1,7 @@
 """Errors a store user can cause; each message names the fix. `stores` stays independent of `specjax`."""
 
+import errno
+
 
 class StoreError(Exception):
     """Base class: a store problem with a one-line, actionable message."""
@@ -15,3 +17,7 @@ class DiskFullError(StoreError):
 
 class ManifestError(StoreError):
     """The manifest is missing, unreadable or fails its own checksum."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e) or "ENOSPC" in str(e)

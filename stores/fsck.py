@@ -3,8 +3,10 @@
 DIR is one store, or a folder holding several (such as the base stores an evaluation's --store folder keeps):
 each store found under it is checked, its lines prefixed with its path, and a summary says how many were checked.
 Exits 0 when clean, 1 when any problem was found, 2 when a store (or any store at all) cannot be opened.
-Orphan chunk files (left by an insert a crash interrupted) are reported but are not a problem: they were never
-committed, and the next writable open deletes them.
+DIR may also be a kvstore URL or JSON spec. Orphan chunk files (left by an insert a crash interrupted) are
+reported but are not a problem: they were never committed, and the next writable open deletes them. Chunks
+that registered writers (other processes sharing the store) have written but not committed yet are counted
+apart, as in flight. The check reads one generation; it may run while other processes use the store.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class FsckReport:
     chunks_checked: int = 0
     bad_chunks: int = 0
     orphan_chunks: int = 0
+    inflight_chunks: int = 0
     problems: list = dataclasses.field(default_factory=list)
 
     @property
@@ -95,11 +98,14 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
     with KVStore.open(location, None, read_only=True, create=False, context=context, gc_orphans=False) as store:
         _check_structure(store, report)
         _check_chunks(store, report)
+        listed = store._arrays.stored_chunk_ids(store._cat.io.kvs)
         owned = set()
         for seg in store._segments.values():
             owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
-        root = ts.KvStore.open(store.kvstore_spec, context=store.context).result()
-        report.orphan_chunks = len(store._arrays.stored_chunk_ids(root) - owned)
+        ranges = [r for entry in store._cat.writers.values() for r in entry.get("ranges", [])]
+        unowned = listed - owned
+        report.inflight_chunks = sum(any(lo <= c < hi for lo, hi in ranges) for c in unowned)
+        report.orphan_chunks = len(unowned) - report.inflight_chunks
     return report
 
 
@@ -123,7 +129,8 @@ def _check(location, label: str = "") -> int:
         print(f"{prefix}error: {e}", file=sys.stderr)
         return 2
     print(f"{prefix}nodes {report.nodes}  segments {report.segments}  chunks checked {report.chunks_checked}  "
-          f"bad chunks {report.bad_chunks}  orphan chunks {report.orphan_chunks} (uncommitted, harmless)")
+          f"bad chunks {report.bad_chunks}  orphan chunks {report.orphan_chunks} (uncommitted, harmless)  "
+          f"in flight {report.inflight_chunks} (live writers)")
     for problem in report.problems:
         print(f"{prefix}problem: {problem}")
     print(f"{prefix}OK" if report.ok else f"{prefix}FAILED: {len(report.problems)} problem(s)")
@@ -145,10 +152,13 @@ def _check_folder(folder: pathlib.Path) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specjax.stores.fsck", description=__doc__.splitlines()[0])
-    parser.add_argument("store", help="store directory, a folder of stores, or a TensorStore kvstore JSON spec")
+    parser.add_argument("store", help="store directory, a folder of stores, a kvstore URL (gs://bucket/kv/) "
+                                      "or a TensorStore kvstore JSON spec")
     args = parser.parse_args(argv)
     if args.store.lstrip().startswith("{"):
         return _check(json.loads(args.store))
+    if "://" in args.store:
+        return _check(args.store)
     path = pathlib.Path(args.store)
     return _check_folder(path) if path.is_dir() else _check(args.store)
 

@@ -1,14 +1,25 @@
-"""The store's manifest: radix tree, segments, mapping lists, chunk checksums and model fingerprint.
+"""The store's manifest: radix tree, segments, mapping lists, chunk checksums, writers and model fingerprint.
 
-It is written whole to a temporary name, fsynced and renamed over `manifest.json` (then the directory is
-fsynced), only after the chunk data it names is durable; a reader therefore sees one committed generation.
+It is written whole, only after the chunk data it names is durable, and replaces the previous generation in one
+atomic step, so a reader always sees one committed generation. Publishing is conditional on the generation the
+writer last read (compare-and-swap), so processes sharing a store never overwrite each other's commits:
+
+- a local directory: under `flock` on `manifest.lock` (released by the kernel when a holder dies), the new
+  manifest is written to a temporary name, fsynced and renamed over `manifest.json`, then the directory is
+  fsynced. A handle keeps the manifest file it last read open, so its inode cannot be reused: the path naming
+  another inode (one `stat`) is exactly "another generation was published";
+- any other TensorStore kvstore (object stores, OCDBT, memory): a conditional write `if_equal` the storage
+  generation read (the write fails if another landed first) and conditional reads `if_not_equal` it.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import contextlib
+import fcntl
 import os
+import weakref
 import zlib
 
 import numpy as np
@@ -18,6 +29,7 @@ from specjax.stores.errors import ManifestError, StoreMismatchError
 
 FORMAT = "specjax-kvstore/1"
 MANIFEST_KEY = "manifest.json"
+LOCK_KEY = "manifest.lock"
 
 
 def chunk_checksum(chunk: np.ndarray) -> int:
@@ -61,32 +73,85 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _file_key(st: os.stat_result) -> tuple:
+    # the inode alone names the file exactly while it is held open (locally); size and mtime guard a file
+    # system whose inode numbers another host may reuse
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class FileStamp:
+    """The manifest file a handle last read or wrote, held open so that its inode cannot be reused."""
+
+    def __init__(self, fd: int):
+        self.key = _file_key(os.fstat(fd))
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        self._close()
+
+
+def _read_fd(fd: int) -> bytes:
+    parts = []
+    while chunk := os.read(fd, 1 << 20):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class ManifestIO:
-    """Reads and atomically replaces the manifest, on a local directory or any TensorStore kvstore."""
+    """Reads and conditionally replaces the manifest, on a local directory or any TensorStore kvstore.
+
+    A *stamp* names the generation a handle last saw: a `FileStamp` (local), a TensorStore storage generation
+    (kvstore), or None (no manifest yet, local).
+    """
 
     def __init__(self, kvstore: dict, context: ts.Context):
         self.kvstore_spec = kvstore
         self.local_dir = kvstore.get("path") if kvstore.get("driver") == "file" else None
-        self._kvs = None if self.local_dir else ts.KvStore.open(kvstore, context=context).result()
+        root = dict(kvstore)
+        if root.get("path") and not root["path"].endswith("/"):
+            root["path"] += "/"  # keys are appended to the path as they are: the store is a folder
+        self.kvs = ts.KvStore.open(root, context=context).result()  # listing, heartbeats; a kvstore's manifest
+        self._lock_fd: int | None = None
+        self._lock_pid = 0
 
     @property
     def where(self) -> str:
         return self.local_dir or canonical(self.kvstore_spec)
 
-    def read(self) -> dict | None:
-        """The committed manifest body, or None when the store is new."""
+    @property
+    def _path(self) -> str:
+        return os.path.join(self.local_dir, MANIFEST_KEY)
+
+    def read(self) -> tuple[dict | None, object]:
+        """(committed manifest body or None when the store is new, its stamp)."""
         if self.local_dir:
-            path = os.path.join(self.local_dir, MANIFEST_KEY)
-            if not os.path.exists(path):
+            try:
+                fd = os.open(self._path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None, None
+            stamp = FileStamp(fd)
+            return self._parse(_read_fd(fd)), stamp
+        result = self.kvs.read(MANIFEST_KEY).result()
+        if result.state != "value":
+            return None, result.stamp.generation
+        return self._parse(result.value), result.stamp.generation
+
+    def read_if_changed(self, stamp) -> tuple[dict, object] | None:
+        """The newest manifest and its stamp if another than `stamp` was published since, else None."""
+        if self.local_dir:
+            try:
+                st = os.stat(self._path)
+            except FileNotFoundError:
                 return None
-            with open(path, "rb") as f:
-                raw = f.read()
-        else:
-            result = self._kvs.read(MANIFEST_KEY).result()
-            if result.state != "value":
+            if stamp is not None and _file_key(st) == stamp.key:
                 return None
-            raw = result.value
-        return self._parse(raw)
+            body, new = self.read()
+            return None if body is None else (body, new)
+        result = self.kvs.read(MANIFEST_KEY, if_not_equal=stamp).result() if stamp else \
+            self.kvs.read(MANIFEST_KEY).result()
+        if result.state != "value":
+            return None
+        return self._parse(result.value), result.stamp.generation
 
     def _parse(self, raw: bytes) -> dict:
         try:
@@ -103,18 +168,77 @@ class ManifestIO:
                                 f"expected {FORMAT!r}; delete it to rebuild")
         return body
 
-    def write(self, body: dict) -> None:
-        """Durably replace the manifest with `body` in one atomic step."""
+    @contextlib.contextmanager
+    def locked(self):
+        """Exclusive against every other handle's publish (local directory); a no-op on a kvstore, whose
+        publish is conditional instead. Not reentrant; the caller serializes its own threads."""
+        if not self.local_dir:
+            yield
+            return
+        if self._lock_fd is None or self._lock_pid != os.getpid():  # a forked child must not share the lock
+            os.makedirs(self.local_dir, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(self.local_dir, LOCK_KEY), os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_pid = os.getpid()
+            weakref.finalize(self, os.close, self._lock_fd)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def publish(self, body: dict, expect) -> object | None:
+        """Durably replace the manifest with `body` in one atomic step if it still is generation `expect`;
+        the new stamp, or None if another was published first (local: call under `locked()`)."""
         raw = json.dumps({"body": body, "crc32": zlib.crc32(canonical(body).encode())}).encode()
         if not self.local_dir:
-            self._kvs.write(MANIFEST_KEY, raw).result()
-            return
-        os.makedirs(self.local_dir, exist_ok=True)
-        path = os.path.join(self.local_dir, MANIFEST_KEY)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            generation = self.kvs.write(MANIFEST_KEY, raw, if_equal=expect).result().generation
+            return generation or None  # an empty generation: the condition failed
+        try:
+            current = _file_key(os.stat(self._path))
+        except FileNotFoundError:
+            current = None
+        if current != (expect.key if expect is not None else None):
+            return None
+        tmp = f"{self._path}.tmp"  # one publisher at a time (the lock); a dead one's leftover is replaced
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        stamp = FileStamp(fd)
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.replace(tmp, self._path)
+            stamp.key = _file_key(os.fstat(fd))  # as renamed (a rename may touch it)
+        except BaseException:
+            stamp.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         _fsync_dir(self.local_dir)
+        return stamp
+
+    def create(self, body: dict) -> tuple[dict, object]:
+        """Publish the first generation unless another process created the store first; what is there then."""
+        with self.locked():
+            existing, stamp = self.read()
+            if existing is not None:
+                return existing, stamp
+            new = self.publish(body, stamp)
+        if new is None:
+            existing, stamp = self.read()
+            return existing, stamp
+        return json.loads(canonical(body)), new
+
+    # -- small keys beside the manifest (writers' heartbeats) ------------------------------------
+
+    def put(self, key: str, value: bytes) -> None:
+        self.kvs.write(key, value).result()
+
+    def get(self, key: str) -> bytes | None:
+        result = self.kvs.read(key).result()
+        return result.value if result.state == "value" else None
+
+    def delete(self, key: str) -> None:
+        self.kvs.write(key, None).result()

@@ -51,8 +51,12 @@ class RadixTree:
 
     def __init__(self):
         self.nodes: dict[int, Node] = {self.ROOT: Node(self.ROOT, None, np.zeros(0, np.int64), None)}
-        self._ids = itertools.count(1)
+        self.next_id = 1                  # node ids are never reused, not even across processes (persisted)
         self._clock = itertools.count(1)
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
 
     def match(self, tokens, touch: bool = True) -> list[PathStep]:
         """Longest stored prefix of `tokens` as path steps (the last step may cover part of its node)."""
@@ -78,7 +82,7 @@ class RadixTree:
         node = self.nodes[node_id]
         if not 0 < at < len(node):
             raise ValueError(f"split point {at} outside node of {len(node)} tokens")
-        upper = Node(next(self._ids), node.parent, node.tokens[:at], node.seg_id, node.seg_start,
+        upper = Node(self._new_id(), node.parent, node.tokens[:at], node.seg_id, node.seg_start,
                      last_access=node.last_access)
         self.nodes[upper.node_id] = upper
         self.nodes[node.parent].children[int(node.tokens[0])] = upper.node_id
@@ -109,7 +113,7 @@ class RadixTree:
                 created.append(parent)
         if matched == len(tokens):
             return None, created
-        node = Node(next(self._ids), parent, tokens[matched:].copy(), seg_id, matched - base,
+        node = Node(self._new_id(), parent, tokens[matched:].copy(), seg_id, matched - base,
                     last_access=next(self._clock))
         self.nodes[node.node_id] = node
         self.nodes[parent].children[int(node.tokens[0])] = node.node_id
@@ -141,7 +145,7 @@ class RadixTree:
                  "seg_start": n.seg_start} for n in self.nodes.values() if n.node_id != self.ROOT]
 
     @classmethod
-    def from_records(cls, records: list[dict]) -> "RadixTree":
+    def from_records(cls, records: list[dict], next_id: int = 0) -> "RadixTree":
         tree = cls()
         for r in records:
             tree.nodes[r["id"]] = Node(r["id"], r["parent"], np.asarray(r["tokens"], np.int64), r["seg"],
@@ -149,5 +153,5 @@ class RadixTree:
         for node in list(tree.nodes.values()):
             if node.parent is not None:
                 tree.nodes[node.parent].children[int(node.tokens[0])] = node.node_id
-        tree._ids = itertools.count(max(tree.nodes) + 1)
+        tree.next_id = max(max(tree.nodes) + 1, next_id)
         return tree

@@ -1,113 +1,43 @@
-"""`KVStore`: persistent prefix KV on TensorStore, indexed by a radix tree, checksummed, crash-safe.
+"""`KVStore`: persistent prefix KV on TensorStore, indexed by a radix tree, checksummed, crash-safe, shared.
 
 Data model: a *segment* is an immutable run of tokens stored in consecutive chunks (possibly reordered, with a
-mapping list back to original order); radix nodes point at ranges of segments. Chunk ids only grow within a
-process, so a cached chunk can never be confused with newer data; segments that leave the tree are deleted
-once no open `Match` can still read them.
+mapping list back to original order); radix nodes point at ranges of segments. Chunk ids are unique across
+every process sharing the store and never reused, so a cached chunk can never be confused with newer data;
+segments that leave the tree are deleted once no open `Match` of the handle that removed them can read them.
+
+Many processes (on many hosts, given a shared file system or an object store) may open one store: commits
+merge instead of overwriting each other (stores/catalog.py), a handle adopts others' commits when it matches,
+and orphan collection spares chunks that a live writer may still commit (stores/leases.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import concurrent.futures
 import dataclasses
-import errno
 import functools
-import itertools
 import logging
 import threading
+import time
 import weakref
 
 import numpy as np
 import tensorstore as ts
 
-from specjax.stores import kvarray
+from specjax.stores import kvarray, leases
+from specjax.stores.catalog import Catalog, Change, Segment
 from specjax.stores.errors import DiskFullError, StoreError
-from specjax.stores.kvarray import K, PROBE, V, KVArrays, Layout
-from specjax.stores.manifest import (FORMAT, ManifestIO, check_fingerprint, chunk_checksum, decode_array,
-                                     encode_array)
+from specjax.stores.kvarray import KVArrays, Layout
+from specjax.stores.manifest import ManifestIO, check_fingerprint
 from specjax.stores.metrics import StoreMetrics
 from specjax.stores.radix import PathStep, RadixTree
+from specjax.stores.reads import ChunkRead, ChunkReads, Gathered, Locations, _runs, when_all
+from specjax.stores.writer import PrefixWriter, SegmentWriter
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass
-class Segment:
-    seg_id: int
-    first_chunk: int
-    n_chunks: int
-    n_tokens: int
-    checksums: np.ndarray             # uint32 [num_layers, kinds, n_chunks]
-    # m[i] = stored position of original token i: None (identity), [n] (one order for every layer) or
-    # [layers, n] (each layer its own order, as SPEC's per-layer PrefixKVLayer keeps it)
-    mapping: np.ndarray | None = None
-    refs: int = 0                      # radix nodes pointing into this segment
-    committed: bool = False
-    retired: bool = False
-    imp_sum: np.ndarray | None = None  # accumulated importance per layer and original token [layers, n]
-    imp_count: np.ndarray | None = None  # observations per original token [n]
-
-    def __post_init__(self):
-        if self.imp_sum is None:
-            self.imp_sum = np.zeros((self.checksums.shape[0], self.n_tokens), np.float64)
-            self.imp_count = np.zeros(self.n_tokens, np.int64)
-
-    def stored(self, original: np.ndarray, layer: int | None) -> np.ndarray:
-        if self.mapping is None:
-            return original
-        if self.mapping.ndim == 1:
-            return self.mapping[original]
-        if layer is None:
-            raise ValueError(f"segment {self.seg_id} is reordered per layer: locate() needs the layer")
-        return self.mapping[layer, original]
-
-
-@dataclasses.dataclass(frozen=True)
-class Locations:
-    """Where requested token positions live: chunk id and slot offset inside it, per position."""
-    chunks: np.ndarray
-    offsets: np.ndarray
-
-    def unique_chunks(self) -> np.ndarray:
-        return np.unique(self.chunks)
-
-
-@dataclasses.dataclass
-class Gathered:
-    """Vectors `[heads, n, head_dim]` in the requested order; `ok[i]` False where a bad chunk must be recomputed."""
-    array: np.ndarray
-    ok: np.ndarray
-
-
-@dataclasses.dataclass(eq=False)
-class _Run:
-    """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted."""
-    read: object
-    n_chunks: int
-    unwanted: int = 0
-
-
-@dataclasses.dataclass(eq=False)
-class ChunkRead:
-    """One chunk's share of a run read: `future` resolves with the verified chunk (None if bad)."""
-    layer: int
-    kind: int
-    chunk: int
-    run: _Run
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-
-
-def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
-    """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long."""
-    runs = []
-    for c in sorted(set(chunks)):
-        if runs and runs[-1][0] + runs[-1][1] == c and runs[-1][1] < max_chunks:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((c, 1))
-    return runs
+__all__ = ["ChunkRead", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter", "Segment", "SegmentWriter",
+           "kvstore_spec", "layout_from_fingerprint", "when_all"]
 
 
 class Match:
@@ -135,10 +65,6 @@ class Match:
         self.close()
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e) or "ENOSPC" in str(e)
-
-
 def layout_from_fingerprint(fingerprint: dict) -> Layout:
     missing = [k for k in ("num_layers", "kv_heads", "head_dim") if k not in fingerprint]
     if missing:
@@ -148,186 +74,81 @@ def layout_from_fingerprint(fingerprint: dict) -> Layout:
     return Layout(num_layers=int(fingerprint["num_layers"]), kv_heads=int(fingerprint["kv_heads"]),
                   head_dim=int(fingerprint["head_dim"]),
                   probe_heads=len(probe) if isinstance(probe, (list, tuple)) else int(probe),
-                  chunk_tokens=int(fingerprint.get("chunk_tokens", 64)),
+                  chunk_tokens=int(fingerprint.get("chunk_tokens", Layout.chunk_tokens)),
                   dtype=str(fingerprint.get("dtype", "float32")))
 
 
-def when_all(futures: list, combine) -> concurrent.futures.Future:
-    """A future of `combine(results)` once every future is done, without blocking a thread."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def finish():
-        try:
-            out.set_result(combine([f.result() for f in futures]))
-        except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
-            out.set_exception(e)
-
-    def one_done(_):
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            finish()
-
-    if not futures:
-        finish()
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
+def kvstore_spec(location) -> dict:
+    """A TensorStore kvstore spec from a local path, a kvstore URL ("gs://bucket/kv/", "file:///ssd/kv",
+    "file:///nfs/kv|ocdbt") or a spec (dict or `ts.KvStore.Spec`)."""
+    if isinstance(location, ts.KvStore.Spec):
+        return location.to_json()
+    if isinstance(location, bytes):
+        location = location.decode()
+    if isinstance(location, str) and "://" in location:
+        return ts.KvStore.Spec(location).to_json()
+    if isinstance(location, str) or hasattr(location, "__fspath__"):
+        return {"driver": "file", "path": str(location)}
+    return dict(location)
 
 
-class SegmentWriter:
-    """Writes one new segment layer by layer (write-behind); `wait_durable()` before it may be referenced."""
+class KVStore(ChunkReads):
+    """Prefix KV store: match, write, read by token position, importance feedback; see module docstring.
 
-    def __init__(self, store: "KVStore", seg: Segment):
-        self.store, self.seg = store, seg
-        self._layers: dict[int, concurrent.futures.Future] = {}
-        self._closed = False
-
-    @property
-    def n_tokens(self) -> int:
-        return self.seg.n_tokens
-
-    def write_layer(self, layer: int, k, v, probe_k=None) -> concurrent.futures.Future:
-        """Queue one layer's K, V `[kv_heads, n, head_dim]` and probe keys `[probe_heads, n, head_dim]`."""
-        lay = self.store.layout
-        if not 0 <= layer < lay.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{lay.num_layers - 1}")
-        if layer in self._layers:
-            raise ValueError(f"layer {layer} already written")
-        arrays = {K: k, V: v}
-        if lay.probe_heads:
-            if probe_k is None:
-                raise ValueError("this store keeps probe keys: pass probe_k [probe_heads, n, head_dim]")
-            arrays[PROBE] = probe_k
-        for kind, a in arrays.items():
-            want = (lay.heads(kind), self.seg.n_tokens, lay.head_dim)
-            if tuple(a.shape) != want:
-                raise ValueError(f"{kvarray.KIND_NAMES[kind]} of layer {layer} has shape {tuple(a.shape)}, "
-                                 f"expected {want}")
-        future = self.store._pool.submit(self._write_layer_now, layer, arrays)
-        self._layers[layer] = future
-        return future
-
-    def _write_layer_now(self, layer: int, arrays: dict) -> None:
-        lay, seg = self.store.layout, self.seg
-        padded_tokens = seg.n_chunks * lay.chunk_tokens
-        pending = []
-        try:
-            for kind, a in arrays.items():
-                data = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
-                data[:, :seg.n_tokens] = np.asarray(a)
-                for j in range(seg.n_chunks):
-                    chunk = data[:, j * lay.chunk_tokens:(j + 1) * lay.chunk_tokens]
-                    seg.checksums[layer, kind, j] = chunk_checksum(chunk)
-                pending.append(self.store._arrays.write_range(layer, kind, seg.first_chunk, data))
-            for w in pending:
-                w.result()  # resolves once the chunk files are written and synced
-        except Exception as e:  # noqa: BLE001 -- mapped to a clear store error
-            if _is_disk_full(e):
-                raise DiskFullError(f"disk full while writing the KV store at {self.store.where}; "
-                                    f"free space or set a smaller disk capacity (reads still work)") from None
-            raise StoreError(f"writing layer {layer} to the KV store at {self.store.where} failed: {e}") from e
-        self.store.metrics.add(disk_bytes_written=sum(a.nbytes for a in arrays.values()))
-
-    def wait_durable(self) -> None:
-        missing = sorted(set(range(self.store.layout.num_layers)) - set(self._layers))
-        if missing:
-            raise StoreError(f"cannot commit: layers {missing} were never written")
-        for layer in sorted(self._layers):
-            self._layers[layer].result()
-
-    def abort(self) -> None:
-        if not self._closed:
-            self._closed = True
-            for f in self._layers.values():
-                f.cancel()
-            concurrent.futures.wait(list(self._layers.values()))
-            self.store._discard_uncommitted(self.seg)
-
-
-class PrefixWriter(SegmentWriter):
-    """New prefix tokens appended below a matched prefix; `commit()` makes them visible and durable."""
-
-    def __init__(self, store: "KVStore", seg: Segment, tokens: np.ndarray, base: Match | None):
-        super().__init__(store, seg)
-        self.tokens = tokens
-        self.base = base
-
-    def commit(self) -> int | None:
-        """Wait for every layer to be durable, then atomically publish; returns the new node id (None if the
-        tokens were meanwhile stored by another insert)."""
-        if self._closed:
-            raise StoreError("this insert was already committed or aborted")
-        try:
-            self.wait_durable()
-            node_id = self.store._publish_insert(self)
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            if self.base is not None:
-                self.base.close()
-        self._closed = True
-        return node_id
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *rest):
-        if exc_type is not None:
-            self.abort()
-
-
-class KVStore:
-    """Prefix KV store: match, write, read by token position, importance feedback; see module docstring."""
+    `location`: a directory, a TensorStore kvstore spec or a kvstore URL (`kvstore_spec`). Many handles, in
+    many processes, may share one store. `lease_s`: how long a writer on another host lives without a
+    heartbeat before its uncommitted chunks may be collected. `refresh_s`: at most how often `match` checks
+    for others' commits (default: every call on a local directory or in memory, one stat; 1 s elsewhere).
+    `retire_grace_s`: how long chunks that left the tree (evicted, reordered away) stay on disk for matches
+    other processes opened before; a segment still due when its handle closes is left to orphan collection.
+    """
 
     def __init__(self, location, fingerprint: dict | None = None, *, create: bool = True,
                  read_only: bool = False, direct_io: bool = False, disk_bandwidth: float | None = None,
                  disk_capacity_bytes: int | None = None, context: ts.Context | None = None,
                  gc_orphans: bool = True, write_threads: int = 4, max_inflight_bytes: int | None = None,
-                 max_read_bytes: int | None = None):
-        self.kvstore_spec = {"driver": "file", "path": str(location)} if isinstance(location, (str, bytes)) \
-            or hasattr(location, "__fspath__") else dict(location)
+                 max_read_bytes: int | None = None, lease_s: float = leases.LEASE_S, refresh_s: float | None = None,
+                 retire_grace_s: float = 30.0):
+        self.kvstore_spec = kvstore_spec(location)
         self.context = kvarray.make_context(direct_io, context)
         self.read_only = read_only
         self.disk_capacity_bytes = disk_capacity_bytes
         self.max_read_bytes = max_read_bytes  # None: as the read scheduler sizes reads for the disk
         self.metrics = StoreMetrics()
-        self._manifest = ManifestIO(self.kvstore_spec, self.context)
-        self.where = self._manifest.where
+        io = ManifestIO(self.kvstore_spec, self.context)
+        self.where = io.where
+        local = io.local_dir is not None or self.kvstore_spec.get("driver") == "memory"
+        self.refresh_s = (0.0 if local else 1.0) if refresh_s is None else refresh_s
+        self._refreshed_at = time.monotonic()
         self._lock = threading.RLock()
+        self._cat = Catalog(io, self._lock, read_only=read_only, lease_s=lease_s)
         self._snapshots: collections.Counter = collections.Counter()   # generation -> open matches
         self._pinned: collections.Counter = collections.Counter()      # node id -> open matches
-        self._retired: list[tuple[int, Segment]] = []                  # (first generation without it, seg)
-        self._seg_ids = itertools.count(1)
         self._free_callbacks: list = []
-        self._seg_firsts: list[int] = []      # sorted first chunk ids, to find a chunk's segment
-        self._seg_by_first: dict[int, int] = {}
-        body = self._manifest.read()
+        self.retire_grace_s = retire_grace_s
+        self._doomed: list[tuple[float, Segment]] = []  # (monotonic time due, retired segment to delete)
+        self._closed = False
+        arrays = functools.partial(KVArrays, self.kvstore_spec, context=self.context, disk_bandwidth=disk_bandwidth,
+                                   max_inflight_bytes=max_inflight_bytes)
+        body, stamp = io.read()
+        self._arrays = None
         if body is None:
             if fingerprint is None or not create or read_only:
                 raise StoreError(f"no KV store at {self.where}; open it with a model fingerprint to create one")
-            self.layout = layout_from_fingerprint(fingerprint)
-            self.fingerprint = self._full_fingerprint(fingerprint)
-            self._tree, self._segments, self.generation, self._next_chunk = RadixTree(), {}, 0, 0
-            self._arrays = KVArrays(self.kvstore_spec, self.layout, self.context, create=True,
-                                    disk_bandwidth=disk_bandwidth, max_inflight_bytes=max_inflight_bytes)
-            self._commit_manifest()
-        else:
-            stored_layout = Layout(**body["layout"])
-            self.fingerprint = body["fingerprint"]
-            if fingerprint is not None:
-                check_fingerprint(self.fingerprint, self._full_fingerprint(fingerprint, stored_layout), self.where)
-            self.layout = stored_layout
-            self._load(body)
-            self._arrays = KVArrays(self.kvstore_spec, self.layout, self.context, create=False,
-                                    disk_bandwidth=disk_bandwidth, max_inflight_bytes=max_inflight_bytes)
-            if gc_orphans and not read_only:
-                self._delete_orphans()
+            layout = layout_from_fingerprint(fingerprint)
+            self._arrays = arrays(layout, create=True)  # before a manifest names them
+            body, stamp = io.create(Catalog.initial_body(self._full_fingerprint(fingerprint),
+                                                         dataclasses.asdict(layout)))
+        self.layout = Layout(**body["layout"])
+        self.fingerprint = body["fingerprint"]
+        if fingerprint is not None:
+            check_fingerprint(self.fingerprint, self._full_fingerprint(fingerprint, self.layout), self.where)
+        self._cat.adopt(body, stamp)
+        if self._arrays is None:
+            self._arrays = arrays(self.layout, create=False)
         self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
+        if gc_orphans and not read_only:
+            self.collect_orphans()
 
     @classmethod
     def open(cls, location, fingerprint: dict | None = None, **kwargs) -> "KVStore":
@@ -342,52 +163,44 @@ class KVStore:
         full.setdefault("probe_heads", layout.probe_heads)
         return full
 
-    # -- manifest -----------------------------------------------------------------------------
+    # -- the shared metadata (stores/catalog.py) -----------------------------------------------
 
-    def _load(self, body: dict) -> None:
-        self.generation = body["generation"]
-        self._next_chunk = body["next_chunk"]
-        self._segments = {}
-        for s in body["segments"]:
-            seg = Segment(s["id"], s["first_chunk"], s["n_chunks"], s["n_tokens"], decode_array(s["checksums"]),
-                          decode_array(s["mapping"]), committed=True)
-            self._segments[seg.seg_id] = seg
-            self._index(seg)
-        self._tree = RadixTree.from_records(
-            [dict(r, tokens=decode_array(r["tokens"])) for r in body["nodes"]])
-        for node in self._tree.nodes.values():
-            if node.seg_id is not None:
-                self._segments[node.seg_id].refs += 1
-        self._seg_ids = itertools.count(max(self._segments, default=0) + 1)
+    @property
+    def generation(self) -> int:
+        """The manifest generation this handle serves."""
+        return self._cat.generation
 
-    def _body(self) -> dict:
-        segments = [{"id": s.seg_id, "first_chunk": s.first_chunk, "n_chunks": s.n_chunks, "n_tokens": s.n_tokens,
-                     "checksums": encode_array(s.checksums), "mapping": encode_array(s.mapping)}
-                    for s in self._segments.values() if s.refs > 0]
-        nodes = [dict(r, tokens=encode_array(r["tokens"])) for r in self._tree.to_records()]
-        return {"format": FORMAT, "generation": self.generation, "fingerprint": self.fingerprint,
-                "layout": dataclasses.asdict(self.layout), "next_chunk": self._next_chunk,
-                "segments": segments, "nodes": nodes}
+    @property
+    def _tree(self) -> RadixTree:
+        return self._cat.tree
 
-    def _commit_manifest(self) -> None:
-        """Publish the in-memory tree as the next generation (caller holds the lock, data already durable)."""
-        if self.read_only:
-            raise StoreError(f"the KV store at {self.where} was opened read-only")
-        self.generation += 1
+    @property
+    def _segments(self) -> dict[int, Segment]:
+        return self._cat.segments
+
+    def refresh(self) -> bool:
+        """Adopt what other handles committed since (at most every `refresh_s`); True if anything was new."""
+        if self.refresh_s:
+            now = time.monotonic()
+            if now - self._refreshed_at < self.refresh_s:
+                return False
+            self._refreshed_at = now
         try:
-            self._manifest.write(self._body())
-        except OSError as e:
-            self.generation -= 1
-            if _is_disk_full(e):
-                raise DiskFullError(f"disk full while committing the manifest of the KV store at {self.where}; "
-                                    f"free space (reads still work)") from None
-            raise
+            if not self._cat.refresh():
+                return False
+        except Exception as e:  # noqa: BLE001 -- this handle keeps serving the generation it has
+            log.warning("could not check the KV store at %s for new commits: %s", self.where, e)
+            return False
+        self.collect_garbage()
+        return True
 
     # -- snapshots, pins and deferred deletion -------------------------------------------------
 
     def match(self, tokens) -> Match:
-        """Longest stored prefix of `tokens` (it may span several radix nodes); close it when done."""
+        """Longest stored prefix of `tokens` (it may span several radix nodes, and include what other handles
+        committed); close it when done."""
         tokens = np.asarray(tokens, np.int64)
+        self.refresh()
         with self._lock:
             steps = self._tree.match(tokens)
             self._pin_snapshot(self.generation, [s.node_id for s in steps])
@@ -423,32 +236,32 @@ class KVStore:
                 if self._pinned[n] <= 0:
                     del self._pinned[n]
 
-    def _retire(self, seg: Segment) -> None:
-        """`seg` left the tree in the generation just committed; delete once older snapshots are closed."""
-        seg.retired = True
-        self._retired.append((self.generation, seg))
-
     def collect_garbage(self) -> int:
-        """Delete retired segments that no open match can read any more; returns how many."""
+        """Forget retired segments that no open match of this handle can read any more (caches drop them);
+        returns how many. Those this handle's commits retired are deleted from disk `retire_grace_s` later, so
+        that reads other processes began before the commit finish first."""
         with self._lock:
-            oldest = min(self._snapshots, default=None)
-            free = [seg for gen, seg in self._retired if oldest is None or oldest >= gen]
-            self._retired = [(g, s) for g, s in self._retired if s not in free]
-            for seg in free:
-                self._segments.pop(seg.seg_id, None)
-                self._unindex(seg)
-        for seg in free:
-            self._delete_segment(seg)
+            free = self._cat.take_free(min(self._snapshots, default=None))
+            now = time.monotonic()
+            self._doomed += [(now + self.retire_grace_s, seg) for seg, ours in free if ours]
+            due = [seg for t, seg in self._doomed if t <= now]
+            self._doomed = [(t, seg) for t, seg in self._doomed if t > now]
+        for seg, _ in free:
+            self._delete_segment(seg, on_disk=False)
+        for seg in due:
+            self._delete_segment(seg, callbacks=False)
         return len(free)
 
     def on_free(self, callback) -> None:
         """Call `callback(chunk_ids)` when chunks are deleted (caches drop them)."""
         self._free_callbacks.append(callback)
 
-    def _delete_segment(self, seg: Segment) -> None:
+    def _delete_segment(self, seg: Segment, on_disk: bool = True, callbacks: bool = True) -> None:
         chunk_ids = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
-        for cb in self._free_callbacks:
+        for cb in self._free_callbacks if callbacks else ():
             cb(chunk_ids)
+        if not on_disk:
+            return
         try:
             self._arrays.delete_range(seg.first_chunk, seg.n_chunks)
         except Exception as e:  # noqa: BLE001 -- an undeleted orphan is harmless; reopening removes it
@@ -456,22 +269,21 @@ class KVStore:
 
     def _discard_uncommitted(self, seg: Segment) -> None:
         with self._lock:
-            self._segments.pop(seg.seg_id, None)
-            self._unindex(seg)
+            if seg.committed:
+                return  # published after all (the error came after the manifest was replaced)
+            self._cat.forget(seg)
         self._delete_segment(seg)
 
-    def _delete_orphans(self) -> None:
-        """Remove chunk files no committed segment owns (left by inserts a crash interrupted)."""
-        owned = set()
-        for seg in self._segments.values():
-            owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
-        root = ts.KvStore.open(self.kvstore_spec, context=self.context).result()
-        orphans = sorted(self._arrays.stored_chunk_ids(root) - owned)
-        for chunk in orphans:
-            self._arrays.delete_range(chunk, 1)
+    def collect_orphans(self) -> int:
+        """Delete chunk files that no committed segment owns and no live writer can still commit (left by
+        writers that died, or by removals whose deletion was cut short); returns how many."""
+        listed = self._arrays.stored_chunk_ids(self._cat.io.kvs)  # before the manifest the decision reads
+        orphans = self._cat.collect_orphans(listed)
+        for first, n in _runs(orphans, 1 << 20):
+            self._arrays.delete_range(first, n)
         if orphans:
             log.info("removed %d orphan chunks from %s", len(orphans), self.where)
-            self._next_chunk = max(self._next_chunk, orphans[-1] + 1)
+        return len(orphans)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -496,30 +308,27 @@ class KVStore:
                 if need > self.disk_capacity_bytes:
                     raise DiskFullError(f"{n_tokens} tokens need {need} bytes, more than the store's disk "
                                         f"capacity of {self.disk_capacity_bytes} bytes; raise the capacity")
+                self._cat.refresh()
                 while self.disk_bytes_used + need > self.disk_capacity_bytes:
                     if not self._evict_one():
                         raise DiskFullError(f"the KV store at {self.where} is at its disk capacity of "
                                             f"{self.disk_capacity_bytes} bytes and every prefix is in use")
-            seg = Segment(next(self._seg_ids), self._next_chunk, n_chunks, n_tokens,
+            first = self._cat.take_chunks(n_chunks)
+            seg = Segment(first + 1, first, n_chunks, n_tokens,
                           np.zeros((lay.num_layers, len(lay.kinds()), n_chunks), np.uint32))
-            self._next_chunk += n_chunks
-            self._segments[seg.seg_id] = seg
-            self._index(seg)
+            self._cat.add(seg)
         return seg
 
     def _evict_one(self) -> bool:
         """Drop the least recently matched unpinned whole prefix tail (a leaf node); False if none."""
-        leaves = [n for n in self._tree.leaves() if n.node_id not in self._pinned]
-        if not leaves:
-            return False
-        victim = min(leaves, key=lambda n: n.last_access)
-        self._tree.remove_leaf(victim.node_id)
-        seg = self._segments[victim.seg_id]
-        seg.refs -= 1
-        self._commit_manifest()
-        if seg.refs == 0:
-            self._retire(seg)
-        return True
+        def evict():
+            leaves = [n for n in self._tree.leaves() if n.node_id not in self._pinned]
+            if not leaves:
+                return Change(False, publish=False)
+            self._tree.remove_leaf(min(leaves, key=lambda n: n.last_access).node_id)
+            return Change(True)
+
+        return self._cat.transact(evict)
 
     def begin_insert(self, tokens, base: Match | None = None) -> PrefixWriter:
         """Start storing `tokens[base.length:]` below the matched `base` (the writer owns and closes `base`).
@@ -543,24 +352,21 @@ class KVStore:
                 writer.write_layer(layer, *kv)
             return writer.commit()
 
+
     def _publish_insert(self, writer: PrefixWriter) -> int | None:
         seg, base_len = writer.seg, writer.base.length if writer.base is not None else 0
-        with self._lock:
-            node_id, created = self._tree.insert(writer.tokens, seg.seg_id, base_len)
-            for split_id in created:
-                self._segments[self._tree.nodes[split_id].seg_id].refs += 1
-            if node_id is None:
-                self._retire(seg)
-            else:
-                seg.refs += 1
-                seg.committed = True
+
+        def insert():
             try:
-                self._commit_manifest()
-            except BaseException:
-                if node_id is not None:
-                    self._tree.remove_leaf(node_id)
-                    seg.refs -= 1
-                raise
+                node_id, created = self._tree.insert(writer.tokens, seg.seg_id, base_len)
+            except KeyError:
+                log.info("insert dropped: its base prefix was evicted meanwhile by another handle")
+                return Change(None, publish=False)
+            return Change(node_id, publish=node_id is not None or bool(created))
+
+        node_id = self._cat.transact(insert, publishes=[seg])
+        if node_id is None:
+            self._discard_uncommitted(seg)
         self.collect_garbage()
         return node_id
 
@@ -588,112 +394,8 @@ class KVStore:
 
     def _expected_checksum(self, layer: int, kind: int, chunk: int) -> int | None:
         with self._lock:
-            i = bisect.bisect_right(self._seg_firsts, chunk) - 1
-            if i < 0:
-                return None
-            seg = self._segments.get(self._seg_by_first[self._seg_firsts[i]])
-            if seg is None or chunk >= seg.first_chunk + seg.n_chunks:
-                return None
-            return int(seg.checksums[layer, kind, chunk - seg.first_chunk])
-
-    def _index(self, seg: Segment) -> None:
-        bisect.insort(self._seg_firsts, seg.first_chunk)
-        self._seg_by_first[seg.first_chunk] = seg.seg_id
-
-    def _unindex(self, seg: Segment) -> None:
-        if self._seg_by_first.pop(seg.first_chunk, None) is not None:
-            self._seg_firsts.remove(seg.first_chunk)
-
-    @property
-    def scheduler(self):
-        """The disk's read queue (stores.scheduler): its measured rate, what waits in it."""
-        return self._arrays.scheduler
-
-    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False) -> list[ChunkRead]:
-        """Read chunks of one layer and kind: runs of adjacent ids go to the disk as one read (at most
-        `max_read_bytes`, by default as large as the disk's scheduler allows). Each `ChunkRead.future` resolves
-        with its verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is
-        cancelled if its read was withdrawn unread."""
-        chunks = [int(c) for c in chunks]
-        expected = {c: self._expected_checksum(layer, kind, c) for c in chunks}
-        for c, e in expected.items():
-            if e is None:
-                raise KeyError(f"chunk {c} belongs to no segment of the store")
-        reads = []
-        max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
-        for first, n in _runs(chunks, max(1, max_bytes // self.layout.chunk_nbytes(kind))):
-            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative), n)
-            parts = [ChunkRead(layer, kind, first + j, run) for j in range(n)]
-            run.read.future.add_done_callback(functools.partial(self._verify, parts, expected))
-            reads += parts
-        order = {r.chunk: r for r in reads}
-        return [order[c] for c in chunks]
-
-    def _verify(self, parts: list, expected: dict, f) -> None:
-        """Split a landed run into its chunks, each checked against its checksum before it is served."""
-        if f.cancelled():  # withdrawn before it was read: nothing was read
-            for part in parts:
-                part.future.cancel()
-            return
-        first = parts[0]
-        try:
-            array = f.result()
-        except Exception as e:  # noqa: BLE001 -- unreadable chunks: misses, never an exception to serve
-            log.warning("chunks %d..%d layer %d %s unreadable: %s", first.chunk, parts[-1].chunk, first.layer,
-                        kvarray.KIND_NAMES[first.kind], e)
-            self.metrics.add(bad_chunks=len(parts))
-            for part in parts:
-                part.future.set_result(None)
-            return
-        self.metrics.add(disk_bytes=array.nbytes, chunks_read=len(parts), read_requests=1)
-        c = self.layout.chunk_tokens
-        for j, part in enumerate(parts):
-            chunk = array if len(parts) == 1 else np.ascontiguousarray(array[:, j * c:(j + 1) * c])
-            if chunk_checksum(chunk) != expected[part.chunk]:
-                log.warning("chunk %d layer %d %s fails its checksum", part.chunk, part.layer,
-                            kvarray.KIND_NAMES[part.kind])
-                self.metrics.add(bad_chunks=1)
-                part.future.set_result(None)
-            else:
-                part.future.set_result(chunk)
-
-    def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
-        """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted)."""
-        return self.read_chunks(layer, kind, [chunk], speculative=speculative)[0].future
-
-    def expedite(self, read: ChunkRead) -> None:
-        """A speculative read is needed now: its run joins the disk's demand queue (if it has not been issued)."""
-        self._arrays.scheduler.expedite(read.run.read)
-
-    def withdraw(self, read: ChunkRead) -> None:
-        """A speculative chunk is no longer wanted; once no chunk of its run is, a run not yet issued is dropped
-        unread (its futures cancelled, nothing counted as read)."""
-        with self._lock:
-            read.run.unwanted += 1
-            done = read.run.unwanted == read.run.n_chunks
-        if done:
-            self._arrays.scheduler.withdraw(read.run.read)
-
-    def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
-        """Future of `Gathered` for the located positions; chunks are read concurrently."""
-        lay = self.layout
-        chunks, inverse = np.unique(loc.chunks, return_inverse=True)
-        futures = [r.future for r in self.read_chunks(layer, kind, chunks)]
-        self.metrics.add(used_token_bytes=len(loc.chunks) * lay.token_nbytes(kind))
-
-        def assemble(arrays):
-            out = np.zeros((lay.heads(kind), len(loc.chunks), lay.head_dim), lay.np_dtype)
-            ok = np.ones(len(loc.chunks), bool)
-            for i, array in enumerate(arrays):
-                sel = np.flatnonzero(inverse == i)
-                if array is None:
-                    ok[sel] = False
-                else:
-                    out[:, sel] = array[:, loc.offsets[sel]]
-            return Gathered(out, ok)
-
-        return when_all(futures, assemble)
-
+            seg = self._cat.segment_of(chunk)
+            return None if seg is None else int(seg.checksums[layer, kind, chunk - seg.first_chunk])
     def read(self, match: Match, layer: int, kind: int, positions=None) -> concurrent.futures.Future:
         """Future of `Gathered` vectors of `positions` (original prefix order; default all) of one layer."""
         positions = np.arange(match.length) if positions is None else positions
@@ -754,45 +456,51 @@ class KVStore:
     def new_segment_writer(self, n_tokens: int) -> SegmentWriter:
         return SegmentWriter(self, self._allocate(n_tokens))
 
+
     def swap_segment(self, node_id: int, expect: tuple[int, int, int], writer: SegmentWriter,
                      mapping: np.ndarray) -> bool:
-        """Point `node_id` at the durable new segment if it still is `expect`; atomic for readers."""
+        """Point `node_id` at the durable new segment if it still is `expect` in the newest generation (others'
+        commits meanwhile are kept); atomic for readers."""
         new = writer.seg
-        with self._lock:
+
+        def swap():
             node = self._tree.nodes.get(node_id)
             if node is None or (node.seg_id, node.seg_start, len(node)) != expect:
-                return False  # the node was split or evicted meanwhile: keep the old version
+                return Change(False, publish=False)  # split or evicted meanwhile: keep the old version
             old = self._segments[node.seg_id]
             lo, hi = node.seg_start, node.seg_start + len(node)
             new.mapping = mapping.astype(np.int32)
             new.imp_sum[:] = old.imp_sum[:, lo:hi]
             new.imp_count[:] = old.imp_count[lo:hi]
             node.seg_id, node.seg_start = new.seg_id, 0
-            new.refs, new.committed = 1, True
-            old.refs -= 1
-            try:
-                self._commit_manifest()
-            except BaseException:
-                node.seg_id, node.seg_start = old.seg_id, lo
-                old.refs += 1
-                new.refs = 0
-                raise
-            if old.refs == 0:
-                self._retire(old)
-        self.collect_garbage()
-        return True
+            return Change(True)
+
+        swapped = self._cat.transact(swap, publishes=[new])
+        if swapped:
+            self.collect_garbage()
+        return swapped
 
     # -- lifetime ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        self.refresh()
         with self._lock:
             live = [s for s in self._segments.values() if s.refs > 0]
             return {"generation": self.generation, "nodes": len(self._tree.nodes) - 1, "segments": len(live),
                     "chunks": sum(s.n_chunks for s in live), "tokens": sum(len(n) for n in self._tree.nodes.values()),
-                    "disk_bytes_used": self.disk_bytes_used}
+                    "disk_bytes_used": self.disk_bytes_used, "commits": self._cat.commits,
+                    "commit_conflicts": self._cat.conflicts}
 
     def close(self) -> None:
+        """Finish queued writes and unregister this handle as a writer (its reserved, unused chunk ids lapse)."""
         self._pool.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self.collect_garbage()
+            try:
+                self._cat.release()
+            except Exception as e:  # noqa: BLE001 -- a writer left registered is collected once this process ends
+                log.warning("could not unregister from the KV store at %s: %s", self.where, e)
 
     def __enter__(self):
         return self

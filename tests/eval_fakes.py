@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import numpy as np
+
+from specjax.eval.systems import Outcome
+from specjax.models.inference import log_softmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +89,46 @@ class FakeModel:
 
     def generate(self, prompt: str, max_new_tokens: int) -> str:
         return ""
+
+
+class PlainRecompute:
+    """A recompute system on a model's plain `logits` (eval.systems' interface without the engine): the base of the
+    fake systems the eval tests plug in (`systems.PLUGINS`)."""
+
+    name = "recompute"
+    needs_store = False
+
+    def __init__(self, model, settings):
+        self.model = model
+        self.settings = settings
+
+    def populate(self, store_path, prefixes):
+        raise AssertionError("recompute does not use a store")
+
+    def open(self, store_path):
+        pass
+
+    def warm(self, requests):
+        for r in requests:
+            self.model.logits(list(r.context_ids))
+
+    def run(self, request) -> Outcome:
+        context = list(request.context_ids)
+        start = time.perf_counter()
+        last = np.asarray(self.model.logits(context)[-1])
+        ttft_ms = (time.perf_counter() - start) * 1e3
+        first = log_softmax(last)
+        logprobs, greedy = [], []
+        for choice in request.choice_ids:
+            if len(choice) == 1:  # one-token continuations come from the prefill itself
+                logprobs.append(float(first[choice[0]]))
+                greedy.append(bool(int(np.argmax(first)) == choice[0]))
+            else:
+                ll, is_greedy = self.model.loglikelihood(context, list(choice))
+                logprobs.append(float(ll))
+                greedy.append(bool(is_greedy))
+        breakdown = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0, "compute": ttft_ms}
+        return Outcome(logprobs, greedy, ttft_ms, breakdown, {"prefix_tokens": len(request.prefix_ids)})
+
+    def close(self):
+        pass

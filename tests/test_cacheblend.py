@@ -317,8 +317,7 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
                                          choice_ids=tuple(fold(c) for c in r.choice_ids),
                                          chunk_ids=tuple(fold(c) for c in r.chunk_ids)) for r in wl.requests)
     wl = dataclasses.replace(wl, requests=requests)
-    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20,
-                                          options={"blend_ratio": 1.0})
+    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20, blend_ratio=1.0)
     names = ["recompute", "full_reuse", "cacheblend", "as_full"]  # a prefix system runs on rag too
     runs = runner.run_all(base, wl, runner.plan(names, [0.25]), settings, tmp_path)
     by_name = {run.system: run for run in runs}
@@ -327,7 +326,7 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
         np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
     reuse = by_name["full_reuse"].outcomes[0]
     assert reuse.counters["reused_tokens"] == len(requests[0].prefix_ids)
-    assert reuse.counters["disk_bytes"] + reuse.counters["gpu_hits"] + reuse.counters["cpu_hits"] > 0
+    assert reuse.counters["disk_bytes"] + reuse.counters["device_hits"] + reuse.counters["host_hits"] > 0
     assert by_name["cacheblend"].outcomes[0].layers["recomputed"] == [1.0] * base.config.num_layers
     for a, b in zip(by_name["recompute"].outcomes, by_name["as_full"].outcomes):  # whole contexts stored
         np.testing.assert_allclose(a.choice_logprobs, b.choice_logprobs, atol=1e-3, rtol=0)
@@ -337,7 +336,6 @@ def test_eval_options_reach_the_system():
     from specjax.eval import systems as systems_lib
 
     model = specjax.load_model("tiny-llama", init="random", seed=1)
-    settings = systems_lib.SystemSettings(options={"blend_ratio": 0.3, "blend_deviation": "key",
-                                                   "blend_filter": "fixed"})
+    settings = systems_lib.SystemSettings(blend_ratio=0.3, blend_deviation="key", blend_filter="fixed")
     system = systems_lib.make_system("cacheblend", model, settings).system
     assert (system.blend, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")

@@ -85,10 +85,10 @@ def test_each_period_chooses_again_and_prefetches_the_last_set(model):
     req = _request(model, prefix_len=128, seed=5)
     r = _run(_engine(model, 0.25, period_layers=1, subperiod_layers=1), req)
     p = r.prefetch
-    assert p["prefetched_tokens"] == 32 and p["used_tokens"] == 32  # layer 1 guessed layer 0's two chunks
-    assert p["precision"] == pytest.approx(p["hit_tokens"] / 32) and p["recall"] == pytest.approx(p["hit_tokens"] / 32)
+    assert p["prefetch_issued"] == 32 and p["prefetch_needed"] == 32  # layer 1 guessed layer 0's two chunks
+    assert p["precision"] == pytest.approx(p["prefetch_used"] / 32) and p["recall"] == pytest.approx(p["prefetch_used"] / 32)
     overlap = len(np.intersect1d(r.selections[0][0], r.selections[1][0]))
-    assert p["hit_tokens"] == overlap
+    assert p["prefetch_used"] == overlap
     # bytes beyond those used are only the V chunks read ahead for layer 1 and not chosen there
     v_chunk_bytes = 16 * model.config.num_kv_heads * model.config.head_dim * 4
     assert r.io["disk_bytes"] - r.io["used_token_bytes"] == (32 - overlap) // 16 * v_chunk_bytes

@@ -227,11 +227,11 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     # chunks that set occupies (16-token chunks) is prefetched.
     c, sets = 16, [np.asarray(sel).ravel() for sel in spec.selections]
     guessed = [np.unique(prev // c) for prev in sets[:-1]]
-    assert p["prefetched_tokens"] == c * sum(len(g) for g in guessed)
-    assert p["used_tokens"] == (cfg.num_layers - 1) * k
-    assert p["hit_tokens"] == sum(np.isin(cur // c, g).sum() for g, cur in zip(guessed, sets[1:]))
-    assert p["precision"] == pytest.approx(p["hit_tokens"] / p["prefetched_tokens"])
-    assert p["recall"] == pytest.approx(p["hit_tokens"] / p["used_tokens"])
+    assert p["prefetch_issued"] == c * sum(len(g) for g in guessed)
+    assert p["prefetch_needed"] == (cfg.num_layers - 1) * k
+    assert p["prefetch_used"] == sum(np.isin(cur // c, g).sum() for g, cur in zip(guessed, sets[1:]))
+    assert p["precision"] == pytest.approx(p["prefetch_used"] / p["prefetch_issued"])
+    assert p["recall"] == pytest.approx(p["prefetch_used"] / p["prefetch_needed"])
     assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
 
 

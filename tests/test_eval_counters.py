@@ -10,7 +10,7 @@ import pytest
 from specjax.eval import partial, report, runner, systems, tasks, workload
 from specjax.eval.compiles import CompileCounter
 
-from eval_fakes import FakeModel
+from eval_fakes import FakeModel, PlainRecompute
 
 EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
 
@@ -19,6 +19,7 @@ EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
 def plain_recompute(monkeypatch):
     """FakeModel has no params for the engine: the fakes run beside eval's model-API recompute."""
     monkeypatch.setattr(systems, "_engine_systems", lambda: {})
+    monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
 
 
 def _run(model, wl, names, store):
@@ -29,7 +30,7 @@ def _needle(tokenizer, limit=4):
     return workload.build_workload(tasks.load_task("needle"), tokenizer, workload.WorkloadSpec(limit=limit))
 
 
-class _CompilesEveryCall(systems.Recompute):
+class _CompilesEveryCall(PlainRecompute):
     """Jits a function on an input of a new shape in every warm-up and every request: one compile each."""
 
     name = "fake_compiling"
@@ -62,7 +63,7 @@ def test_compile_counter_counts_backend_compiles_only_inside_its_block():
 
 
 def test_fake_compile_in_timed_requests_is_counted_per_request(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems._LOCAL, "fake_compiling", _CompilesEveryCall)
+    monkeypatch.setitem(systems.PLUGINS, "fake_compiling", _CompilesEveryCall)
     model = FakeModel()
     wl = _needle(model.tokenizer)
     runs = _run(model, wl, ["recompute", "fake_compiling"], tmp_path / "store")
@@ -74,7 +75,7 @@ def test_fake_compile_in_timed_requests_is_counted_per_request(tmp_path, monkeyp
     assert results["systems"]["recompute"]["compilations_timed"] == 0
 
 
-class _Reads(systems.Recompute):
+class _Reads(PlainRecompute):
     """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers."""
 
     name = "fake_reads"
@@ -87,7 +88,7 @@ class _Reads(systems.Recompute):
 
 
 def test_fake_read_and_transfer_fields_in_results_json_and_resume(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems._LOCAL, "fake_reads", _Reads)
+    monkeypatch.setitem(systems.PLUGINS, "fake_reads", _Reads)
     model = FakeModel()
     wl = _needle(model.tokenizer)
     assert [r.request_id for r in wl.requests] == [0, 1, 2, 3]
@@ -148,3 +149,13 @@ def test_engine_timed_requests_compile_nothing_after_warm_up(tmp_path, monkeypat
     monkeypatch.setattr(engine_systems.EngineSystem, "warm", lambda self, requests: None)
     (cold,) = _run(model, wl, ["recompute"], tmp_path / "store")
     assert cold.outcomes[0].counters["compilations"] > 0
+
+
+def test_a_counter_outside_the_vocabulary_is_refused():
+    """One vocabulary from the engine to results.json: a system reporting a name results.json does not know fails."""
+    outcome = {"choice_logprobs": [0.0], "choice_greedy": [True], "ttft_ms": 1.0,
+               "counters": {"disk_bytes": 1, "gpu_hits": 2}}
+    with pytest.raises(TypeError, match=r"unknown counters \['gpu_hits'\]"):
+        systems.as_outcome(outcome)
+    outcome["counters"] = {"disk_bytes": 1, "device_hits": 2}
+    assert systems.as_outcome(outcome).counters == {"disk_bytes": 1.0, "device_hits": 2.0}

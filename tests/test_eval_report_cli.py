@@ -11,7 +11,7 @@ import pytest
 from specjax.eval import __main__ as cli
 from specjax.eval import partial, report, runner, systems, tasks, workload
 
-from eval_fakes import FakeModel
+from eval_fakes import FakeModel, PlainRecompute
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,7 @@ def plain_recompute_for_fakes(request, monkeypatch):
     if "fake" in request.node.name or request.node.name.startswith(("test_results_json", "test_validator",
                                                                        "test_sweep")):
         monkeypatch.setattr(systems, "_engine_systems", lambda: {})
+        monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
 EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
 
 
@@ -61,7 +62,7 @@ def test_validator_names_what_is_wrong():
     assert "io.chunks_read: missing" in text and "weights" in text and "ttft_ms.p99" in text
 
 
-class _FakeRetentionSystem(systems.Recompute):
+class _FakeRetentionSystem(PlainRecompute):
     """Recompute whose score gets worse with lower retention, to exercise sweeps and counters."""
 
     name = "fake_spec"
@@ -77,15 +78,15 @@ class _FakeRetentionSystem(systems.Recompute):
         out = super().run(request)
         r = self.settings.retention
         out.choice_logprobs[request.gold] -= (1 - r) * 3
-        out.counters.update(disk_bytes=1000, used_bytes=400, cache_lookups=10, gpu_hits=6, cpu_hits=3,
+        out.counters.update(disk_bytes=1000, used_token_bytes=400, cache_lookups=10, device_hits=6, host_hits=3,
                             itf_layers=2, itf_fallbacks=1, jaccard_sum=1.2, prefetch_issued=10, prefetch_used=8,
                             prefetch_needed=9)
-        out.layers = {"retention": [r, r / 2], "fallback": [0.0, 1.0]}
+        out.layers = {"retained": [r, r / 2], "fallback": [0.0, 1.0]}
         return out
 
 
 def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems._LOCAL, "fake_spec", _FakeRetentionSystem)
+    monkeypatch.setitem(systems.PLUGINS, "fake_spec", _FakeRetentionSystem)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=8))
     plan = runner.plan(["recompute", "fake_spec"], [0.05, 0.5])
@@ -97,7 +98,7 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     assert set(results["systems"]) == {"recompute", "fake_spec@r=0.05", "fake_spec@r=0.5"}
     s = results["systems"]["fake_spec@r=0.5"]
     assert s["io"]["read_amplification"] == pytest.approx(2.5)
-    assert s["cache"] == {"gpu_hit_ratio": 0.6, "cpu_hit_ratio": 0.3}
+    assert s["cache"] == {"device_hit_ratio": 0.6, "host_hit_ratio": 0.3}
     assert s["itf"] == {"fallback_ratio": 0.5, "mean_jaccard": pytest.approx(0.6)}
     assert s["prefetch"]["precision"] == pytest.approx(0.8) and s["paired_vs_recompute"]["n"] == 8
     names = {p.name for p in report.write_all(results, tmp_path / "out")}
@@ -183,7 +184,7 @@ def test_runner_drops_compiled_programs_between_systems(monkeypatch):
     step = jax.jit(lambda x: x * 2)
     seen_at_warm = []
 
-    class Compiling(systems.Recompute):
+    class Compiling(PlainRecompute):
         name = "fake_compiling"
 
         def warm(self, requests):
@@ -194,7 +195,7 @@ def test_runner_drops_compiled_programs_between_systems(monkeypatch):
             step(jnp.ones(len(request.query_ids))).block_until_ready()  # one program per query length
             return super().run(request)
 
-    monkeypatch.setitem(systems._LOCAL, "fake_compiling", Compiling)
+    monkeypatch.setitem(systems.PLUGINS, "fake_compiling", Compiling)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=4))
     runner.run_all(model, wl, runner.plan(["fake_compiling", "fake_compiling"], [0.25]), systems.SystemSettings(),
@@ -214,12 +215,12 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
     calls = {"recompute": 0, "fake_flaky": 0}
     failing = [True]
 
-    class Counted(systems.Recompute):
+    class Counted(PlainRecompute):
         def run(self, request):
             calls["recompute"] += 1
             return super().run(request)
 
-    class Flaky(systems.Recompute):
+    class Flaky(PlainRecompute):
         name = "fake_flaky"
 
         def run(self, request):
@@ -228,8 +229,8 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
                 raise RuntimeError("interrupted")
             return super().run(request)
 
-    monkeypatch.setitem(systems._LOCAL, "recompute", Counted)
-    monkeypatch.setitem(systems._LOCAL, "fake_flaky", Flaky)
+    monkeypatch.setitem(systems.PLUGINS, "recompute", Counted)
+    monkeypatch.setitem(systems.PLUGINS, "fake_flaky", Flaky)
 
     def main(*extra):
         flags.FLAGS(["prog", "--limit=6", "--systems=recompute,fake_flaky", "--retention=0.25",

@@ -1,16 +1,20 @@
-"""Tasks: loading the shared data, lm-eval prompt formats, few-shot sampling, mc_jsonl, needle."""
+"""Tasks: one declaration each, loading the shared data and the hub, lm-eval prompt formats, few-shot
+sampling, mc_jsonl, needle."""
 
 import dataclasses
 import json
 import os
 import pathlib
 import re
+import string
+import sys
+import types
 import zipfile
 
 import numpy as np
 import pytest
 
-from specjax.eval import tasks, workload
+from specjax.eval import metrics, tasks, workload
 from specjax.eval.errors import EvalError
 
 from eval_fakes import FakeModel
@@ -26,6 +30,8 @@ def test_shared_data_loads(shared_data_dir, name):
     task = tasks.load_task(name, str(shared_data_dir))
     assert (len(task.docs), len(task.fewshot_pool)) == SIZES[name]
     assert task.fewshot_same_split == (name in ("piqa", "copa", "openbookqa"))
+    assert task.balanced_fewshot == (name in ("rte", "sst2", "subj", "trec"))
+    assert task.source == str(shared_data_dir) and task.prompt_format == tasks.TASKS[name].prompt_format
     for ex in task.docs[:50]:
         assert 0 <= ex.gold < len(ex.choices)
 
@@ -59,8 +65,14 @@ def test_prompt_formats_first_items(shared_data_dir):
     assert trec.choices[trec.gold] == "number"
 
 
+def _hub_example(name: str, record: dict) -> tasks.Example:
+    """What `name` makes of one Hugging Face hub record."""
+    spec = tasks.TASKS[name]
+    return spec.example(spec.data.hub.row(record))
+
+
 def test_fewshot_block_is_lm_eval_layout():
-    ex = tasks.piqa_example("Goal?", "a", "b", 1)
+    ex = tasks.TASKS["piqa"].example({"goal": "Goal?", "sol1": "a", "sol2": "b", "gold": 1})
     assert tasks.fewshot_text([ex, ex]) == "Question: Goal?\nAnswer: b\n\nQuestion: Goal?\nAnswer: b\n\n"
 
 
@@ -88,15 +100,33 @@ def _render(template: str, doc: dict) -> str:
 def test_formats_match_lm_eval_templates():
     doc = {"goal": "G", "sol1": "s1", "sol2": "s2", "sentence1": "P", "sentence2": "H", "premise": "P",
            "hypothesis": "H", "sentence": "S"}
-    assert tasks.piqa_example("G", "s1", "s2", 0).context == _render(LM_EVAL_TEMPLATES["piqa/piqa.yaml"], doc)
-    rte = tasks.rte_example("P", "H", True)
+    piqa = _hub_example("piqa", {"goal": "G", "sol1": "s1", "sol2": "s2", "label": 1})
+    assert piqa.context == _render(LM_EVAL_TEMPLATES["piqa/piqa.yaml"], doc)
+    assert piqa.choices == ("s1", "s2") and piqa.gold == 1
+    rte = _hub_example("rte", {"premise": "P", "hypothesis": "H", "label": 0})
     assert rte.context == _render(LM_EVAL_TEMPLATES["glue/rte/default.yaml"], doc)
     assert rte.context == _render(LM_EVAL_TEMPLATES["super_glue/rte/default.yaml"], doc)
     assert rte.choices == ("True", "False") and rte.gold == 0  # GLUE label 0 = entailment
-    assert tasks.sst2_example("S", 1).context == _render(LM_EVAL_TEMPLATES["glue/sst2/default.yaml"], doc)
-    copa = tasks._from_hub_row("copa", {"premise": "The man fell.", "question": "cause",
-                                        "choice1": "He slipped.", "choice2": "He ran.", "label": 0})
+    sst2 = _hub_example("sst2", {"sentence": "S", "label": 1})
+    assert sst2.context == _render(LM_EVAL_TEMPLATES["glue/sst2/default.yaml"], doc) and sst2.choices[1] == "positive"
+    copa = _hub_example("copa", {"premise": "The man fell.", "question": "cause",
+                                 "choice1": "He slipped.", "choice2": "He ran.", "label": 0})
     assert copa.context == "The man fell because" and copa.choices == ("he slipped.", "he ran.")
+    obqa = _hub_example("openbookqa", {"question_stem": "Q", "choices": {"text": ["w", "x", "y", "z"],
+                                                                         "label": ["A", "B", "C", "D"]},
+                                       "answerKey": "C"})
+    assert obqa.context == "Q" and obqa.choices == ("w", "x", "y", "z") and obqa.gold == 2
+
+
+def test_hub_labels_map_to_local_classes():
+    # CogComp/trec coarse_label order ABBR, ENTY, DESC, HUM, LOC, NUM; ordered-prompt's class names
+    trec = [_hub_example("trec", {"text": "Q?", "coarse_label": i}) for i in range(6)]
+    assert [e.choices[e.gold] for e in trec] == ["expression", "entity", "description", "human", "location", "number"]
+    # SetFit/subj: 0 = objective, 1 = subjective
+    subj = [_hub_example("subj", {"text": "T", "label": y}) for y in (0, 1)]
+    assert [e.choices[e.gold] for e in subj] == ["objective", "subjective"]
+    assert _hub_example("rte", {"premise": "P", "hypothesis": "H", "label": 1}).gold == 1  # not_entailment
+    assert _hub_example("rte", {"premise": "P", "hypothesis": "H", "label": 1}).label == "1"  # balanced few-shot
 
 
 def _lm_eval_task_files() -> dict[str, str] | None:
@@ -127,10 +157,10 @@ def test_formats_match_installed_lm_eval():
     exec(files["super_glue/copa/utils.py"], namespace)  # plain functions, no imports
     doc = {"premise": "The man fell.", "question": "effect", "choice1": "He slipped.", "choice2": "He ran.",
            "label": 1}
-    ours = tasks._from_hub_row("copa", doc)
+    ours = _hub_example("copa", doc)
     assert namespace["doc_to_text"](doc) == ours.context
     # lm-eval's COPA choices carry their own leading space *and* get target_delimiter " ";
-    # we keep a single space (the text the model would read), see PROMPT_FORMATS["copa"].
+    # we keep a single space (the text the model would read), see TASKS["copa"].prompt_format.
     assert namespace["doc_to_choice"](doc) == [" " + c for c in ours.choices]
 
 
@@ -153,6 +183,107 @@ def test_fewshot_is_class_balanced(shared_data_dir):
     labels = [task.fewshot_pool[i].label for i in picked]
     assert sorted(labels) == ["0", "0", "0", "1", "1", "1"]
     assert picked == tasks.sample_fewshot(task, 6, np.random.default_rng(0))
+
+
+# ---- declarations ---------------------------------------------------------------------------------
+
+
+def test_every_task_declares_all_five_parts():
+    for name, spec in tasks.TASKS.items():
+        assert spec.name == name and spec.description and spec.prompt_format, name
+        # data source
+        assert isinstance(spec.data, (tasks.Files, tasks.UserFile, tasks.Synthetic)), name
+        if isinstance(spec.data, tasks.Files):
+            assert spec.data.docs.files and spec.data.docs.hub_split and spec.data.hub.path, name
+            assert callable(spec.data.read) and callable(spec.data.hub.row), name
+        # few-shot source
+        assert isinstance(spec.fewshot, tasks.Split) or spec.fewshot in (tasks.FROM_DOCS, tasks.NO_FEWSHOT), name
+        assert (spec.fewshot == tasks.NO_FEWSHOT) == isinstance(spec.data, tasks.Synthetic), name
+        # metric: lm-eval's acc over (choice loglikelihoods, choices, gold)
+        assert spec.metric([([0.0, -1.0], ["a", "b"], 0), ([0.0, -1.0], ["a", "b"], 1)])["acc"] == 0.5, name
+        # prompt and choices: a row holding the fields they name renders every field
+        fields = {f for text in (spec.prompt, *([] if isinstance(spec.choices, str) else spec.choices))
+                  for _, f, _, _ in string.Formatter().parse(text) if f}
+        row = {f: f"<{f}>" for f in fields} | {"gold": 0}
+        if isinstance(spec.choices, str):
+            row[spec.choices] = ["<c0>", "<c1>"]
+        ex = spec.example(row)
+        assert all(f"<{f}>" in ex.context + "".join(ex.choices) for f in fields), name
+        assert "{" not in ex.context and len(ex.choices) >= 2 and ex.gold == 0, name
+
+
+def test_declarations_reject_an_unknown_fewshot_source():
+    spec = tasks.TASKS["mc_jsonl"]
+    with pytest.raises(ValueError, match="few-shot source 'train'"):
+        dataclasses.replace(spec, fewshot="train")
+    with pytest.raises(ValueError, match="few-shot source"):  # a split of files only for a file task
+        dataclasses.replace(spec, fewshot=tasks.Split(("x.jsonl",), "train"))
+
+
+def _toy_spec(name: str = "toy") -> tasks.TaskSpec:
+    """A task none of the code knows about: files toy/{test,train}.jsonl of {"q", "a", "y"} rows."""
+    def rows(path):
+        return [{"q": r["q"], "a": r["a"], "gold": r["y"]} for r in map(json.loads, path.read_text().splitlines())]
+    return tasks.TaskSpec(
+        name, "a toy task",
+        data=tasks.Files(tasks.Split(("toy/test.jsonl",), "test"), rows,
+                         tasks.Hub("org/toy", None, lambda r: {"q": r["question"], "a": r["answer"], "gold": r["y"]})),
+        prompt="Q: {q}\nA:", choices=("{a}", "not {a}"),
+        fewshot=tasks.Split(("toy/train.jsonl",), "train"), balanced_fewshot=True, metric=metrics.accuracy,
+        prompt_format="toy format")
+
+
+def test_a_new_declaration_loads_from_files_with_no_other_change(tmp_path, monkeypatch):
+    monkeypatch.setitem(tasks.TASKS, "toy", _toy_spec())
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy/test.jsonl").write_text('{"q": "1+1", "a": "2", "y": 0}\n{"q": "2+2", "a": "5", "y": 1}\n')
+    (tmp_path / "toy/train.jsonl").write_text('{"q": "3+3", "a": "6", "y": 0}\n')
+    task = tasks.load_task("toy", str(tmp_path))
+    assert [(e.context, e.choices, e.gold, e.label) for e in task.docs] == [
+        ("Q: 1+1\nA:", ("2", "not 2"), 0, "0"), ("Q: 2+2\nA:", ("5", "not 5"), 1, "1")]
+    assert [e.fewshot_block() for e in task.fewshot_pool] == ["Q: 3+3\nA: 6"]
+    assert (task.fewshot_same_split, task.balanced_fewshot, task.prompt_format, task.source) == (
+        False, True, "toy format", str(tmp_path))
+    wl = workload.build_workload(task, FakeModel().tokenizer, workload.WorkloadSpec(fewshot=(1, 1)))
+    assert wl.prefix_texts == ("Q: 3+3\nA: 6\n\n",) and len(wl.requests) == 2
+    (tmp_path / "toy/train.jsonl").unlink()  # every declared file is needed
+    with pytest.raises(EvalError, match="looked for toy/test.jsonl, toy/train.jsonl in"):
+        tasks.load_task("toy", str(tmp_path))
+
+
+def test_a_new_declaration_loads_from_the_hub_when_files_are_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(tasks.TASKS, "toy", _toy_spec())
+    monkeypatch.delenv("SPECJAX_DATA", raising=False)
+    asked = []
+
+    def load_dataset(path, name=None, split=None):
+        asked.append((path, name, split))
+        if path == "offline":
+            raise ConnectionError("no network")
+        return [{"question": f"{split} 1+1", "answer": "2", "y": 0}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    task = tasks.load_task("toy", str(tmp_path))
+    assert asked == [("org/toy", None, "test"), ("org/toy", None, "train")]
+    assert task.docs[0].context == "Q: test 1+1\nA:" and task.fewshot_pool[0].context == "Q: train 1+1\nA:"
+    assert task.source == "huggingface:org/toy:test"
+    spec = _toy_spec()
+    monkeypatch.setitem(tasks.TASKS, "toy", dataclasses.replace(
+        spec, data=dataclasses.replace(spec.data, hub=dataclasses.replace(spec.data.hub, path="offline"))))
+    with pytest.raises(EvalError) as e:
+        tasks.load_task("toy", str(tmp_path))
+    assert "the Hugging Face hub (offline) failed: ConnectionError: no network" in str(e.value)
+    assert f"--data_dir={tmp_path}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_needle_and_rag_questions_follow_their_declared_prompt(monkeypatch):
+    doc = tasks.make_needle_doc(np.random.default_rng(0), tasks.NeedleSpec(num_facts=6))
+    ex = tasks.needle_question(doc, 2, np.random.default_rng(0), 4)
+    assert doc.fact(2) == f"{ex.context} {ex.choices[ex.gold]}."  # the question is the fact up to its code
+    rag = tasks.rag_question([doc, doc], 1, 2, np.random.default_rng(0), 4)
+    assert rag.context == "\n" + ex.context
+    monkeypatch.setitem(tasks.TASKS, "needle", dataclasses.replace(tasks.TASKS["needle"], prompt="Code of {key}:"))
+    assert tasks.needle_question(doc, 2, np.random.default_rng(0), 4).context == f"Code of {doc.keys[2]}:"
 
 
 # ---- mc_jsonl -------------------------------------------------------------------------------------
@@ -183,8 +314,13 @@ def test_mc_jsonl_errors(tmp_path):
 # ---- errors --------------------------------------------------------------------------------------
 
 
-def test_unknown_task():
-    with pytest.raises(EvalError, match="unknown task 'nope'; known tasks: piqa"):
+def test_unknown_task_lists_every_registered_name(monkeypatch):
+    names = ["piqa", "rte", "copa", "openbookqa", "sst2", "subj", "trec", "mc_jsonl", "needle", "rag"]
+    with pytest.raises(EvalError) as e:
+        tasks.load_task("nope")
+    assert str(e.value) == f"unknown task 'nope'; known tasks: {', '.join(names)}"
+    monkeypatch.setitem(tasks.TASKS, "toy", dataclasses.replace(tasks.TASKS["mc_jsonl"], name="toy"))
+    with pytest.raises(EvalError, match=f"known tasks: {', '.join(names)}, toy$"):
         tasks.load_task("nope")
 
 

@@ -7,13 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import (
-    itf_threshold,
-    mean_pairwise_jaccard,
-    shared_topk,
-    topk_per_head,
-    use_shared_selection,
-)
+from specjax.kernels import identify, itf_threshold, mean_pairwise_jaccard
+from specjax.kernels.itf import top_k
 
 
 def test_jaccard_paper_example():
@@ -45,23 +40,34 @@ def test_threshold_formula():
     assert float(itf_threshold(k, n, alpha=1.0)) == pytest.approx(j, rel=1e-6)
     assert float(itf_threshold(n, n)) == pytest.approx(1.0)  # keeping everything
     assert float(itf_threshold(0, n)) == 0.0
-    assert bool(use_shared_selection(0.5, k, n)) and not bool(use_shared_selection(0.2, k, n))
     # Traced inside jit, as the engine calls it.
     assert float(jax.jit(itf_threshold)(jnp.int32(k), jnp.int32(n))) == pytest.approx(j ** 0.6)
 
 
-def test_topk_per_head_is_sorted_and_skips_padding():
+def test_top_k_is_best_first_and_skips_padding():
     scores = jnp.asarray([[1.0, 5.0, 3.0, 0.0, 9.0], [2.0, 1.0, 9.0, 1.0, 8.0]])
-    np.testing.assert_array_equal(topk_per_head(scores, 2), [[1, 4], [2, 4]])
-    np.testing.assert_array_equal(topk_per_head(scores, 2, prefix_len=3), [[1, 2], [0, 2]])
-    assert topk_per_head(scores, 2).dtype == jnp.int32
-    with pytest.raises(ValueError, match="k=6"):
-        topk_per_head(scores, 6)
+    np.testing.assert_array_equal(top_k(scores, 2), [[4, 1], [2, 4]])
+    np.testing.assert_array_equal(top_k(scores, 2, prefix_len=3), [[1, 2], [2, 0]])
+    assert top_k(scores, 2).dtype == jnp.int32
+    # Past the prefix, padding columns come only after every valid one.
+    assert set(np.asarray(top_k(scores, 4, prefix_len=3))[0, :3].tolist()) == {0, 1, 2}
 
 
-def test_shared_topk_normalises_each_head():
+def test_shared_set_normalises_each_head():
     # Head 1's scores are ~1000x larger; after dividing by their sum both heads weigh the
     # same: [0.2, 0.7, 0.1, 0] + [0.1, 0, 0.3, 0.6] -> {1, 3} (raw sums would give {2, 3}).
     scores = jnp.asarray([[0.2, 0.7, 0.1, 0.0], [100.0, 0.0, 300.0, 600.0]])
-    np.testing.assert_array_equal(shared_topk(scores, 2), [1, 3])
-    np.testing.assert_array_equal(shared_topk(scores, 1, prefix_len=2), [0])
+    np.testing.assert_array_equal(identify(scores, 2, 4, 0.6, k_cap=2).shared, [1, 3])
+    np.testing.assert_array_equal(identify(scores, 1, 2, 0.6, k_cap=1).shared, [0])
+
+
+def test_identify_decides_with_the_threshold():
+    # Two probes agreeing on {0, 1} of 8 tokens (Jaccard 1) share; disjoint sets (Jaccard 0) do not.
+    agree = jnp.asarray([[5.0, 4.0, 0, 0, 0, 0, 0, 0], [4.0, 5.0, 0, 0, 0, 0, 0, 0]])
+    decision = identify(agree, 2, 8, 0.6, k_cap=2)
+    assert bool(decision.use_shared) and float(decision.jaccard) == 1.0
+    assert float(decision.threshold) == pytest.approx(float(itf_threshold(2, 8, 0.6)))
+    np.testing.assert_array_equal(decision.per_probe, [[0, 1], [1, 0]])
+    apart = jnp.asarray([[5.0, 4.0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 4.0, 5.0]])
+    decision = identify(apart, 2, 8, 0.6, k_cap=2)
+    assert not bool(decision.use_shared) and float(decision.jaccard) == 0.0

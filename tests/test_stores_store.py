@@ -86,7 +86,7 @@ def test_extend_split_and_reopen(tmp_path):
         m = store.match(t3)
         assert m.length == 70 and len(m.steps) == 2
         store.insert(t3, kv3_new, base=m)
-        generation = store.generation
+    generation = store.generation  # as published last (closing unregisters the handle as a writer: a commit)
     kv2 = concat_kv([tuple(a[:, :40] for a in layer) for layer in kv1], kv2_new)
     kv3 = concat_kv(kv2, kv3_new)
     with KVStore.open(tmp_path / "s", fp) as store:

@@ -2,9 +2,10 @@
 
 from specjax.engine.blend import BlendEngine
 from specjax.engine.cake import CakeEngine
-from specjax.engine.engine import Engine, EngineConfig, Request, RequestResult, fingerprint
+from specjax.engine.engine import Engine, fingerprint, shape_key
 from specjax.engine.state import ImportanceState
 from specjax.engine.systems import SYSTEMS, System, make_system, system_names
+from specjax.engine.types import EngineConfig, Request, RequestResult
 
 
 def make_engine(model, system: System, store=None, config: EngineConfig = EngineConfig()) -> Engine:
@@ -17,4 +18,4 @@ def make_engine(model, system: System, store=None, config: EngineConfig = Engine
 
 
 __all__ = ["BlendEngine", "CakeEngine", "Engine", "EngineConfig", "ImportanceState", "Request", "RequestResult",
-           "SYSTEMS", "System", "fingerprint", "make_engine", "make_system", "system_names"]
+           "SYSTEMS", "System", "fingerprint", "make_engine", "make_system", "shape_key", "system_names"]

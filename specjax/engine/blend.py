@@ -39,7 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.engine.engine import Engine, RequestResult, _Clock, _head_row, _LayerIO, fingerprint
+from specjax.engine import steps as S
+from specjax.engine.engine import Engine, fingerprint
+from specjax.engine.layer_io import Clock, LayerIO
+from specjax.engine.types import RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -172,7 +175,7 @@ class BlendEngine(Engine):
     def _run(self, request, *, reuse: bool) -> RequestResult:
         if not reuse:  # a chunk failed its checksum: recompute the whole request as the engine does
             return super()._run(request, reuse=False)
-        clock = _Clock()
+        clock = Clock()
         cfg, params = self.cfg, self.model.params
         prefix, query = [int(t) for t in request.prefix], [int(t) for t in request.query]
         chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
@@ -203,7 +206,7 @@ class BlendEngine(Engine):
             for key in keys:
                 parts.append(self._match_or_store(key))
             match = self.store.join(parts)
-            io = _LayerIO(self, match, m, size, clock, positions=read)
+            io = LayerIO(self, match, m, size, clock, positions=read)
             if any(loads):
                 io.prefetch_first(loads.index(True))
             tokens = np.asarray(prefix + query, np.int32)
@@ -228,7 +231,6 @@ class BlendEngine(Engine):
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):
-                    deviation.block_until_ready()  # the layer's compute is not counted as identification
                     order = np.asarray(clock.timed("identify", _rank, deviation, len(recomputed)))
                     kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
                     recomputed = recomputed[kept]
@@ -237,7 +239,7 @@ class BlendEngine(Engine):
                     rows_pad = bucket(len(rows))
                     rows_dev = jnp.asarray(_padded(rows, rows_pad, size))
                     h = _gather_rows(h, jnp.asarray(_padded(index, rows_pad, 0)))
-            logits = _head_row(cfg, params, h, len(rows) - 1).block_until_ready()
+            logits = S.head_row(cfg, params, h, len(rows) - 1).block_until_ready()
             ttft, breakdown = clock.finish()
         finally:
             if io is not None:

@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.engine.engine import (Engine, EngineConfig, Request, RequestResult, _Clock, _context_for_continuation,
-                                   _finish, _head_row, _LayerKV, _project, _put, _zero_buffers)
+from specjax.engine import steps as S
+from specjax.engine.engine import Engine
+from specjax.engine.layer_io import Clock
+from specjax.engine.speculation import prefetch_report
+from specjax.engine.types import EngineConfig, LayerKV, Request, RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -43,7 +46,7 @@ def check_chunk_tokens(cake_chunk_tokens: int, store_chunk_tokens: int) -> None:
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_chunk(bufs, rows, start):
     """Every layer's buffer [H, M, d] with that layer's rows [H, C, d] written at token `start`, in place."""
-    return [_put(b, r, start) for b, r in zip(bufs, rows)]
+    return [S.put(b, r, start) for b, r in zip(bufs, rows)]
 
 
 # ---- who does which chunk ----------------------------------------------------------------------
@@ -184,7 +187,7 @@ class CakeEngine(Engine):
         cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
         prefix = [int(t) for t in request.prefix]
         tokens = prefix + [int(t) for t in request.query]
-        clock = _Clock()
+        clock = Clock()
         match = self.store.match(prefix)
         m = match.length
         if m == 0:  # a cold request: nothing stored to load, so the engine's (chunked) prefill, written behind
@@ -200,14 +203,14 @@ class CakeEngine(Engine):
         if shapes not in self._compiled:
             self._compile(width, n_chunks, m)
             self._compiled.add(shapes)
-            clock = _Clock()  # compiling is no request's time to first token
+            clock = Clock()  # compiling is no request's time to first token
         n, new_prefix = len(tokens) - m, len(prefix) - m
         writer = self.store.begin_insert(prefix, base=match) if new_prefix > 0 else None
         meeting = _Meeting(n_chunks)
         loader = _Loader(self, match, meeting, m)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        keys = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
-        values = _zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        keys = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        values = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         absorbed: set[int] = set()
         device_gave_up = False
         try:
@@ -229,14 +232,14 @@ class CakeEngine(Engine):
             selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
             layers_kv = []
             for layer, lp in enumerate(params["layers"]):
-                q, own_k, own_v = _project(cfg, lp, h, positions)
-                h = _finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
+                q, own_k, own_v = S.project(cfg, lp, h, positions)
+                h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
                             impl=self.config.kernel_impl)
-                layers_kv.append(_LayerKV(keys[layer], values[layer], selection, own_k, own_v))
+                layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
                 if writer is not None:
                     writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
                                        own_k[self.probe_kv, :new_prefix])
-            logits = _head_row(cfg, params, h, n - 1).block_until_ready()
+            logits = S.head_row(cfg, params, h, n - 1).block_until_ready()
             ttft, breakdown = clock.finish()
             meeting.stop()
             loader.join()
@@ -255,13 +258,13 @@ class CakeEngine(Engine):
             if match is not None:
                 match.close()
         first = np.asarray(logits, np.float32)
-        contexts = [_context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
+        contexts = [S.context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
         conts = [self._score(contexts, first, m, n, cont) for cont in request.continuations]
         computed = min(split * c, m)
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n + computed, io={}, layers=_layer_report(cfg.num_layers, m, computed),
-            prefetch={"prefetched_tokens": 0, "used_tokens": 0, "hit_tokens": 0, "precision": None, "recall": None},
+            prefetch=prefetch_report(),
             recomputed_bad_chunks=meeting.bad_chunk,
             split={"stored_tokens": m, "computed_prefix_tokens": computed, "loaded_prefix_tokens": m - computed,
                    "chunk_tokens": c, "chunks": n_chunks, "computed_chunks": split,
@@ -314,7 +317,7 @@ class CakeEngine(Engine):
         self.prefetcher.compile_assembly(K, c)
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
-        buffers = _zero_buffers(cfg.num_layers, shape, dtype)
+        buffers = S.zero_buffers(cfg.num_layers, shape, dtype)
         for j in range(n_chunks):
             h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
             for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not

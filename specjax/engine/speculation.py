@@ -117,3 +117,11 @@ class Speculator:
         time between is the window the disk had (moving average over layers and requests)."""
         window = time.perf_counter() - opened
         self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
+
+
+def prefetch_report(issued: int = 0, needed: int = 0, used: int = 0) -> dict:
+    """A request's speculative prefetch, in tokens, under the names results.json uses: `prefetch_issued` (guessed
+    and requested ahead), `prefetch_needed` (selected by the layers that had a guess), `prefetch_used` (both), and
+    precision = used / issued, recall = used / needed (None without a guess)."""
+    return {"prefetch_issued": issued, "prefetch_needed": needed, "prefetch_used": used,
+            "precision": used / issued if issued else None, "recall": used / max(needed, 1) if issued else None}

@@ -12,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import itf_threshold, mean_pairwise_jaccard
+from specjax.kernels import itf
 
 
 @chex.dataclass
@@ -22,8 +22,7 @@ class ImportanceState:
     selected / count: the token set the layer used when all heads share one (ITF), else the union of the
         per-head sets; -1 pads. jaccard / threshold: probe heads' mean pairwise Jaccard and SPEC's t = j^alpha
         (NaN where not measured). fallback: the layer loaded all keys and used per-head sets. retained: kept
-        fraction of the reused prefix. prefetched / prefetched_count: the set speculatively prefetched for the
-        layer from the previous layer's selection.
+        fraction of the reused prefix.
     """
 
     selected: jax.Array
@@ -32,8 +31,6 @@ class ImportanceState:
     threshold: jax.Array
     fallback: jax.Array
     retained: jax.Array
-    prefetched: jax.Array
-    prefetched_count: jax.Array
 
     @classmethod
     def init(cls, num_layers: int, capacity: int) -> "ImportanceState":
@@ -45,16 +42,7 @@ class ImportanceState:
             threshold=nan,
             fallback=jnp.zeros((num_layers,), bool),
             retained=nan,
-            prefetched=jnp.full((num_layers, capacity), -1, jnp.int32),
-            prefetched_count=jnp.zeros((num_layers,), jnp.int32),
         )
-
-
-def _masked_topk(scores, k_cap: int, prefix_len):
-    """Indices of the k_cap highest scores per row among the first prefix_len columns, best first."""
-    valid = jnp.arange(scores.shape[-1]) < prefix_len
-    _, idx = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k_cap)
-    return idx.astype(jnp.int32)
 
 
 def _row(state_row, idx, count):
@@ -71,14 +59,9 @@ def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha
     use_shared bool): the top-k of the probe heads' summed normalised scores (first `k` entries valid, best
     first) and whether the probe heads' mean pairwise Jaccard reaches t = j ** alpha.
     """
-    per_probe = _masked_topk(probe_scores, k_cap, prefix_len)
-    jaccard = mean_pairwise_jaccard(per_probe, count=k)
-    threshold = itf_threshold(k, prefix_len, alpha)
-    use_shared = jaccard >= threshold
-    valid = jnp.arange(probe_scores.shape[-1]) < prefix_len
-    masked = jnp.where(valid, probe_scores, 0.0)
-    normalised = masked / jnp.maximum(masked.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    shared = _masked_topk(normalised.sum(0), k_cap, prefix_len)
+    decision = itf.identify(probe_scores, k, prefix_len, alpha, k_cap=k_cap)
+    shared, jaccard, threshold, use_shared = (decision.shared, decision.jaccard, decision.threshold,
+                                              decision.use_shared)
     state = state.replace(
         selected=state.selected.at[layer].set(_row(state.selected[layer], shared, k)),
         count=state.count.at[layer].set(k),
@@ -93,7 +76,7 @@ def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha
 @functools.partial(jax.jit, static_argnames=("k_cap",))
 def per_head_select(state: ImportanceState, layer, head_scores, k, prefix_len, *, k_cap: int):
     """H2O per head (AS+H2O, and ITF's fallback): top-k of every head's own scores [H, m_pad] -> int32 [H, k_cap]."""
-    idx = _masked_topk(head_scores, k_cap, prefix_len)
+    idx = itf.top_k(head_scores, k_cap, prefix_len)
     state = state.replace(
         fallback=state.fallback.at[layer].set(True),
         retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len, 1)),
@@ -106,12 +89,6 @@ def record_union(state: ImportanceState, layer, union, count):
     """Record the token set a per-head layer loaded values for (the union of its heads' sets)."""
     return state.replace(selected=state.selected.at[layer].set(_row(state.selected[layer], union, count)),
                          count=state.count.at[layer].set(count))
-
-
-@jax.jit
-def record_prefetch(state: ImportanceState, layer, prefetched, count):
-    return state.replace(prefetched=state.prefetched.at[layer].set(_row(state.prefetched[layer], prefetched, count)),
-                         prefetched_count=state.prefetched_count.at[layer].set(count))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_tokens", "chunk_cap", "k_cap"))

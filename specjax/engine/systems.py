@@ -8,13 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.errors import SpecjaxError
-from specjax.stores import K, PROBE, V
+from specjax.engine import identify
 from specjax.stores.caches import POLICIES
 
-# What each identification must read of a layer whatever it then selects: everything | all keys (to score every
-# head) | the probe heads' keys | nothing up front (ContiguousKV's periods plan their own reads)
-CERTAIN_READS = {"none": (K, V), "h2o": (K,), "itf": (PROBE,), "chunks": ()}
-IDENTIFY = tuple(CERTAIN_READS)
+# How a layer chooses its tokens (specjax.engine.identify): load all | per-head H2O | SPEC's ITF | ContiguousKV's chunks
+IDENTIFY = tuple(identify.POLICIES)
 # what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
 # its selection | ContiguousKV's intra- and inter-period plan
 PREFETCH = ("none", "certain", "speculative", "periods")
@@ -64,7 +62,7 @@ class System:
     @property
     def certain_reads(self) -> tuple[int, ...]:
         """The store kinds (K, V, PROBE) a layer reads whatever it selects; what `certain` prefetch reads ahead."""
-        return CERTAIN_READS[self.identify]
+        return identify.POLICIES[self.identify].certain_reads
 
 
 SYSTEMS: dict[str, System] = {

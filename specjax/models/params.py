@@ -7,7 +7,6 @@ so a shape mismatch anywhere is reported against the same names.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +80,6 @@ def param_specs(cfg: ModelConfig) -> Params:
     return specs
 
 
-def num_params(cfg: ModelConfig) -> int:
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
-
-
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
     """Random weights of the declared shapes (for timing runs and tests; accuracy is meaningless)."""
     specs = param_specs(cfg)
@@ -133,5 +128,3 @@ def check_params(cfg: ModelConfig, params: Params, source: str) -> None:
             )
 
 
-def cast_params(params: Params, dtype) -> Params:
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)

@@ -1,0 +1,193 @@
+"""The I/O side of one request: what is read for each layer and when (`LayerIO`), and the clock that splits the
+request's time into the TTFT breakdown (`Clock`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from specjax.engine.speculation import prefetch_report
+from specjax.stores import K, PROBE, V
+
+if TYPE_CHECKING:
+    from specjax.engine.engine import Engine
+
+
+class BadChunk(Exception):
+    """A chunk failed its checksum: this request's reuse is abandoned and it is recomputed."""
+
+
+class Clock:
+    """Splits a request's wall time into the TTFT breakdown phases, one discipline for every engine.
+
+    probe_io / kv_io_stall: the host waiting for bytes (the prefetcher's take). identify: the device choosing a set,
+    measured from when its inputs are ready until its result is: device work queued before it (the previous
+    layers' compute) is waited for first and left to `compute`, which is the rest of the time to first token."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.ms = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0}
+
+    def timed(self, phase: str, fn, *args, **kwargs):
+        device = phase == "identify"
+        if device:
+            jax.block_until_ready(args)
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if device:
+            jax.block_until_ready(out)
+        self.ms[phase] += (time.perf_counter() - t) * 1e3
+        return out
+
+    def finish(self) -> tuple[float, dict]:
+        ttft = (time.perf_counter() - self.start) * 1e3
+        return ttft, dict(self.ms, compute=max(0.0, ttft - sum(self.ms.values())))
+
+
+class LayerIO:
+    """One request's reads through the prefetcher: what is requested ahead, what is taken, and timing."""
+
+    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: Clock, positions=None):
+        """`positions`: the m match positions the request reads, in order (default: 0..m-1)."""
+        self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
+        self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
+        self.prefetched: dict[int, np.ndarray] = {}
+        self.stats = {"issued": 0, "needed": 0, "used": 0}  # tokens, speculative prefetch (prefetch_report)
+        self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
+        self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
+        self._located: dict[int, np.ndarray] = {}  # layer -> chunk of each of all_positions (_chunks_of_all)
+
+    # what the system reads for a layer before it is needed
+    def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
+        pf, kind = self.engine.prefetcher, self.engine.system.prefetch
+        if layer >= self.engine.cfg.num_layers or kind == "none":
+            return
+        if kind == "periods":
+            if previous is None:  # the first period's keys; plan_period reads ahead for every later layer
+                pf.request(self.match, layer, K, self.all_positions)
+            return
+        self._request_certain(layer, speculative=False)
+
+    def _request_certain(self, layer: int, *, speculative: bool) -> None:
+        """Request what `layer` reads whatever it selects (the identification's certain reads), for systems that
+        prefetch them."""
+        if self.engine.system.prefetch in ("none", "periods"):
+            return
+        for kind in self.engine.system.certain_reads:
+            self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
+
+    def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
+        """Positions whose K/V to read ahead for `layer`: every token of the chunks the speculator picks from the
+        previous layer's important set (specjax.engine.speculation)."""
+        chunks = self.engine.speculator.chunks(self.match, layer, previous)
+        return self.all_positions[np.isin(self._chunks_of_all(layer), chunks)]
+
+    def _chunks_of_all(self, layer: int) -> np.ndarray:
+        """The chunk of each of the request's positions at `layer`, located once: speculation for the layer and
+        the record of what it needed both use it."""
+        if layer not in self._located:
+            self._located[layer] = self.engine.store.locate(self.match, self.all_positions, layer).chunks
+        return self._located[layer]
+
+    def prefetch_first(self, layer: int = 0) -> None:
+        self._request_ahead(layer, None)
+
+    def read_ahead(self, layer: int) -> None:
+        """Issue, at speculative priority, the reads `layer` needs whatever it selects, one layer before they are
+        asked for on demand: an emulated disk then moves them whenever no demand read waits, rather than idling
+        while the host works, and the demand request later expedites them. Every system with such reads gets
+        this alike; selections themselves are never read this far ahead."""
+        if layer < self.engine.cfg.num_layers:
+            self._request_certain(layer, speculative=True)
+
+    def plan_period(self, first: int, chosen: np.ndarray) -> None:
+        """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
+
+        Intra-period: the set's K/V for every layer of the period, waiting only until the first `sp` layers
+        have arrived. Inter-period: the next period's first-layer keys, and this set speculatively for the
+        next period's layers; once that period chooses its own set only the difference is read.
+        """
+        pf, system, num_layers = self.engine.prefetcher, self.engine.system, self.engine.cfg.num_layers
+        p, sp = system.period_layers, system.subperiod_layers
+        tickets = []
+        for layer in range(first, min(first + p, num_layers)):
+            for kind in (V,) if layer == first else (K, V):
+                ticket = pf.request(self.match, layer, kind, chosen)
+                if layer < first + sp:
+                    tickets.append(ticket)
+        following = first + p
+        if following < num_layers:
+            pf.request(self.match, following, K, self.all_positions)
+            for layer in range(following, min(following + p, num_layers)):
+                for kind in (V,) if layer == following else (K, V):
+                    pf.request(self.match, layer, kind, chosen, speculative=True)
+                self.prefetched[layer] = chosen
+        self.clock.timed("kv_io_stall", pf.wait, tickets)
+
+    def credit(self, layer: int, kind: int, positions: np.ndarray) -> None:
+        """Feed the period's importance of `positions` to their cached chunks without reading them again."""
+        cache = self.engine.cache
+        if cache is None or self.period_importance is None:
+            return
+        chunks = self.engine.store.locate(self.match, positions, layer).chunks
+        for chunk in np.unique(chunks):
+            importance = self.period_importance[positions[chunks == chunk]].sum()
+            cache.feedback((layer, kind, int(chunk)), importance=float(importance))
+
+    def identified(self, layer: int, chosen: np.ndarray, kinds=(K, V)) -> None:
+        """The layer's important set is known, before its `kinds` are taken: with speculative prefetch, its reads
+        are queued (demand first), then the next layer's guess from it, so the disk reads that guess during this
+        layer's own stall and compute, not only after them. A guess read whose chunk the next layer does not
+        need is withdrawn there unless the disk has already taken it."""
+        speculator = self.engine.speculator
+        following = layer + 1
+        if speculator is None or following >= self.engine.cfg.num_layers or not len(chosen):
+            return
+        for kind in kinds:
+            self.engine.prefetcher.request(self.match, layer, kind, chosen)
+        self._window_opened[following] = time.perf_counter()
+        guess = self._speculate(following, chosen)
+        for kind in (K, V):
+            self.engine.prefetcher.request(self.match, following, kind, guess, speculative=True)
+        self.prefetched[following] = guess
+
+    def after_selection(self, layer: int, chosen: np.ndarray) -> None:
+        """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
+        which chunks it needed, and request the next layers' certain reads."""
+        if self.engine.speculator is not None:
+            store = self.engine.store
+            self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
+                                                store.locate(self.match, chosen, layer).unique_chunks())
+        guess = self.prefetched.pop(layer, None)
+        if guess is not None:
+            hit = len(np.intersect1d(guess, chosen, assume_unique=True))
+            self.stats["issued"] += len(guess)
+            self.stats["needed"] += len(chosen)
+            self.stats["used"] += hit
+        self._request_ahead(layer + 1, chosen)
+        self.read_ahead(layer + 2)
+
+    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
+        """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
+        `importance` (per position) feeds the attention-score cache."""
+        opened = self._window_opened.pop(layer, None) if kind != PROBE else None
+        if opened is not None:
+            self.engine.speculator.observe_window(opened)
+        taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
+                                 importance=importance, pad_to=pad_to)
+        if not taken.ok.all():
+            raise BadChunk()
+        return self.engine.place_kv(taken.array)
+
+    def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
+        return self.take(layer, kind, self.all_positions, self.m_pad, phase)
+
+    def prefetch_report(self) -> dict:
+        return prefetch_report(**self.stats)
+
+    def close(self) -> None:
+        if self.engine.prefetcher is not None:
+            self.engine.prefetcher.close()

@@ -1,0 +1,60 @@
+"""The engine's settings, what a request is, and what running it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    retention: float = 0.25  # fraction of the reused prefix kept per layer (k = ceil(r * |R|))
+    gpu_cache_bytes: int = 0
+    cpu_cache_bytes: int = 0
+    pcie_bandwidth: float | None = None  # bytes/s of emulated host->device copies (None: not throttled)
+    kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
+    reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never
+    cake_chunk_tokens: int = 512  # cake: tokens per chunk of its compute / load schedule (a multiple of the store's)
+    # chunked prefill: with no reused prefix (recompute, a cold request), more new tokens than this are computed
+    # in chunks of this many, each attending to the earlier chunks' KV (exact); 0: one block, as the plain forward
+    # (attention is blocked, so one block never holds a [heads, tokens, tokens] score tensor)
+    prefill_chunk_tokens: int = 0
+    trace: bool = False  # keep every layer's selected token sets in the result (tests, analysis)
+
+
+@dataclasses.dataclass
+class Request:
+    prefix: list[int]  # shared prefix (system prompt); its KV is stored and reused
+    query: list[int]  # the request's own tokens; computed, never stored
+    continuations: list[list[int]] = dataclasses.field(default_factory=list)  # scored against the same KV
+    # the prefix as independently cached text chunks (CacheBlend, full KV reuse); empty: one prefix
+    chunks: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RequestResult:
+    first_token_logits: np.ndarray  # fp32 [vocab]: logits after prefix + query
+    continuation_logprobs: list[tuple[float, bool]]  # (sum logprob, greedy) per continuation
+    ttft_ms: float
+    breakdown_ms: dict[str, float]  # probe_io, identify, kv_io_stall, compute
+    reused_tokens: int
+    computed_tokens: int
+    io: dict  # store metrics accumulated during the request (disk bytes, chunks, hits, ...)
+    layers: dict  # per-layer lists: retained, fallback, jaccard, threshold
+    prefetch: dict  # prefetch_report: speculative prefetch in tokens
+    recomputed_bad_chunks: bool = False
+    selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
+    split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
+
+
+@dataclasses.dataclass
+class LayerKV:
+    """What one layer's attention saw: prefix arrays + selection, and the computed tokens' own K/V."""
+
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    selection: object
+    own_k: jax.Array
+    own_v: jax.Array

@@ -1,0 +1,97 @@
+"""Tensor parallelism (specjax.sharding) on 8 forced CPU devices against one device.
+
+JAX fixes its device count when it starts, so the multi-device runs happen in a subprocess (tests/tp_worker.py)
+with XLA_FLAGS=--xla_force_host_platform_device_count=8; the single-device mesh-free checks run here.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax import sharding as sh
+from specjax.errors import SpecjaxError
+
+EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
+WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
+
+
+def _worker(*cases: str) -> list[dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    done = subprocess.run([sys.executable, str(WORKER), *cases], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=WORKER.parent.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["device_count"] == 8
+    return report["cases"]
+
+
+def _check(case: dict, q_heads_split: bool, kv_heads_split: bool) -> None:
+    tp, label = case["tensor_parallel"], f"{case['model']} tp={case['tensor_parallel']}"
+    assert case["devices"] == tp, label
+    heads, kv_heads = case["wq_shape"][1], case["wk_shape"][1]
+    # each device holds its share of the heads and of the MLP (the sharding did happen)
+    assert case["wq_shard"][1] == (heads // tp if q_heads_split else heads), label
+    assert case["wk_shard"][1] == (kv_heads // tp if kv_heads_split else kv_heads), label
+    assert case["kv_shard"][0] == case["wk_shard"][1], label  # loaded KV lies as the K projection does
+    assert case["w_up_shard"][1] == case["w_up_shape"][1] // tp, label
+    for system, diff in case["logit_diff"].items():  # retention 1.0: the single-device logits
+        assert diff <= EXACT, (label, system, diff)
+    for system, same in case["same_selections"].items():  # 25%: every layer the same tokens
+        assert same and case["layers_compared"][system] == case["layers"], (label, system)
+        one, many = case["fallback"][system]
+        assert one == many, (label, system)
+        assert case["pruned_logit_diff"][system] <= EXACT, (label, system)
+    # both ITF paths ran: the probe heads' shared top-k, and the per-head fallback (H2O's union)
+    assert not any(case["fallback"]["spec_shared"][0]) and all(case["fallback"]["as_h2o_lru"][0]), label
+
+
+def test_tiny_models_match_one_device():
+    """tiny-llama (4 query heads, 2 KV heads: KV replicated at tp=4) and tiny-opt (4 and 4: one each)."""
+    llama, opt = _worker("tiny-llama:4", "tiny-opt:4")
+    assert llama["sharded_axes"] == ["ffw", "q_heads"]
+    _check(llama, q_heads_split=True, kv_heads_split=False)
+    assert opt["sharded_axes"] == ["ffw", "kv_heads", "q_heads"]
+    _check(opt, q_heads_split=True, kv_heads_split=True)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_one_device():
+    """smollm2-135m's shape (9 query heads, 3 KV heads) cut to 4 layers: at tp=4 only the MLP divides the mesh;
+    at tp=3 every device has 3 query heads and their one KV head."""
+    four, three = _worker("smollm2-135m:4", "smollm2-135m:3")
+    assert four["sharded_axes"] == ["ffw"]
+    _check(four, q_heads_split=False, kv_heads_split=False)
+    assert three["sharded_axes"] == ["ffw", "kv_heads", "q_heads"]
+    _check(three, q_heads_split=True, kv_heads_split=True)
+
+
+def test_one_device_is_unchanged():
+    """tensor_parallel=1 builds no mesh: parameters stay single-device arrays, as before."""
+    model = specjax.load_model("tiny-llama", init="random", seed=1, tensor_parallel=1)
+    assert model.mesh is None
+    assert len(model.params["layers"][0]["wq"].sharding.device_set) == 1
+    assert sh.describe(model.config, None) == {"tensor_parallel": 1, "sharded_axes": []}
+    ref = specjax.load_model("tiny-llama", init="random", seed=1)
+    np.testing.assert_array_equal(model.params["layers"][0]["wq"], ref.params["layers"][0]["wq"])
+
+
+def test_plan_and_errors():
+    cfg = specjax.load_model("tiny-llama", init="random").config  # 4 query heads, 2 KV heads, 128 MLP units
+
+    class Mesh:  # plan only reads the mesh's size
+        shape = {sh.TP: 2}
+
+    assert sh.plan(cfg, Mesh) == {"q_heads": "tp", "kv_heads": "tp", "ffw": "tp"}
+    Mesh.shape = {sh.TP: 3}
+    assert sh.plan(cfg, Mesh) == {}  # nothing divides: all replicated
+    with pytest.raises(SpecjaxError, match="tensor_parallel must be >= 1"):
+        sh.make_mesh(0)
+    with pytest.raises(SpecjaxError, match="xla_force_host_platform_device_count"):
+        specjax.load_model("tiny-llama", init="random", tensor_parallel=64)

@@ -1,0 +1,135 @@
+"""Tensor-parallel engine runs against one device, in a process of its own (tests/test_tensor_parallel.py).
+
+JAX must see several devices before it starts, so the test runs this file with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu and reads one JSON object from its last line:
+per (model, tensor_parallel) case, the parameters' placement, the largest first-token logit difference of each
+system at retention 1.0 and whether every layer's selections at a lower retention equal one device's.
+
+    python tests/tp_worker.py tiny-llama:4 tiny-opt:4 smollm2-135m:3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py: fp32 references
+
+import numpy as np  # noqa: E402
+import tensorstore as ts  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax import sharding as sh  # noqa: E402
+from specjax.config import from_hf_config, save_config  # noqa: E402
+from specjax.configs.models import MODEL_SHAPES  # noqa: E402
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system  # noqa: E402
+from specjax.stores import KVStore  # noqa: E402
+
+FULL = ("recompute", "as_full", "spec")  # at retention 1.0: the single-device logits
+# at PRUNED_RETENTION: the single-device selections. spec as configured (on random weights its probe heads
+# mostly disagree: per-head H2O), spec with a threshold its probe heads always reach (their shared top-k), H2O.
+PRUNED = {"spec": ("spec", {}), "spec_shared": ("spec", {"alpha": 50.0}), "as_h2o_lru": ("as_h2o_lru", {})}
+PRUNED_RETENTION = 0.25
+LAYERS = 4  # larger shapes are cut to this many layers (the per-layer work is the same)
+
+
+def _model_path(name: str, folder: pathlib.Path) -> str:
+    """A registered shape, or a copy of it with LAYERS layers (a folder with its config.json)."""
+    cfg = from_hf_config(MODEL_SHAPES[name])
+    if cfg.num_layers <= LAYERS:
+        return name
+    path = folder / name
+    path.mkdir(parents=True, exist_ok=True)
+    save_config(dataclasses.replace(cfg, num_layers=LAYERS), path / "config.json")
+    return str(path)
+
+
+def _request(model, prefix_len=100, query_len=7, seed=0) -> Request:
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    return Request(rng.integers(0, v, prefix_len).tolist(), rng.integers(0, v, query_len).tolist())
+
+
+def _run(model, name: str, req: Request, retention: float, **options):
+    system = make_system(name, **options)
+    store = None
+    if system.reuse:
+        spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
+        store = KVStore.open(spec, fingerprint(model, 16), context=ts.Context())
+    config = EngineConfig(retention=retention, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
+    engine = Engine(model, system, store, config)
+    if store is not None:
+        engine.warm(req.prefix)
+    return engine.run(req)
+
+
+def _placement(model) -> dict:
+    wq = model.params["layers"][0]["wq"]
+    wk = model.params["layers"][0]["wk"]
+    up = model.params["layers"][0]["w_up"]
+    return {
+        "devices": len(wq.sharding.device_set),
+        "wq_shape": list(wq.shape), "wq_shard": list(wq.addressable_shards[0].data.shape),
+        "wk_shape": list(wk.shape), "wk_shard": list(wk.addressable_shards[0].data.shape),
+        "w_up_shape": list(up.shape), "w_up_shard": list(up.addressable_shards[0].data.shape),
+        "sharded_axes": sh.describe(model.config, model.mesh)["sharded_axes"],
+    }
+
+
+_ONE: dict = {}  # model name -> (its one-device model, {(system, retention, options): result})
+
+
+def case(name: str, tp: int, folder: pathlib.Path) -> dict:
+    path = _model_path(name, folder)
+    if name not in _ONE:
+        _ONE[name] = specjax.load_model(path, init="random", seed=1), {}
+    one, done = _ONE[name]
+    many = specjax.load_model(path, init="random", seed=1, tensor_parallel=tp)
+
+    def single(system, retention, **options):  # one device's result, once per model
+        key = (system, retention, tuple(sorted(options.items())))
+        if key not in done:
+            done[key] = _run(one, system, req, retention, **options)
+        return done[key]
+
+    req = _request(one)
+    out = {"model": name, "tensor_parallel": tp, "layers": one.config.num_layers, **_placement(many),
+           "logit_diff": {}, "pruned_logit_diff": {}, "same_selections": {}, "layers_compared": {},
+           "fallback": {}}
+    # the KV a sharded engine reads is split by head as it enters the device
+    engine = Engine(many, make_system("recompute"), None)
+    kv = engine.place_kv(np.zeros((many.config.num_kv_heads, 16, many.config.head_dim), np.float32))
+    out["kv_devices"], out["kv_shard"] = len(kv.sharding.device_set), list(kv.addressable_shards[0].data.shape)
+    for system in FULL:
+        a, b = single(system, 1.0), _run(many, system, req, 1.0)
+        out["logit_diff"][system] = float(np.abs(a.first_token_logits - b.first_token_logits).max())
+    for label, (system, options) in PRUNED.items():
+        a, b = single(system, PRUNED_RETENTION, **options), _run(many, system, req, PRUNED_RETENTION, **options)
+        out["same_selections"][label] = (len(a.selections) == len(b.selections) and all(
+            np.array_equal(x, y) for x, y in zip(a.selections, b.selections)))
+        out["layers_compared"][label] = len(a.selections)
+        out["pruned_logit_diff"][label] = float(np.abs(a.first_token_logits - b.first_token_logits).max())
+        out["fallback"][label] = [a.layers["fallback"], b.layers["fallback"]]
+    return out
+
+
+def main(args: list[str]) -> None:
+    start = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for arg in args:
+            name, tp = arg.rsplit(":", 1)
+            t = time.perf_counter()
+            results.append(case(name, int(tp), pathlib.Path(folder)) | {"seconds": time.perf_counter() - t})
+    print(json.dumps({"device_count": jax.device_count(), "cases": results,
+                      "seconds": time.perf_counter() - start}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
