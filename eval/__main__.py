@@ -152,11 +152,8 @@ SYSTEM_FLAGS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_ch
                 "blend_filter")
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
-             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "no_itf",
-             "no_reorder",
-             "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers", "subperiod_layers",
-             "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
-             "blend_filter", "store", "output_dir", "preset", "revision", "tensor_parallel")
+             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "store",
+             "output_dir", "preset", "revision", "tensor_parallel") + SYSTEM_FLAGS
 
 
 def _ok(parse, value) -> bool:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.inference import padded
 from specjax.stores.caches import TieredCache
 from specjax.stores.store import ChunkRead, KVStore, Match
 
@@ -240,7 +241,7 @@ class Prefetcher:
             out = _zeros(shape, lay.np_dtype)
         c = lay.chunk_tokens
         for array, offsets, rows in on_device:
-            out = _place(out, array, jnp.asarray(_padded(offsets, c, 0)), jnp.asarray(_padded(rows, c, size)))
+            out = _place(out, array, jnp.asarray(padded(offsets, c, 0)), jnp.asarray(padded(rows, c, size)))
         return out
 
     def _batched(self):
@@ -267,9 +268,3 @@ class Prefetcher:
             for tickets in list(self._tickets.values()):
                 for t in list(tickets):
                     self._cancel_locked(t)
-
-
-def _padded(x, length: int, fill: int) -> np.ndarray:
-    out = np.full(length, fill, np.int32)
-    out[: len(x)] = x
-    return out

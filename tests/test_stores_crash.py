@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 
 import numpy as np
 
-FP = {"arch": "crash-toy", "num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
+import toy_kv
+from toy_kv import insert, kv_for
+FP = toy_kv.fingerprint("crash-toy")
 TRIALS = 20
 
 
@@ -29,27 +30,6 @@ def tokens_for(i: int) -> tuple:
     base = tokens_for(int(rng.integers(0, i)))
     cut = int(rng.integers(1, len(base) + 1))
     return tuple(base[:cut]) + tuple(new.tolist())
-
-
-def kv_for(tokens) -> list:
-    """KV of a prefix as a pure function of the tokens before each position (like a real model)."""
-    t = np.asarray(tokens, np.int64)
-    per_token = []
-    for p in range(len(t)):
-        rng = np.random.default_rng(zlib.crc32(t[:p + 1].tobytes()))
-        per_token.append(rng.standard_normal((FP["num_layers"], 5, FP["head_dim"])).astype(np.float32))
-    a = np.stack(per_token, axis=2)  # [layer, 5 heads (2 K, 2 V, 1 probe), n, dim]
-    return [(a[layer, 0:2], a[layer, 2:4], a[layer, 4:5]) for layer in range(FP["num_layers"])]
-
-
-def insert(store, tokens):
-    tokens = np.asarray(tokens, np.int64)
-    m = store.match(tokens)
-    if m.length == len(tokens):
-        m.close()
-        return
-    new = [tuple(x[:, m.length:] for x in layer) for layer in kv_for(tokens)]
-    store.insert(tokens, new, base=m)
 
 
 def child(directory: str, start: int) -> None:

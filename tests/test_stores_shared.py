@@ -13,22 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 
 import numpy as np
 import pytest
 
-FP = {"arch": "shared-toy", "num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
+import toy_kv
+from toy_kv import insert, kv_for
+FP = toy_kv.fingerprint("shared-toy")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
-
-
-def kv_for(tokens) -> list:
-    """KV of a prefix as a pure function of the tokens up to each position, so any process can check any read."""
-    t = np.asarray(tokens, np.int64)
-    rows = [np.random.default_rng(zlib.crc32(t[:p + 1].tobytes())).standard_normal((2, 5, FP["head_dim"]))
-            for p in range(len(t))]
-    a = np.stack(rows, axis=2).astype(np.float32) if rows else np.zeros((2, 5, 0, FP["head_dim"]), np.float32)
-    return [(a[layer, 0:2], a[layer, 2:4], a[layer, 4:5]) for layer in range(FP["num_layers"])]
 
 
 def own_prefix(writer: int, i: int, n: int = 40) -> list:
@@ -45,16 +37,6 @@ def shared_prefix(i: int) -> list:
         return [i] + new
     base = shared_prefix(int(rng.integers(0, i)))
     return base[:int(rng.integers(1, len(base) + 1))] + new
-
-
-def insert(store, tokens) -> None:
-    tokens = np.asarray(tokens, np.int64)
-    m = store.match(tokens)
-    if m.length == len(tokens):
-        m.close()
-        return
-    new = [tuple(x[:, m.length:] for x in layer) for layer in kv_for(tokens)]
-    store.insert(tokens, new, base=m)
 
 
 def check(store, tokens, full: bool = True) -> int:

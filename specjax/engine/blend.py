@@ -46,7 +46,7 @@ from specjax.engine.types import RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
-from specjax.models.inference import bucket
+from specjax.models.inference import bucket, padded
 from specjax.stores import K, V
 
 CHECK_LAYER = 1  # cacheblend computes layers 0..CHECK_LAYER in full and first selects on this one
@@ -146,12 +146,6 @@ def _gather_rows(h, idx):
     return h[idx]
 
 
-def _padded(x: np.ndarray, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, np.int32)
-    out[: len(x)] = x
-    return out
-
-
 class BlendEngine(Engine):
     """Runs `full_reuse` / `cacheblend` requests (`Request.chunks`) over a store of independently cached chunks."""
 
@@ -213,8 +207,8 @@ class BlendEngine(Engine):
             recomputed = np.arange(counts[0]) if counts[0] == m else np.zeros(0, np.int64)
             rows = np.concatenate([recomputed, np.arange(m, total)])
             rows_pad = bucket(len(rows))
-            rows_dev = jnp.asarray(_padded(rows, rows_pad, size))
-            h = T.embed_step(cfg, params, jnp.asarray(_padded(tokens[rows], rows_pad, 0)), rows_dev)
+            rows_dev = jnp.asarray(padded(rows, rows_pad, size))
+            h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
             zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
             shift_dev = jnp.asarray(shift)
             contexts, traced = [], []
@@ -237,8 +231,8 @@ class BlendEngine(Engine):
                     index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
                     rows = rows[index]
                     rows_pad = bucket(len(rows))
-                    rows_dev = jnp.asarray(_padded(rows, rows_pad, size))
-                    h = _gather_rows(h, jnp.asarray(_padded(index, rows_pad, 0)))
+                    rows_dev = jnp.asarray(padded(rows, rows_pad, size))
+                    h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
             logits = S.head_row(cfg, params, h, len(rows) - 1).block_until_ready()
             ttft, breakdown = clock.finish()
         finally:

@@ -21,12 +21,18 @@ from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.errors import SpecjaxError
 from specjax.kernels import PerHeadIndices, SharedIndices
-from specjax.models.inference import bucket
+from specjax.models.inference import bucket, padded
 from specjax.stores import K, PROBE, V
 
 if TYPE_CHECKING:
     from specjax.engine.engine import Engine
     from specjax.engine.layer_io import LayerIO
+
+
+def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n):
+    """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed)."""
+    return io.clock.timed("identify", S.scores, q, keys, own_k, io.m, n, kv_head_of_probe=engine.kv_of_head,
+                          impl=engine.config.kernel_impl)
 
 
 class LoadAll:
@@ -50,15 +56,14 @@ class H2O:
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m, m_pad = io.m, io.m_pad
         keys = io.take_all(layer, K)
-        scores = io.clock.timed("identify", S.scores, q, keys, own_k, m, n, kv_head_of_probe=engine.kv_of_head,
-                                impl=engine.config.kernel_impl)
+        scores = _every_head_scores(engine, io, q, keys, own_k, n)
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
         union = np.unique(chosen)
         io.identified(layer, union, kinds=(V,))
-        state = st.record_union(state, layer, jnp.asarray(_padded(union, m_pad)), len(union))
+        state = st.record_union(state, layer, jnp.asarray(padded(union, m_pad, -1)), len(union))
         union_pad = bucket(len(union))
-        values = S.scatter_tokens(keys, jnp.asarray(_padded(union, union_pad, fill=m_pad)),
+        values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, m_pad)),
                                   io.take(layer, V, union, union_pad))
         return state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen
 
@@ -101,8 +106,7 @@ class Chunks:
         k_cap = min(bucket(n_chunks * c), m_pad)
         if layer == first:
             keys = io.take_all(layer, K)
-            scores = io.clock.timed("identify", S.scores, q, keys, own_k, m, n, kv_head_of_probe=engine.kv_of_head,
-                                    impl=engine.config.kernel_impl)
+            scores = _every_head_scores(engine, io, q, keys, own_k, n)
             state, positions, count, importance = io.clock.timed(
                 "identify", st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
@@ -127,9 +131,3 @@ def policy(name: str):
     if name not in POLICIES:
         raise SpecjaxError(f"unknown identification {name!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[name]()
-
-
-def _padded(x: np.ndarray, size: int, fill: int = -1) -> np.ndarray:
-    out = np.full(size, fill, np.int32)
-    out[: len(x)] = x
-    return out

@@ -23,6 +23,14 @@ def bucket(n: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
+def padded(x, size: int, fill: int) -> np.ndarray:
+    """Integers `x` as int32 [size], `fill` after them: index arrays padded to a bucket, so the device op that
+    takes them compiles once per bucket."""
+    out = np.full(size, fill, np.int32)
+    out[: len(x)] = x
+    return out
+
+
 def log_softmax(x) -> np.ndarray:
     """Log-probabilities over the last axis, in float64 on the host (no device program per shape)."""
     x = np.asarray(x, dtype=np.float64)

@@ -1,0 +1,35 @@
+"""A toy model's prefix KV for the store tests that run several processes (crash, shared store): every vector is a
+pure function of the tokens up to its position, as a real model's is, so any process can write or check any read."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+LAYOUT = {"num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
+
+
+def fingerprint(arch: str) -> dict:
+    """A store fingerprint of the toy layout; `arch` keeps each test's stores apart."""
+    return {"arch": arch, **LAYOUT}
+
+
+def kv_for(tokens) -> list:
+    """Per layer (K [2, n, d], V [2, n, d], probe keys [1, n, d]) of the prefix `tokens`."""
+    t = np.asarray(tokens, np.int64)
+    shape = (LAYOUT["num_layers"], 5, LAYOUT["head_dim"])  # 5 heads: 2 K, 2 V, 1 probe
+    rows = [np.random.default_rng(zlib.crc32(t[:p + 1].tobytes())).standard_normal(shape) for p in range(len(t))]
+    a = np.stack(rows, axis=2).astype(np.float32) if rows else np.zeros(shape[:2] + (0, shape[2]), np.float32)
+    return [(a[layer, 0:2], a[layer, 2:4], a[layer, 4:5]) for layer in range(LAYOUT["num_layers"])]
+
+
+def insert(store, tokens) -> None:
+    """Store the prefix's KV unless the store holds all of it already."""
+    tokens = np.asarray(tokens, np.int64)
+    m = store.match(tokens)
+    if m.length == len(tokens):
+        m.close()
+        return
+    new = [tuple(x[:, m.length:] for x in layer) for layer in kv_for(tokens)]
+    store.insert(tokens, new, base=m)
