@@ -57,7 +57,7 @@ def _count(io, layer, previous, chosen, thresholds):
     guessed = set(store.locate(io.match, io.prefetched[layer], layer).unique_chunks().tolist())
     needed = set(store.locate(io.match, chosen, layer).unique_chunks().tolist())
     # the stricter guesses: _speculate's chunks minus those the previous set fills thinly
-    chunks, hits = speculation.ranking(store, io.match, layer, previous)
+    chunks, hits = speculation.ranking(io.locate, layer, previous)
     guesses = {"as built": guessed}
     guesses.update({f"t={t:g}": {int(x) for x, h in zip(chunks, hits) if h >= t * c} for t in thresholds})
     _counts["layers"] += 1

@@ -13,6 +13,8 @@ then so are the KV heads; KV heads that do not divide it (grouped-query models w
 are replicated while the query heads stay split. `plan` says what was chosen for a model, for results.
 
 `tensor_parallel=1` (the default everywhere) builds no mesh at all: parameters and arrays stay as they were.
+After `specjax.distributed.initialize` the devices are every process's, and a mesh must reach all processes: each
+process then places only its own devices' slices of the parameters (`specjax.distributed.global_arrays`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from specjax import distributed
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 from specjax.models.params import is_spec, param_specs
@@ -56,6 +59,11 @@ def check_mesh(mesh: Mesh) -> None:
         raise SpecjaxError(f"the mesh needs an axis named {TP!r}; it has {mesh.axis_names}")
     if mesh.devices.size != mesh.shape[TP]:
         raise SpecjaxError(f"only a 1-D {TP!r} mesh is supported; got axes {dict(mesh.shape)}")
+    processes = {d.process_index for d in mesh.devices.flat}
+    if len(processes) != jax.process_count():  # a process with no device on the mesh could not run its steps
+        raise SpecjaxError(f"the mesh's {mesh.devices.size} devices lie on {len(processes)} of the "
+                           f"{jax.process_count()} processes, and every process needs some: use "
+                           f"tensor_parallel={jax.device_count()} (every process's devices)")
 
 
 def plan(cfg: ModelConfig, mesh: Mesh | None) -> dict[str, str]:
@@ -91,6 +99,8 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh | None):
     if mesh is None:
         return params
     check_mesh(mesh)
+    if mesh.is_multi_process:
+        return distributed.global_arrays(params, param_shardings(cfg, mesh))
     return jax.device_put(params, param_shardings(cfg, mesh))
 
 

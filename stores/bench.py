@@ -196,7 +196,9 @@ def _run_view(arr, lay: Layout, first: int, n: int):
 
 
 def read_runs(arr, lay: Layout, starts, run: int) -> list[np.ndarray]:
-    """What the engine does: one TensorStore read per run, all issued before any is waited for."""
+    """One array read per run, all issued before any is waited for: the same reads for every layout compared (the
+    engine reads its one-file-per-chunk layout's files through the kvstore instead; a sharded layout needs the
+    array driver to find a chunk inside its shard)."""
     futures = [_run_view(arr, lay, int(s), run).read() for s in starts]
     return [f.result() for f in futures]
 

@@ -1,6 +1,8 @@
-"""Exclusive device (jax) and host (numpy) chunk caches with byte budgets and pluggable scores.
+"""Exclusive device and host chunk caches with byte budgets and pluggable scores.
 
-Every chunk also lives on disk, so eviction never writes. Each tier is a lazy min-heap by score: a chunk enters
+The device tier decides which chunks are on the device; its memory is a page pool (stores.pool) that mirrors its
+decisions, and it keeps each chunk's host copy as the source of a later demotion (a demotion then copies nothing
+back). Every chunk also lives on disk, so eviction never writes. Each tier is a lazy min-heap by score: a chunk enters
 or is promoted into a tier only if it outscores the chunks it would push out (SPEC IV-D, ContiguousKV 4.4).
 Policies: `lru` (recency), `lfu` (frequency), `spec_score` (frequency x moving-average fraction of important
 tokens in the chunk) and `attention_score` (cumulative importance x frequency); ties go to the more recent.
@@ -9,16 +11,13 @@ tokens in the chunk) and `attention_score` (cumulative importance x frequency); 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import heapq
 import itertools
 import threading
 
-import jax
 import numpy as np
 
-from specjax.stores.kvarray import Throttle
 from specjax.stores.metrics import StoreMetrics
 
 POLICIES = ("lru", "lfu", "spec_score", "attention_score")
@@ -55,6 +54,7 @@ class _Tier:
 
     def __init__(self, name: str, budget_bytes: int):
         self.name, self.budget_bytes = name, int(budget_bytes)
+        self.listener = None  # told of every put and pop (the device tier's page pool)
         self.items: dict = {}
         self.used_bytes = 0
         self._heap: list = []
@@ -76,11 +76,15 @@ class _Tier:
         self.items[key] = array
         self.used_bytes += array.nbytes
         self.push(key, score)
+        if self.listener is not None:
+            self.listener.placed(key, array)
 
     def pop(self, key):
         array = self.items.pop(key)
         self._latest.pop(key, None)
         self.used_bytes -= array.nbytes
+        if self.listener is not None:
+            self.listener.removed(key)
         return array
 
     def victims_for(self, nbytes: int, score, current_score) -> list | None:
@@ -110,22 +114,22 @@ class TieredCache:
     """Device + host chunk caches, exclusive of each other; keys are (layer, kind, chunk_id)."""
 
     def __init__(self, device_bytes: int, host_bytes: int, policy: str = "lru", *,
-                 metrics: StoreMetrics | None = None, ema: float = 0.5, pcie_bandwidth: float | None = None,
-                 device: jax.Device | None = None, record_events: bool = False):
+                 metrics: StoreMetrics | None = None, ema: float = 0.5, record_events: bool = False):
         self.policy = policy
         self._score_fn = make_score(policy)
         self.ema = ema
         self.metrics = metrics if metrics is not None else StoreMetrics()
-        # None: the default device, and arrays left uncommitted. A committed array (device_put to a named
-        # device) gives every jitted step that touches it a second compiled executable for the same shapes.
-        self.device = device
-        self.pcie = Throttle(pcie_bandwidth) if pcie_bandwidth else None
         self.tiers = {DEVICE: _Tier(DEVICE, device_bytes), HOST: _Tier(HOST, host_bytes)}
         self.stats: dict = collections.defaultdict(ChunkStats)  # kept after eviction, as in ContiguousKV
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
         self.events: list | None = [] if record_events else None
-        self._deferred: list | None = None  # keys placed on the device inside `batched_transfers`, not yet copied
+
+    def attach(self, pool) -> None:
+        """Mirror the device tier in `pool` (stores.pool.DevicePool): told of every chunk placed and dropped."""
+        if self.tiers[DEVICE].items:
+            raise ValueError("attach the page pool before the device tier holds chunks")
+        self.tiers[DEVICE].listener = pool
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -146,31 +150,6 @@ class TieredCache:
 
     def score(self, key):
         return self._score_fn(self.stats[key])
-
-    def to_device(self, array):
-        """One host->device copy of an array or a list of arrays (one batched copy, through the emulated PCIe
-        link when set), counted once."""
-        nbytes = sum(a.nbytes for a in array) if isinstance(array, list) else array.nbytes
-        if self.pcie is not None:
-            self.pcie.consume(nbytes)
-        self.metrics.add(host_to_device_bytes=nbytes, host_to_device_transfers=1)
-        return jax.device_put(array, self.device)
-
-    @contextlib.contextmanager
-    def batched_transfers(self):
-        """Within the block, chunks placed in the device tier wait in host memory and cross together, in one
-        batched copy, when it ends (a `lookup` meanwhile returns such a chunk as host memory)."""
-        with self._lock:
-            outer, self._deferred = self._deferred, []
-            try:
-                yield
-            finally:
-                deferred, self._deferred = self._deferred, outer
-                device = self.tiers[DEVICE].items
-                keys = [k for k in deferred if isinstance(device.get(k), np.ndarray)]
-                if keys:
-                    for key, array in zip(keys, self.to_device([device[k] for k in keys])):
-                        device[key] = array
 
     def _event(self, *event) -> None:
         if self.events is not None:
@@ -213,18 +192,12 @@ class TieredCache:
         if victims is None:
             return False
         evicted = [(v, tier.pop(v)) for v in victims]
-        if tier_name == DEVICE and self._deferred is not None and not isinstance(array, jax.Array):
-            tier.put(key, np.asarray(array), score)  # crosses when the batch ends
-            self._deferred.append(key)
-        elif tier_name == DEVICE:
-            tier.put(key, array if isinstance(array, jax.Array) else self.to_device(array), score)
-        else:
-            tier.put(key, np.asarray(array), score)
+        tier.put(key, np.asarray(array), score)
         self._event("place", key, tier_name)
         for victim, victim_array in evicted:
             if tier_name == DEVICE:
                 self._event("demote", victim, DEVICE)
-                if not self._try_place(HOST, victim, np.asarray(victim_array)):
+                if not self._try_place(HOST, victim, victim_array):
                     self._event("evict", victim, HOST)
             else:
                 self._event("evict", victim, HOST)
@@ -240,9 +213,9 @@ class TieredCache:
 
     def lookup(self, key, n_needed: int | None = None, *, chunk_tokens: int | None = None,
                important_fraction: float | None = None, importance: float | None = None):
-        """A use of `n_needed` of a chunk's tokens: the whole cached chunk, a device array on a device hit or host
-        memory on a host hit (then promoted to the device if it now outscores the device minimum), None on a
-        miss. Hits are counted per tier."""
+        """A use of `n_needed` of a chunk's tokens: the whole cached chunk (its host copy; on a device hit the pool
+        holds it on the device), None on a miss. A host hit is promoted to the device if it now outscores the
+        device minimum. Hits are counted per tier."""
         with self._lock:
             self._update(key, n_needed, chunk_tokens, important_fraction, importance)
             device, host = self.tiers[DEVICE], self.tiers[HOST]

@@ -2,10 +2,15 @@
 
 Layout: `kv[layer, kv(2), kv_head, slot, head_dim]` and `probe[layer, probe_head, slot, head_dim]`, one storage
 chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches exactly one file.
+
+Writes go through the zarr arrays. Reads fetch the chunk files themselves from the same TensorStore kvstore: with the
+`bytes` codec a chunk file holds exactly the chunk's little-endian elements, so the hot path skips the array
+driver's per-read indexing and decoding (a read costs about a quarter of the host time it does through a view).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -13,7 +18,7 @@ import time
 import numpy as np
 import tensorstore as ts
 
-from specjax.stores.scheduler import Read, ReadScheduler
+from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
 KIND_NAMES = ("k", "v", "probe")
@@ -82,9 +87,15 @@ class Throttle:
             time.sleep(delay)
 
 
-def _array_spec(kvstore: dict, path: str, shape: list, chunk: list, dtype: str) -> dict:
+def _under(kvstore: dict, path: str) -> dict:
+    """The kvstore spec of folder `path` inside `kvstore`."""
     store = dict(kvstore)
     store["path"] = store.get("path", "").rstrip("/") + "/" + path + "/" if store.get("path") else path + "/"
+    return store
+
+
+def _array_spec(kvstore: dict, path: str, shape: list, chunk: list, dtype: str) -> dict:
+    store = _under(kvstore, path)
     return {
         "driver": "zarr3",
         "kvstore": store,
@@ -130,6 +141,9 @@ class KVArrays:
             probe_future = ts.open(probe_spec, context=context, **mode)
         self._kv = kv_future.result()
         self._probe = probe_future.result() if probe_future is not None else None
+        # the chunk files of both arrays, read raw (zarr3's default key encoding: "<array>/c/<i>/<j>/...")
+        self._files = {kind: ts.KvStore.open(_under(kvstore, "probe" if kind == PROBE else "kv"),
+                                             context=context).result() for kind in layout.kinds()}
         self.scheduler = ReadScheduler(max_inflight_bytes=max_inflight_bytes, bytes_per_s=disk_bandwidth)
 
     def _view(self, layer: int, kind: int, first_slot: int, last_slot: int):
@@ -137,13 +151,32 @@ class KVArrays:
             return self._probe[layer, :, first_slot:last_slot]
         return self._kv[layer, kind, :, first_slot:last_slot]
 
+    def _chunk_key(self, layer: int, kind: int, chunk: int) -> bytes:
+        index = (layer, 0, chunk, 0) if kind == PROBE else (layer, kind, 0, chunk, 0)
+        return ("c/" + "/".join(map(str, index))).encode()
+
     def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False) -> Read:
-        """Queue one read of `n_chunks` adjacent chunks; its future resolves with `[heads, n_chunks * chunk_tokens,
-        head_dim]` once the scheduler has issued it and (on an emulated disk) its bytes have crossed the link."""
-        c = self.layout.chunk_tokens
-        view = self._view(layer, kind, first_chunk * c, (first_chunk + n_chunks) * c)
-        nbytes = n_chunks * self.layout.chunk_nbytes(kind)
-        return self.scheduler.submit(Read(view.read, nbytes, speculative))
+        """Queue one read of `n_chunks` adjacent chunks; its future resolves with their arrays, each `[heads,
+        chunk_tokens, head_dim]`, once the scheduler has issued it and (on an emulated disk) its bytes have crossed
+        the link. It fails if a chunk file has the wrong size; a missing file reads as zeros (zarr's fill value)."""
+        files = self._files[kind]
+        keys = [self._chunk_key(layer, kind, first_chunk + j) for j in range(n_chunks)]
+
+        def issue() -> concurrent.futures.Future:
+            return when_all([files.read(key) for key in keys], lambda results: [
+                self._decode(kind, key, r) for key, r in zip(keys, results)])
+
+        return self.scheduler.submit(Read(issue, n_chunks * self.layout.chunk_nbytes(kind), speculative))
+
+    def _decode(self, kind: int, key: bytes, result) -> np.ndarray:
+        lay = self.layout
+        shape = (lay.heads(kind), lay.chunk_tokens, lay.head_dim)
+        if result.state == "missing":
+            return np.zeros(shape, lay.np_dtype)
+        if len(result.value) != lay.chunk_nbytes(kind):
+            raise ValueError(f"chunk file {KIND_NAMES[kind]}/{key.decode()} holds {len(result.value)} bytes, "
+                             f"expected {lay.chunk_nbytes(kind)}")
+        return np.frombuffer(result.value, lay.np_dtype).reshape(shape)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write `[heads, n_chunks * chunk_tokens, head_dim]` at `first_chunk`; the future resolves when durable."""

@@ -10,7 +10,7 @@ import threading
 class StoreMetrics:
     disk_bytes: int = 0            # bytes read from the KV array (whole chunks)
     chunks_read: int = 0
-    read_requests: int = 0         # reads issued to the disk (a coalesced run of adjacent chunks counts once)
+    read_requests: int = 0         # reads the scheduler issued (a coalesced run of adjacent chunks counts once)
     bad_chunks: int = 0            # checksum or read failures, served as misses
     disk_bytes_written: int = 0
     host_to_device_bytes: int = 0

@@ -1,27 +1,26 @@
 """Host-side asynchronous prefetcher: `request` starts chunk reads and returns at once, `take` waits only for
 what is still missing and hands back device arrays in original token order.
 
-Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler;
-`take` assembles the needed vectors of host-side chunks (just read, or host-cache hits) in one host buffer and
-moves it to the device in one copy, placing device-cache hits on the device.
+Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler.
+A take reads its tokens out of the device page pool (stores.pool) through a block table: device-cache hits from
+their pages, the rest (just read, host-cache hits) from one host buffer that crosses in one copy. That is two or
+three device steps per take, however many chunks it touches.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.inference import padded
-from specjax.stores.caches import TieredCache
-from specjax.stores.store import ChunkRead, KVStore, Match
+from specjax.stores.caches import DEVICE, TieredCache
+from specjax.stores.pool import DevicePool
+from specjax.stores.store import ChunkRead, KVStore, Locations, Match
 
 
 @dataclasses.dataclass
@@ -52,30 +51,22 @@ class Taken:
     chunks_from_disk: int
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _place(out, chunk, offsets, rows):
-    """out [H, size, d] with chunk[:, offsets[i]] at row rows[i]; rows >= size are padding, dropped. offsets and
-    rows are always chunk_tokens long, so this compiles once per output size."""
-    return out.at[:, rows].set(jnp.take(chunk, offsets, axis=1).astype(out.dtype), mode="drop")
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros(shape, dtype):
-    return jnp.zeros(shape, dtype)
-
-
 class Prefetcher:
     """Moves chunks disk -> host -> device ahead of use, within `max_buffer_bytes` of staged speculative reads."""
 
-    def __init__(self, store: KVStore, cache: TieredCache | None = None, *, max_buffer_bytes: int = 256 << 20):
+    def __init__(self, store: KVStore, cache: TieredCache | None = None, *, max_buffer_bytes: int = 256 << 20,
+                 pcie_bandwidth: float | None = None):
+        """`pcie_bandwidth`: bytes/s of an emulated host->device link (None: not throttled)."""
         self.store, self.cache = store, cache
         self.max_buffer_bytes = max_buffer_bytes
         self._entries: dict = {}
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
-        self._compiled: set = set()  # (kind, output rows) whose assembly ops are compiled
+        device_bytes = cache.tiers[DEVICE].budget_bytes if cache is not None else 0
+        self.pool = DevicePool(store.layout, device_bytes, metrics=store.metrics, pcie_bandwidth=pcie_bandwidth)
         if cache is not None:
+            cache.attach(self.pool)
             store.on_free(cache.invalidate)
 
     @property
@@ -133,10 +124,13 @@ class Prefetcher:
         if array is not None:
             self.cache.admit(key, array)
 
-    def request(self, match: Match, layer: int, kind: int, positions, *, speculative: bool = False) -> Ticket:
-        """Start reading the chunks of `positions` not already cached; returns immediately. A new request for
-        the same (layer, kind) supersedes earlier speculative ones (their unshared reads are dropped)."""
-        chunks = self.store.locate(match, positions, layer).unique_chunks()
+    def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
+                speculative: bool = False) -> Ticket:
+        """Start reading the chunks of `positions` (or the chunk ids `chunks`, already located) not already cached;
+        returns immediately. A new request for the same (layer, kind) supersedes earlier speculative ones (their
+        unshared reads are dropped)."""
+        if chunks is None:
+            chunks = self.store.locate(match, positions, layer).unique_chunks()
         if self.cache is not None:
             chunks = [c for c in chunks if self.cache.where((layer, kind, int(c))) is None]
         with self._lock:
@@ -171,97 +165,84 @@ class Prefetcher:
         return not pending
 
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
-             pad_to: int | None = None) -> Taken:
+             pad_to: int | None = None, loc: Locations | None = None) -> Taken:
         """Vectors of `positions` on the device; waits only for reads still in flight.
 
         `importance` (per position, optional) feeds the `attention_score` policy; the important fraction of
         each chunk for `spec_score` is taken as the share of its tokens requested here. `pad_to` >= the number
         of positions gives an array of that many tokens (zeros after the requested ones), so a caller that
-        buckets its sizes compiles each device op once per bucket.
+        buckets its sizes compiles each device op once per bucket. `loc`: the positions' locations at `layer`,
+        if the caller has them.
         """
         positions = np.asarray(positions, np.int64)
         size = len(positions) if pad_to is None else pad_to
         if size < len(positions):
             raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
-        if (kind, size) not in self._compiled:
-            self.compile_assembly(kind, size)
-        loc = self.store.locate(match, positions, layer)
+        if loc is None:
+            loc = self.store.locate(match, positions, layer)
         chunks, inverse = np.unique(loc.chunks, return_inverse=True)
         lay = self.store.layout
         self.store.metrics.add(used_token_bytes=len(positions) * lay.token_nbytes(kind))
         imp = None if importance is None else np.asarray(importance, np.float64)
         rows_of = [np.flatnonzero(inverse == i) for i in range(len(chunks))]
-        sources, missing = [], []  # (chunk array, offsets, rows) | (key, offsets, rows) still to come from disk
-        with self._lock, self._batched():
+        sources, missing = [], []  # (key, chunk array, rows) | (key, rows) still to come from disk
+        with self._lock:
             for c, rows in zip(chunks, rows_of):
-                key, offsets = (layer, kind, int(c)), loc.offsets[rows]
+                key = (layer, kind, int(c))
                 if self.cache is not None:
                     array = self.cache.lookup(key, len(rows), chunk_tokens=lay.chunk_tokens,
                                               importance=None if imp is None else imp[rows].sum())
                     if array is not None:
-                        sources.append((array, offsets, rows))
+                        sources.append((key, array, rows))
                         continue
-                missing.append((key, offsets, rows))
-            demand_keys = self._hold(layer, kind, [key[2] for key, _, _ in missing], demand=True)
+                missing.append((key, rows))
+            demand_keys = self._hold(layer, kind, [key[2] for key, _ in missing], demand=True)
             for key in demand_keys:
                 self._entries[key].taken = True
-            futures = [self._entries[key].read.future for key, _, _ in missing]
+            futures = [self._entries[key].read.future for key, _ in missing]
         start = time.perf_counter()
         concurrent.futures.wait(futures)
         waited_ms = (time.perf_counter() - start) * 1e3
         ok = np.ones(len(positions), bool)
-        with self._batched():
-            for (key, offsets, rows), future in zip(missing, futures):
-                array = future.result()
-                if array is None:
-                    ok[rows] = False
-                    continue
-                if self.cache is not None:
-                    self.cache.admit(key, array)
-                sources.append((array, offsets, rows))
+        for (key, rows), future in zip(missing, futures):
+            array = future.result()
+            if array is None:
+                ok[rows] = False
+                continue
+            if self.cache is not None:
+                self.cache.admit(key, array)
+            sources.append((key, array, rows))
         with self._lock:
             self._release_keys(demand_keys)
             for ticket in list(self._tickets.get((layer, kind), [])):
                 self._cancel_locked(ticket)
-        return Taken(self._assemble(sources, size, lay, kind), ok, waited_ms, len(missing))
+        return Taken(self._gather(kind, sources, loc.offsets, size), ok, waited_ms, len(missing))
 
-    def _assemble(self, sources, size: int, lay, kind: int) -> jax.Array:
-        """`[heads, size, d]` on the device with each source's vectors at its rows (zeros elsewhere): the vectors
-        that are in host memory (read from disk, host-cache hits) cross in one host->device copy; device-cache
-        hits are placed on the device, one op per chunk."""
-        shape = (lay.heads(kind), size, lay.head_dim)
-        host = [(a, o, r) for a, o, r in sources if isinstance(a, np.ndarray)]
-        on_device = [(a, o, r) for a, o, r in sources if not isinstance(a, np.ndarray)]
-        if host:
-            buffer = np.zeros(shape, lay.np_dtype)
-            for array, offsets, rows in host:
-                buffer[:, rows] = array[:, offsets]
-            out = self._to_device(buffer)
-        else:
-            out = _zeros(shape, lay.np_dtype)
-        c = lay.chunk_tokens
-        for array, offsets, rows in on_device:
-            out = _place(out, array, jnp.asarray(padded(offsets, c, 0)), jnp.asarray(padded(rows, c, size)))
-        return out
-
-    def _batched(self):
-        """Chunks the caches move to the device meanwhile cross in one copy (see TieredCache.batched_transfers)."""
-        return self.cache.batched_transfers() if self.cache is not None else contextlib.nullcontext()
-
-    def _to_device(self, host: np.ndarray) -> jax.Array:
-        if self.cache is not None:
-            return self.cache.to_device(host)
-        self.store.metrics.add(host_to_device_bytes=host.nbytes, host_to_device_transfers=1)
-        return jax.device_put(host)
+    def _gather(self, kind: int, sources, offsets: np.ndarray, size: int) -> jax.Array:
+        """`[heads, size, d]` on the device, each source's rows from its chunk: from the chunk's page where the
+        device tier keeps it, else from one host buffer of those rows (zeros after the requested ones)."""
+        lay = self.store.layout
+        slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: from the host buffer
+        at = np.zeros(size, np.int64)
+        at[:len(offsets)] = offsets
+        staged, pinned = None, []
+        try:
+            for key, array, rows in sources:
+                slot = self.pool.pin(key)
+                if slot is not None:
+                    pinned.append(slot)
+                    slots[rows] = slot
+                    continue
+                if staged is None:
+                    staged = np.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
+                staged[:, rows] = array[:, offsets[rows]]
+            return self.pool.gather(kind, slots, at, staged)
+        finally:
+            self.pool.unpin(kind, pinned)
 
     def compile_assembly(self, kind: int, size: int) -> None:
-        """Compile every device op of assembling `size` rows (the zeros an all-device-hit take starts from, the
-        placement of device hits), whichever of them this use needs: a later take of the same size, whatever
-        the caches then hold, compiles nothing."""
-        lay = self.store.layout
-        chunk = np.zeros((lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype)
-        jax.block_until_ready(self._assemble([(jax.device_put(chunk), np.arange(1), np.arange(1))], size, lay, kind))
-        self._compiled.add((kind, size))
+        """Compile every device step of a take of `size` rows (stores.pool.DevicePool.compile)."""
+        self.pool.compile(kind, size)
 
     def close(self) -> None:
         with self._lock:

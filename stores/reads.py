@@ -7,12 +7,12 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import threading
 
 import numpy as np
 
 from specjax.stores import kvarray
 from specjax.stores.manifest import chunk_checksum
+from specjax.stores.scheduler import when_all
 
 log = logging.getLogger(__name__)
 
@@ -63,32 +63,6 @@ def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
     return runs
 
 
-def when_all(futures: list, combine) -> concurrent.futures.Future:
-    """A future of `combine(results)` once every future is done, without blocking a thread."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def finish():
-        try:
-            out.set_result(combine([f.result() for f in futures]))
-        except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
-            out.set_exception(e)
-
-    def one_done(_):
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            finish()
-
-    if not futures:
-        finish()
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
-
-
 class ChunkReads:
     """Reading chunks and located positions (mixed into `KVStore`: uses its layout, arrays, metrics, lock
     and `_expected_checksum`)."""
@@ -119,14 +93,14 @@ class ChunkReads:
         return [order[c] for c in chunks]
 
     def _verify(self, parts: list, expected: dict, f) -> None:
-        """Split a landed run into its chunks, each checked against its checksum before it is served."""
+        """Check each chunk of a landed run against its checksum before it is served."""
         if f.cancelled():  # withdrawn before it was read: nothing was read
             for part in parts:
                 part.future.cancel()
             return
         first = parts[0]
         try:
-            array = f.result()
+            arrays = f.result()
         except Exception as e:  # noqa: BLE001 -- unreadable chunks: misses, never an exception to serve
             log.warning("chunks %d..%d layer %d %s unreadable: %s", first.chunk, parts[-1].chunk, first.layer,
                         kvarray.KIND_NAMES[first.kind], e)
@@ -134,10 +108,8 @@ class ChunkReads:
             for part in parts:
                 part.future.set_result(None)
             return
-        self.metrics.add(disk_bytes=array.nbytes, chunks_read=len(parts), read_requests=1)
-        c = self.layout.chunk_tokens
-        for j, part in enumerate(parts):
-            chunk = array if len(parts) == 1 else np.ascontiguousarray(array[:, j * c:(j + 1) * c])
+        self.metrics.add(disk_bytes=sum(a.nbytes for a in arrays), chunks_read=len(parts), read_requests=1)
+        for part, chunk in zip(parts, arrays):
             if chunk_checksum(chunk) != expected[part.chunk]:
                 log.warning("chunk %d layer %d %s fails its checksum", part.chunk, part.layer,
                             kvarray.KIND_NAMES[part.kind])

@@ -161,6 +161,32 @@ class ReadScheduler:
             return sum(r.nbytes for r in self._demand) + sum(r.nbytes for r in self._speculative)
 
 
+def when_all(futures: list, combine) -> concurrent.futures.Future:
+    """A future of `combine(results)` once every future is done, without blocking a thread."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish():
+        try:
+            out.set_result(combine([f.result() for f in futures]))
+        except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
+            out.set_exception(e)
+
+    def one_done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    if not futures:
+        finish()
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
 class _Timer:
     """One thread that runs callbacks at given monotonic times (an emulated link's deliveries)."""
 

@@ -245,9 +245,9 @@ def test_certain_reads_are_issued_a_layer_early_at_speculative_priority(model, n
     calls = []
     request = engine.prefetcher.request
 
-    def recording(match, layer, kind, positions, *, speculative=False):
-        calls.append((layer, kind, speculative))
-        return request(match, layer, kind, positions, speculative=speculative)
+    def recording(match, layer, kind, positions=None, **options):
+        calls.append((layer, kind, options.get("speculative", False)))
+        return request(match, layer, kind, positions, **options)
 
     engine.prefetcher.request = recording
     engine.run(req)
@@ -329,6 +329,11 @@ def test_unknown_policy_modes_are_refused_when_the_system_is_built(field, value)
         dataclasses.replace(make_system("spec"), **{field: value})
 
 
+def _locator(store, match):
+    """`locate(layer, positions)` over one match, as the engine's LayerIO.locate (what speculation ranks with)."""
+    return lambda layer, positions: store.locate(match, positions, layer)
+
+
 def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(model):
     """With a measured rate and window, spec speculates only the best-ranked chunks whose bytes fit; with none
     measured yet, the whole guess."""
@@ -340,7 +345,7 @@ def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(
     assert speculator.window_s is not None and speculator.window_s > 0  # measured online
     match = engine.store.match(req.prefix)
     previous = np.arange(0, 96, 3)
-    ranked, _ = speculation.ranking(engine.store, match, 2, previous)
+    ranked, _ = speculation.ranking(_locator(engine.store, match), 2, previous)
     pair = sum(engine.store.layout.chunk_nbytes(kind) for kind in (K, V))
     assert len(ranked) >= 3
     assert list(speculator.within_budget(2, ranked, 2.5 * pair)) == list(ranked[:2])
@@ -382,12 +387,12 @@ def test_spec_records_what_each_layer_needed_and_does_not_speculate_what_it_neve
     needed = set(store.locate(match, np.unique(r.selections[layer]), layer).unique_chunks().tolist())
     assert [usage.counts(layer, int(c)) for c in matched] == [(1, int(c in needed)) for c in matched]
     previous = np.unique(r.selections[layer - 1])
-    ranked, _ = speculation.ranking(store, match, layer, previous)
+    ranked, _ = speculation.ranking(_locator(store, match), layer, previous)
     dropped = int(ranked[0])  # the guess's best chunk, which this layer then needs in none of two more requests
     for _ in range(2):
         usage.record(layer, matched, [int(c) for c in matched if int(c) != dropped])
     engine.speculator.window_s = None  # no disk budget: only the records decide
-    chosen = engine.speculator.chunks(match, layer, previous).tolist()
+    chosen = engine.speculator.chunks(_locator(store, match), layer, previous).tolist()
     assert dropped not in chosen
     likely = [int(c) for c in ranked if 2 * (usage.counts(layer, int(c))[1] + 1) >= usage.counts(layer, int(c))[0] + 2]
     assert chosen == likely and len(likely) == len(ranked) - 1  # the others were needed each time

@@ -76,6 +76,9 @@ class Engine:
                                f"holds {store.layout.chunk_tokens}-token chunks; give it a store of its own")
         self.model, self.cfg, self.system, self.store, self.config = model, model.config, system, store, config
         self.mesh = getattr(model, "mesh", None)  # tensor parallel (specjax.sharding); None: one device
+        if store is not None and self.mesh is not None and self.mesh.is_multi_process:
+            raise SpecjaxError(f"system {system.name!r} reads and writes the KV store, which does not run across "
+                               "processes yet: a model split over several processes runs `recompute` only")
         self.identification = policy(system.identify)
         probe_q = probe_query_heads(self.cfg, system.num_probe_heads)
         probe_kv = probe_kv_heads(self.cfg, system.num_probe_heads)
@@ -90,8 +93,8 @@ class Engine:
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
         if store is not None:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
-                                     metrics=store.metrics, pcie_bandwidth=config.pcie_bandwidth)
-            self.prefetcher = Prefetcher(store, self.cache)
+                                     metrics=store.metrics)
+            self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
             if system.prefetch == "speculative":
                 self.speculator = Speculator(store, self.cache)
 

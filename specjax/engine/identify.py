@@ -60,7 +60,6 @@ class H2O:
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
         union = np.unique(chosen)
-        io.identified(layer, union, kinds=(V,))
         state = st.record_union(state, layer, jnp.asarray(padded(union, m_pad, -1)), len(union))
         union_pad = bucket(len(union))
         values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, m_pad)),
@@ -86,7 +85,6 @@ class ITF(H2O):
         if not bool(use_shared):
             return super().select(engine, io, state, layer, q, own_k, n, k, k_cap)
         chosen = np.asarray(shared)[:k]
-        io.identified(layer, chosen)
         keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
         selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
         return state, keys, values, selection, S.normalised_importance(scores, m), chosen[None]

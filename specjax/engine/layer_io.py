@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from specjax.engine.speculation import prefetch_report
-from specjax.stores import K, PROBE, V
+from specjax.stores import K, PROBE, V, Locations
 
 if TYPE_CHECKING:
     from specjax.engine.engine import Engine
@@ -58,7 +58,17 @@ class LayerIO:
         self.stats = {"issued": 0, "needed": 0, "used": 0}  # tokens, speculative prefetch (prefetch_report)
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
-        self._located: dict[int, np.ndarray] = {}  # layer -> chunk of each of all_positions (_chunks_of_all)
+        self._locations: dict = {}  # (layer, positions' bytes) -> Locations (`locate`)
+
+    def locate(self, layer: int, positions) -> Locations:
+        """Where `positions` lie at `layer`, located once per request: a layer's set is taken as K and V, recorded
+        and ranked for the next layer's guess from one lookup."""
+        positions = np.asarray(positions, np.int64)
+        key = (layer, positions.tobytes())
+        loc = self._locations.get(key)
+        if loc is None:
+            loc = self._locations[key] = self.engine.store.locate(self.match, positions, layer)
+        return loc
 
     # what the system reads for a layer before it is needed
     def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
@@ -79,18 +89,9 @@ class LayerIO:
         for kind in self.engine.system.certain_reads:
             self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
 
-    def _speculate(self, layer: int, previous: np.ndarray) -> np.ndarray:
-        """Positions whose K/V to read ahead for `layer`: every token of the chunks the speculator picks from the
-        previous layer's important set (specjax.engine.speculation)."""
-        chunks = self.engine.speculator.chunks(self.match, layer, previous)
-        return self.all_positions[np.isin(self._chunks_of_all(layer), chunks)]
-
     def _chunks_of_all(self, layer: int) -> np.ndarray:
-        """The chunk of each of the request's positions at `layer`, located once: speculation for the layer and
-        the record of what it needed both use it."""
-        if layer not in self._located:
-            self._located[layer] = self.engine.store.locate(self.match, self.all_positions, layer).chunks
-        return self._located[layer]
+        """The chunk of each of the request's positions at `layer`."""
+        return self.locate(layer, self.all_positions).chunks
 
     def prefetch_first(self, layer: int = 0) -> None:
         self._request_ahead(layer, None)
@@ -137,30 +138,13 @@ class LayerIO:
             importance = self.period_importance[positions[chunks == chunk]].sum()
             cache.feedback((layer, kind, int(chunk)), importance=float(importance))
 
-    def identified(self, layer: int, chosen: np.ndarray, kinds=(K, V)) -> None:
-        """The layer's important set is known, before its `kinds` are taken: with speculative prefetch, its reads
-        are queued (demand first), then the next layer's guess from it, so the disk reads that guess during this
-        layer's own stall and compute, not only after them. A guess read whose chunk the next layer does not
-        need is withdrawn there unless the disk has already taken it."""
-        speculator = self.engine.speculator
-        following = layer + 1
-        if speculator is None or following >= self.engine.cfg.num_layers or not len(chosen):
-            return
-        for kind in kinds:
-            self.engine.prefetcher.request(self.match, layer, kind, chosen)
-        self._window_opened[following] = time.perf_counter()
-        guess = self._speculate(following, chosen)
-        for kind in (K, V):
-            self.engine.prefetcher.request(self.match, following, kind, guess, speculative=True)
-        self.prefetched[following] = guess
-
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
         """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
-        which chunks it needed, and request the next layers' certain reads."""
+        which chunks it needed, then queue the next layer's reads while this one computes: its certain reads on
+        demand, the guess of its selection (spec), and the certain reads of the layer after it."""
         if self.engine.speculator is not None:
-            store = self.engine.store
             self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
-                                                store.locate(self.match, chosen, layer).unique_chunks())
+                                                self.locate(layer, chosen).unique_chunks())
         guess = self.prefetched.pop(layer, None)
         if guess is not None:
             hit = len(np.intersect1d(guess, chosen, assume_unique=True))
@@ -168,7 +152,21 @@ class LayerIO:
             self.stats["needed"] += len(chosen)
             self.stats["used"] += hit
         self._request_ahead(layer + 1, chosen)
+        self._speculate(layer + 1, chosen)
         self.read_ahead(layer + 2)
+
+    def _speculate(self, layer: int, previous: np.ndarray) -> None:
+        """SPEC's guess of `layer`'s selection from the previous layer's set (specjax.engine.speculation), read at
+        speculative priority; a guessed chunk the layer does not need is withdrawn when its K/V are taken unless
+        the disk has already read it."""
+        speculator = self.engine.speculator
+        if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous):
+            return
+        self._window_opened[layer] = time.perf_counter()
+        guess = speculator.chunks(self.locate, layer, previous)  # chunk ids of `layer`
+        for kind in (K, V):
+            self.engine.prefetcher.request(self.match, layer, kind, chunks=guess, speculative=True)
+        self.prefetched[layer] = self.all_positions[np.isin(self._chunks_of_all(layer), guess)]
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
@@ -177,7 +175,7 @@ class LayerIO:
         if opened is not None:
             self.engine.speculator.observe_window(opened)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
-                                 importance=importance, pad_to=pad_to)
+                                 importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
         return self.engine.place_kv(taken.array)

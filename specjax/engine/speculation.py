@@ -67,12 +67,13 @@ class ChunkUsage:
                     del table[key]
 
 
-def ranking(store, match, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ranking(locate, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The chunks of `layer` the guess reads, best first, and how many of `previous` (layer - 1's important set)
     each holds: those holding most of the set, as many chunks as the set occupied in its own layer (the same I/O
-    budget). Without reordering (or with one order for all layers) this is exactly the chunks of the set."""
-    budget = len(store.locate(match, previous, layer - 1).unique_chunks())
-    chunks, counts = np.unique(store.locate(match, previous, layer).chunks, return_counts=True)
+    budget). Without reordering (or with one order for all layers) this is exactly the chunks of the set.
+    `locate(layer, positions)`: where positions of the request's match lie (e.g. `LayerIO.locate`)."""
+    budget = len(locate(layer - 1, previous).unique_chunks())
+    chunks, counts = np.unique(locate(layer, previous).chunks, return_counts=True)
     best = np.argsort(-counts, kind="stable")[:budget]
     return chunks[best], counts[best]
 
@@ -86,10 +87,10 @@ class Speculator:
         self.window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
         store.on_free(self.usage.forget)
 
-    def chunks(self, match, layer: int, previous: np.ndarray) -> np.ndarray:
+    def chunks(self, locate, layer: int, previous: np.ndarray) -> np.ndarray:
         """The chunks of `layer` to read ahead: the guess's chunks that their record says are likely needed,
-        best first, as many as the disk's budget holds."""
-        ranked, _ = ranking(self.store, match, layer, previous)
+        best first, as many as the disk's budget holds (`locate` as for `ranking`)."""
+        ranked, _ = ranking(locate, layer, previous)
         ranked = ranked[self.usage.likely(layer, ranked)]
         return self.within_budget(layer, ranked, self.budget_bytes())
 

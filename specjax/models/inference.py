@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.distributed import to_host
 from specjax.errors import SpecjaxError
 from specjax.models import transformer as T
 
@@ -62,7 +63,7 @@ def forward_hidden(cfg: ModelConfig, params: dict, ids) -> tuple[jnp.ndarray, in
 
 def forward_logits(cfg: ModelConfig, params: dict, ids) -> np.ndarray:
     h, n = forward_hidden(cfg, params, ids)
-    return np.asarray(T.head_step(cfg, params, h)[:n])
+    return to_host(T.head_step(cfg, params, h)[:n])
 
 
 def logits_at(cfg: ModelConfig, params: dict, ids, rows) -> np.ndarray:
@@ -71,7 +72,7 @@ def logits_at(cfg: ModelConfig, params: dict, ids, rows) -> np.ndarray:
     rows = np.asarray(rows, np.int32)
     padded = np.zeros(bucket(len(rows), minimum=4), np.int32)
     padded[: len(rows)] = rows
-    return np.asarray(T.head_rows(cfg, params, h, jnp.asarray(padded))[: len(rows)])
+    return to_host(T.head_rows(cfg, params, h, jnp.asarray(padded))[: len(rows)])
 
 
 @dataclasses.dataclass
@@ -114,7 +115,7 @@ def extend(cfg: ModelConfig, params: dict, cache: KVCache, ids) -> np.ndarray:
             cfg, lp, h, positions, cache.k[i], cache.v[i], start, start + n
         )
     cache.length = start + n
-    return np.asarray(T.head_step(cfg, params, h[:n]))
+    return to_host(T.head_step(cfg, params, h[:n]))
 
 
 def greedy_generate(cfg: ModelConfig, params: dict, prompt_ids, max_new_tokens: int, stop_ids=()) -> list[int]:

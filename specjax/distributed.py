@@ -1,0 +1,90 @@
+"""Several processes (on one host or many) as one JAX runtime, so a tensor-parallel mesh (specjax.sharding) spans
+every process's devices.
+
+JAX runs one program in every process (multi-controller): each process calls `initialize` before anything else,
+loads the same weights, and gives its own devices their slices (`global_arrays`); `jax.devices()` then lists every
+process's devices, jitted steps run on all of them at once, and a result split over other processes' devices is
+gathered before it reaches the host (`to_host`). One process (no `initialize`) is unchanged.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from specjax.errors import SpecjaxError
+
+CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"
+
+
+def cpu_collectives_supported() -> bool:
+    """Whether this JAX can run collectives between CPU processes (its option to choose how exists)."""
+    return hasattr(jax.config, CPU_COLLECTIVES_OPTION)
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *, cpu_collectives: str = "gloo",
+               timeout_s: int = 300) -> None:
+    """Join this process to the `num_processes` processes whose process 0 listens at `coordinator_address`
+    ("host:port", the same in every process), as process `process_id`.
+
+    It must come before anything that starts JAX's backends (a computation, `jax.devices()`, loading a model),
+    because the devices a backend sees are fixed when it starts. CPU devices exchange their collectives over
+    `cpu_collectives` ("gloo": TCP, nothing to install); GPUs use NCCL whatever it says.
+    """
+    host, _, port = str(coordinator_address).rpartition(":")
+    if not host or not port.isdigit():
+        raise SpecjaxError(f"coordinator_address must be HOST:PORT (process 0's address), got {coordinator_address!r}")
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise SpecjaxError(f"num_processes must be a positive integer, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise SpecjaxError(f"process_id must be one of 0..{num_processes - 1} (each process its own), "
+                           f"got {process_id!r}")
+    if jax.distributed.is_initialized():
+        raise SpecjaxError("this process has already joined a distributed runtime; initialize it once")
+    if not cpu_collectives_supported():
+        raise SpecjaxError(f"jax {jax.__version__} cannot run collectives between CPU processes "
+                           f"(no {CPU_COLLECTIVES_OPTION} option); upgrade jax")
+    jax.config.update(CPU_COLLECTIVES_OPTION, cpu_collectives)
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   initialization_timeout=timeout_s)
+    except RuntimeError as e:
+        if "before any JAX calls" in str(e):
+            raise SpecjaxError("specjax.distributed.initialize must run before JAX starts (before any computation, "
+                               "jax.devices() or load_model): call it first thing in the program") from e
+        raise
+
+
+def global_arrays(host_tree, shardings):
+    """Arrays on a mesh over several processes, from the whole arrays every process holds on its host: each
+    process hands only its own devices their slices, so nothing crosses between processes (`jax.device_put`
+    would gather every array from every process to check that they agree). The processes must hold the same
+    values: a digest of them is compared once, and differing ones are an error."""
+    host_tree = jax.tree.map(np.asarray, host_tree)
+    check_same_everywhere(jax.tree.leaves(host_tree), "the weights")
+    return jax.tree.map(_place, host_tree, shardings)
+
+
+def _place(x: np.ndarray, sharding):
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def check_same_everywhere(arrays: list[np.ndarray], what: str) -> None:
+    """Raise unless every process holds the same `arrays` (one CRC-32 each, gathered from all processes)."""
+    digest = np.asarray([zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8)) for x in arrays], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(digest))  # [processes, arrays]
+    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise SpecjaxError(f"{what} on processes {differ} differ from process 0's: every process must load the "
+                           "same checkpoint (or random init with the same seed and dtype)")
+
+
+def to_host(x) -> np.ndarray:
+    """`x` whole, as a host array: one split over other processes' devices is gathered from them first (every
+    process must call this with it). One process: `np.asarray(x)`."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,211 @@
+"""The device cache tier's memory: store chunks as pages of one fixed-shape device array, as paged attention keeps
+its KV blocks, and takes that read tokens out of it through a block table.
+
+One page array per head count (K/V pages, and probe pages where the probe heads are fewer): `[slots, heads,
+chunk_tokens, head_dim]` in the store's dtype, allocated once with as many slots as the device tier's budget holds
+chunks of that head count (so with two head counts the device holds up to twice the budget). `TieredCache` decides
+what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept chunk a slot and writes it
+there before the next take that reads the array, with every other page placed since, in one batched copy.
+
+A take is then at most three device steps however many chunks it touches: that write, one copy of the rows of
+chunks the tier does not keep (read from disk, host-cache hits; only the needed vectors), and one gather of the
+take's tokens, each row from its chunk's slot and offset (the block table) or from those copied rows. Shapes come
+from fixed buckets (pages written per step, tokens per take), so a take of a size seen before compiles nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.inference import bucket, padded
+from specjax.stores.kvarray import Layout, Throttle
+from specjax.stores.metrics import StoreMetrics
+
+MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of the same take)
+WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(pages, slots, data):
+    """pages with data[i] at slot slots[i]; slots beyond the array are padding, dropped."""
+    return pages.at[slots].set(data, mode="drop")
+
+
+@jax.jit
+def _gather(pages, table, staged):
+    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
+    staged[:, i]."""
+    slots, offsets = table[0], table[1]
+    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
+    return jnp.where((slots >= 0)[None, :, None], rows, staged)
+
+
+@dataclasses.dataclass(eq=False)
+class _Pages:
+    """The page array of one head count, and which chunk each slot holds."""
+    array: jax.Array
+    free: list
+    slot_of: dict = dataclasses.field(default_factory=dict)       # key -> slot
+    pending: dict = dataclasses.field(default_factory=dict)       # slot -> host chunk to write at the next take
+    pinned: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # slot -> takes reading
+    released: set = dataclasses.field(default_factory=set)        # pinned slots whose chunk left the tier
+    unslotted: dict = dataclasses.field(default_factory=dict)     # key -> chunk kept by the tier, no slot free yet
+
+
+class DevicePool:
+    """The device tier's pages (`placed`/`removed` from TieredCache) and the takes that read them (`gather`)."""
+
+    def __init__(self, layout: Layout, device_bytes: int, *, metrics: StoreMetrics | None = None,
+                 pcie_bandwidth: float | None = None, device: jax.Device | None = None):
+        self.layout = layout
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.pcie = Throttle(pcie_bandwidth) if pcie_bandwidth else None
+        # None: the default device, arrays left uncommitted (a committed array gives every jitted step that touches
+        # it a second executable for the same shapes)
+        self.device = device
+        self._lock = threading.Lock()  # the slots' bookkeeping (the tier decides from any thread)
+        self._device_lock = threading.Lock()  # the page arrays (a take's writes and gather, from Cake's loader too)
+        self._pages: dict[int, _Pages] = {}
+        c, d = layout.chunk_tokens, layout.head_dim
+        for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
+            slots = int(device_bytes) // (heads * c * d * layout.np_dtype.itemsize)
+            # one slot more than the budget holds: never given out, so a gather never indexes an empty array
+            array = jax.device_put(np.zeros((slots + 1, heads, c, d), layout.np_dtype), device)
+            self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
+        self._compiled: set = set()
+
+    def _of(self, key) -> _Pages:
+        return self._pages[self.layout.heads(key[1])]
+
+    # -- the device tier's decisions (any thread) --------------------------------------------------------------
+
+    def placed(self, key, chunk: np.ndarray) -> None:
+        """The tier keeps `key` (layer, kind, chunk id): give it a slot, written at the next take."""
+        with self._lock:
+            pages = self._of(key)
+            if pages.free:
+                slot = pages.free.pop()
+                pages.slot_of[key] = slot
+                pages.pending[slot] = chunk
+            else:  # every slot free by budget is still read by a take: placed when one is released
+                pages.unslotted[key] = chunk
+
+    def removed(self, key) -> None:
+        """The tier dropped `key`: its slot is free once no take reads it."""
+        with self._lock:
+            pages = self._of(key)
+            if pages.unslotted.pop(key, None) is not None:
+                return
+            slot = pages.slot_of.pop(key)
+            if slot in pages.pinned:
+                pages.released.add(slot)  # a pending write stays: the take that pinned it reads it
+            else:
+                pages.pending.pop(slot, None)
+                self._free(pages, slot)
+
+    def _free(self, pages: _Pages, slot: int) -> None:
+        if pages.unslotted:
+            key, chunk = next(iter(pages.unslotted.items()))
+            del pages.unslotted[key]
+            pages.slot_of[key] = slot
+            pages.pending[slot] = chunk
+        else:
+            pages.free.append(slot)
+
+    # -- takes (the engine's thread) ------------------------------------------------------------------------
+
+    def pin(self, key) -> int | None:
+        """The slot holding `key` for a take (None: not on the device); it stays `key`'s until the take `unpin`s
+        it, whatever the tier decides meanwhile."""
+        with self._lock:
+            pages = self._of(key)
+            slot = pages.slot_of.get(key)
+            if slot is not None:
+                pages.pinned[slot] += 1
+            return slot
+
+    def unpin(self, kind: int, slots) -> None:
+        """A take has read `slots` (as returned by `pin`)."""
+        with self._lock:
+            pages = self._pages[self.layout.heads(kind)]
+            for slot in slots:
+                pages.pinned[slot] -= 1
+                if pages.pinned[slot] == 0:
+                    del pages.pinned[slot]
+                    if slot in pages.released:
+                        pages.released.discard(slot)
+                        pages.pending.pop(slot, None)
+                        self._free(pages, slot)
+
+    def gather(self, kind: int, slots: np.ndarray, offsets: np.ndarray, staged: np.ndarray | None) -> jax.Array:
+        """`[heads, size, d]` on the device: row i from slot slots[i] (>= 0) at offsets[i], else from `staged`
+        (host rows `[heads, size, d]`, None if every row is in a slot). Pages placed since the last gather from
+        this page array are written first; a take with no row in a slot is its host rows' one copy."""
+        pages = self._pages[self.layout.heads(kind)]
+        size = len(slots)
+        if (kind, size) not in self._compiled:
+            self.compile(kind, size)
+        if staged is None:
+            staged = _zeros((self.layout.heads(kind), size, self.layout.head_dim), self.layout.np_dtype)
+        else:
+            staged = self._to_device(staged)
+        if not (slots >= 0).any():
+            return staged
+        table = np.stack([slots, offsets]).astype(np.int32)
+        with self._device_lock:
+            self._write_pending(pages)
+            return _gather(pages.array, table, staged)
+
+    def _write_pending(self, pages: _Pages) -> None:
+        """Every page placed since the last take, in one host->device copy per MAX_WRITE_PAGES."""
+        with self._lock:
+            pending, pages.pending = pages.pending, {}
+        items = list(pending.items())
+        for i in range(0, len(items), MAX_WRITE_PAGES):
+            part = items[i:i + MAX_WRITE_PAGES]
+            n = bucket(len(part), minimum=1)
+            data = np.zeros((n, *pages.array.shape[1:]), self.layout.np_dtype)
+            for j, (_, chunk) in enumerate(part):
+                data[j] = chunk
+            slots = padded(np.array([slot for slot, _ in part]), n, pages.array.shape[0])
+            pages.array = _write(pages.array, slots.astype(np.int32), self._to_device(data))
+
+    def _to_device(self, host: np.ndarray) -> jax.Array:
+        if self.pcie is not None:
+            self.pcie.consume(host.nbytes)
+        self.metrics.add(host_to_device_bytes=host.nbytes, host_to_device_transfers=1)
+        return jax.device_put(host, self.device)
+
+    def compile(self, kind: int, size: int) -> None:
+        """Compile a take of `size` rows of `kind` (its gather, and every write step's size), so that a later take
+        of that size compiles nothing whatever the tier then holds."""
+        pages = self._pages[self.layout.heads(kind)]
+        shape = (self.layout.heads(kind), size, self.layout.head_dim)
+        table = np.zeros((2, size), np.int32)
+        with self._device_lock:
+            self._compile_writes(pages)
+            for staged in (_zeros(shape, self.layout.np_dtype),
+                           jax.device_put(np.zeros(shape, self.layout.np_dtype), self.device)):
+                jax.block_until_ready(_gather(pages.array, table, staged))
+        self._compiled.add((kind, size))
+
+    def _compile_writes(self, pages: _Pages) -> None:
+        """Every write step's size for this page array, each writing nothing."""
+        for n in WRITE_BUCKETS:
+            if (pages.array.shape, n) not in self._compiled:
+                empty = np.full(n, pages.array.shape[0], np.int32)  # every slot out of range: nothing written
+                data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), self.layout.np_dtype), self.device)
+                pages.array = _write(pages.array, empty, data)
+                self._compiled.add((pages.array.shape, n))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(shape, dtype):
+    return jnp.zeros(shape, dtype)
