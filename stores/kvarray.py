@@ -5,7 +5,7 @@ chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches e
 
 Writes go through the zarr arrays. Reads fetch the chunk files themselves from the same TensorStore kvstore: with the
 `bytes` codec a chunk file holds exactly the chunk's little-endian elements, so the hot path skips the array
-driver's per-read indexing and decoding (a read costs about a quarter of the host time it does through a view).
+driver's per-read indexing and decoding.
 """
 
 from __future__ import annotations
