@@ -209,6 +209,32 @@ def test_itf_falls_back_when_probe_heads_disagree(model):
         assert r.layers["jaccard"][layer] >= 1.0 - 1e-6
 
 
+def test_a_fallback_layer_reads_no_keys_when_the_probe_keys_are_every_kv_head(model):
+    """ITF's fallback scores every head on all keys. When the probe heads' keys are every KV head's (tiny-llama: 2 KV
+    heads under 3 probe heads) they are those keys, so the layer reads no K, with the same logits as reading them;
+    otherwise (tiny-opt: 3 of 4 KV heads) it reads K."""
+    req = _request(model, prefix_len=96, seed=5)
+    config = EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0, trace=True)
+    runs = {}
+    for reuse in (True, False):
+        engine = Engine(model, make_system("impress", alpha=0.0), _store(model), config)
+        engine.warm(req.prefix)
+        engine.probe_is_k = engine.probe_is_k and reuse
+        reads, read_chunks = [], engine.store.read_chunks
+
+        def recording(layer, kind, chunks, **kw):
+            reads.append((layer, kind))
+            return read_chunks(layer, kind, chunks, **kw)
+
+        engine.store.read_chunks = recording
+        runs[reuse] = engine.run(req), {layer for layer, kind in reads if kind == K}
+    (r, k_layers), (plain, plain_k_layers) = runs[True], runs[False]
+    fell_back = {layer for layer, f in enumerate(r.layers["fallback"]) if f}
+    assert fell_back and plain_k_layers == fell_back
+    assert k_layers == (set() if model.config.num_kv_heads == 2 else fell_back)
+    np.testing.assert_allclose(r.first_token_logits, plain.first_token_logits, atol=TOL, rtol=0)
+
+
 def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     """A large alpha makes t ~ 0, so every layer shares one set: probe keys + k of m tokens' K and V are read."""
     req = _request(model, prefix_len=128, seed=7)

@@ -53,9 +53,10 @@ class H2O:
 
     certain_reads = (K,)
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
+    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap, keys=None):
+        """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
         m, m_pad = io.m, io.m_pad
-        keys = io.take_all(layer, K)
+        keys = io.take_all(layer, K) if keys is None else keys
         scores = _every_head_scores(engine, io, q, keys, own_k, n)
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
@@ -82,8 +83,9 @@ class ITF(H2O):
                                 kv_heads=tuple(map(int, engine.probe_kv)))
         state, shared, use_shared = io.clock.timed(
             "identify", st.itf_select, state, layer, scores, k, m, engine.system.alpha, k_cap=k_cap)
-        if not bool(use_shared):
-            return super().select(engine, io, state, layer, q, own_k, n, k, k_cap)
+        if not bool(use_shared):  # all keys: the probe keys already are, when they are every KV head's
+            return super().select(engine, io, state, layer, q, own_k, n, k, k_cap,
+                                  keys=probe_k if engine.probe_is_k else None)
         chosen = np.asarray(shared)[:k]
         keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
         selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
