@@ -18,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from specjax.models.inference import padded
 from specjax.stores.caches import DEVICE, TieredCache
 from specjax.stores.pool import DevicePool
 from specjax.stores.store import ChunkRead, KVStore, Locations, Match
@@ -223,8 +224,6 @@ class Prefetcher:
         device tier keeps it, else from one host buffer of those rows (zeros after the requested ones)."""
         lay = self.store.layout
         slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: from the host buffer
-        at = np.zeros(size, np.int64)
-        at[:len(offsets)] = offsets
         staged, pinned = None, []
         try:
             for key, array, rows in sources:
@@ -236,7 +235,7 @@ class Prefetcher:
                 if staged is None:
                     staged = np.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
                 staged[:, rows] = array[:, offsets[rows]]
-            return self.pool.gather(kind, slots, at, staged)
+            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged)
         finally:
             self.pool.unpin(kind, pinned)
 

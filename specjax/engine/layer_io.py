@@ -70,14 +70,19 @@ class LayerIO:
             loc = self._locations[key] = self.engine.store.locate(self.match, positions, layer)
         return loc
 
+    def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
+        """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate`."""
+        chunks = self.locate(layer, positions).unique_chunks()
+        return self.engine.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
+
     # what the system reads for a layer before it is needed
     def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
-        pf, kind = self.engine.prefetcher, self.engine.system.prefetch
+        kind = self.engine.system.prefetch
         if layer >= self.engine.cfg.num_layers or kind == "none":
             return
         if kind == "periods":
             if previous is None:  # the first period's keys; plan_period reads ahead for every later layer
-                pf.request(self.match, layer, K, self.all_positions)
+                self._request(layer, K, self.all_positions)
             return
         self._request_certain(layer, speculative=False)
 
@@ -87,7 +92,7 @@ class LayerIO:
         if self.engine.system.prefetch in ("none", "periods"):
             return
         for kind in self.engine.system.certain_reads:
-            self.engine.prefetcher.request(self.match, layer, kind, self.all_positions, speculative=speculative)
+            self._request(layer, kind, self.all_positions, speculative=speculative)
 
     def _chunks_of_all(self, layer: int) -> np.ndarray:
         """The chunk of each of the request's positions at `layer`."""
@@ -116,15 +121,15 @@ class LayerIO:
         tickets = []
         for layer in range(first, min(first + p, num_layers)):
             for kind in (V,) if layer == first else (K, V):
-                ticket = pf.request(self.match, layer, kind, chosen)
+                ticket = self._request(layer, kind, chosen)
                 if layer < first + sp:
                     tickets.append(ticket)
         following = first + p
         if following < num_layers:
-            pf.request(self.match, following, K, self.all_positions)
+            self._request(following, K, self.all_positions)
             for layer in range(following, min(following + p, num_layers)):
                 for kind in (V,) if layer == following else (K, V):
-                    pf.request(self.match, layer, kind, chosen, speculative=True)
+                    self._request(layer, kind, chosen, speculative=True)
                 self.prefetched[layer] = chosen
         self.clock.timed("kv_io_stall", pf.wait, tickets)
 
@@ -133,7 +138,7 @@ class LayerIO:
         cache = self.engine.cache
         if cache is None or self.period_importance is None:
             return
-        chunks = self.engine.store.locate(self.match, positions, layer).chunks
+        chunks = self.locate(layer, positions).chunks
         for chunk in np.unique(chunks):
             importance = self.period_importance[positions[chunks == chunk]].sum()
             cache.feedback((layer, kind, int(chunk)), importance=float(importance))
