@@ -149,8 +149,10 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
         entry["itf"] = {"fallback_ratio": _ratio(get("itf_fallbacks"), get("itf_layers")),
                         "mean_jaccard": _ratio(get("jaccard_sum"), get("itf_layers"))}
     if get("prefetch_issued") or get("prefetch_needed"):
-        entry["prefetch"] = {"precision": _ratio(get("prefetch_used"), get("prefetch_issued")),
-                             "recall": _ratio(get("prefetch_used"), get("prefetch_needed"))}
+        entry["prefetch"] = {"precision": _ratio(get("prefetch_used"), get("prefetch_ahead")),
+                             "recall": _ratio(get("prefetch_used"), get("prefetch_needed")),
+                             # beyond the contract: how much of the sets the guess named, read ahead or not
+                             "guess_recall": _ratio(get("prefetch_guess_hits"), get("prefetch_needed"))}
     if "computed_prefix_tokens" in totals:  # cake: where computing from the front met loading from the back
         entry["split"] = _split(outs, get)
     layers = _mean_layers(outs)
@@ -227,6 +229,14 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _prefetch_cell(pf: dict | None) -> str:
+    """precision / recall / guess recall; results written before guess_recall was counted have only the first two."""
+    if not pf:
+        return "-"
+    return " / ".join(f"{pf[k]:.2f}" if pf.get(k) is not None else "-"
+                      for k in ("precision", "recall", "guess_recall"))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -300,9 +310,9 @@ def markdown(results: dict) -> str:
         rows.append([k, _fmt_bytes(io["disk_bytes"]), _fmt_bytes(io["host_to_device_bytes"]), str(io["chunks_read"]),
                      f"{io['read_amplification']:.2f}", f"{c['device_hit_ratio']:.2f}", f"{c['host_hit_ratio']:.2f}",
                      f"{itf['fallback_ratio']:.2f} / {itf['mean_jaccard']:.2f}" if itf else "-",
-                     f"{pf['precision']:.2f} / {pf['recall']:.2f}" if pf else "-"])
+                     _prefetch_cell(pf)])
     out.append(_table(["system", "disk read", "host->device", "chunks read", "read ampl.", "device hit", "host hit",
-                       "ITF fallback / Jaccard", "prefetch precision / recall"], rows))
+                       "ITF fallback / Jaccard", "prefetch precision / recall / guess recall"], rows))
     out += ["", "## Reads, transfers and compiles (means per timed request; compiles: total)", ""]
     out.append(_table(["system", "read requests", "bytes per read", "host->device transfers", "compiles timed"], [
         [k, f"{s['io']['read_requests_per_request']:.1f}",

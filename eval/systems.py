@@ -32,7 +32,8 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   read_amplification = disk_bytes / used_token_bytes     (bytes read / bytes of tokens used)
 #   device_hit_ratio = device_hits / cache_lookups; host_hit_ratio = host_hits / cache_lookups
 #   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
-#   prefetch precision = prefetch_used / prefetch_issued; recall = prefetch_used / prefetch_needed
+#   prefetch precision = prefetch_used / prefetch_ahead; recall = prefetch_used / prefetch_needed;
+#   guess_recall = prefetch_guess_hits / prefetch_needed (specjax.engine.speculation.prefetch_report)
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
@@ -40,7 +41,7 @@ COUNTER_KEYS = (
     "disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests", "host_to_device_transfers",
     "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
-    "prefetch_issued", "prefetch_used", "prefetch_needed",
+    "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
     "computed_prefix_tokens", "compilations",
 )

@@ -152,13 +152,14 @@ class KVArrays:
         return self._kv[layer, kind, :, first_slot:last_slot]
 
     def _chunk_key(self, layer: int, kind: int, chunk: int) -> bytes:
-        index = (layer, 0, chunk, 0) if kind == PROBE else (layer, kind, 0, chunk, 0)
-        return ("c/" + "/".join(map(str, index))).encode()
+        return (f"c/{layer}/0/{chunk}/0" if kind == PROBE else f"c/{layer}/{kind}/0/{chunk}/0").encode()
 
-    def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False) -> Read:
-        """Queue one read of `n_chunks` adjacent chunks; its future resolves with their arrays, each `[heads,
-        chunk_tokens, head_dim]`, once the scheduler has issued it and (on an emulated disk) its bytes have crossed
-        the link. It fails if a chunk file has the wrong size; a missing file reads as zeros (zarr's fill value)."""
+    def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False,
+                 background: bool = False) -> Read:
+        """Queue one read of `n_chunks` adjacent chunks (at the scheduler's priority `speculative` / `background`);
+        its future resolves with their arrays, each `[heads, chunk_tokens, head_dim]`, once the scheduler has issued
+        it and (on an emulated disk) its bytes have crossed the link. It fails if a chunk file has the wrong size; a
+        missing file reads as zeros (zarr's fill value)."""
         files = self._files[kind]
         keys = [self._chunk_key(layer, kind, first_chunk + j) for j in range(n_chunks)]
 
@@ -166,7 +167,7 @@ class KVArrays:
             return when_all([files.read(key) for key in keys], lambda results: [
                 self._decode(kind, key, r) for key, r in zip(keys, results)])
 
-        return self.scheduler.submit(Read(issue, n_chunks * self.layout.chunk_nbytes(kind), speculative))
+        return self.scheduler.submit(Read(issue, n_chunks * self.layout.chunk_nbytes(kind), speculative, background))
 
     def _decode(self, kind: int, key: bytes, result) -> np.ndarray:
         lay = self.layout

@@ -74,10 +74,10 @@ class Prefetcher:
     def buffered_bytes(self) -> int:
         return self._buffered
 
-    def _hold(self, layer: int, kind: int, chunks, demand: bool) -> list:
-        """Hold the reads of (layer, kind, chunk) for `chunks`, issuing those not in flight as coalesced reads;
-        speculative reads respect the buffer bound, and a demand for a speculative read in flight expedites it.
-        Returns the keys held."""
+    def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> list:
+        """Hold the reads of (layer, kind, chunk) for `chunks`, issuing those not in flight as coalesced reads
+        (speculative ones `background` at the disk if asked); speculative reads respect the buffer bound, and a
+        demand for a speculative read in flight expedites it. Returns the keys held."""
         held, new = [], []
         nbytes = self.store.layout.chunk_nbytes(kind)
         for c in chunks:
@@ -93,7 +93,8 @@ class Prefetcher:
                     self.store.expedite(entry.read)
                 entry.holders += 1
                 held.append(key)
-        for read in self.store.read_chunks(layer, kind, new, speculative=not demand) if new else ():
+        reads = self.store.read_chunks(layer, kind, new, speculative=not demand, background=background) if new else ()
+        for read in reads:
             key = (layer, kind, read.chunk)
             self._entries[key] = _Entry(read, nbytes, speculative=not demand, holders=1)
             self._buffered += nbytes
@@ -126,16 +127,22 @@ class Prefetcher:
             self.cache.admit(key, array)
 
     def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
-                speculative: bool = False) -> Ticket:
+                speculative: bool = False, background=()) -> Ticket:
         """Start reading the chunks of `positions` (or the chunk ids `chunks`, already located) not already cached;
-        returns immediately. A new request for the same (layer, kind) supersedes earlier speculative ones (their
-        unshared reads are dropped)."""
+        returns immediately. With `speculative`, the chunk ids `background` are read too, but only while the disk
+        has nothing else to do (stores.scheduler). A new request for the same (layer, kind) supersedes earlier
+        speculative ones (their unshared reads are dropped)."""
+        if len(background) and not speculative:
+            raise ValueError("background reads are speculative")
         if chunks is None:
             chunks = self.store.locate(match, positions, layer).unique_chunks()
         if self.cache is not None:
             chunks = [c for c in chunks if self.cache.where((layer, kind, int(c))) is None]
+            background = [c for c in background if self.cache.where((layer, kind, int(c))) is None]
         with self._lock:
             keys = self._hold(layer, kind, chunks, demand=not speculative)
+            if len(background):
+                keys += self._hold(layer, kind, background, demand=False, background=True)
             ticket = Ticket(layer, kind, keys, speculative)
             open_tickets = self._tickets.setdefault((layer, kind), [])
             for old in [t for t in open_tickets if t.speculative]:
@@ -154,6 +161,18 @@ class Prefetcher:
     def cancel(self, ticket: Ticket) -> None:
         with self._lock:
             self._cancel_locked(ticket)
+
+    def ahead(self, layer: int, kind: int, chunks) -> np.ndarray:
+        """Per chunk of (layer, kind): is it on its way already, held by a cache tier or its read asked of the disk?
+        (False: a take now would have to read it, or expedite a read still waiting in the disk's queue.)"""
+        with self._lock:
+            out = []
+            for c in chunks:
+                key = (layer, kind, int(c))
+                entry = self._entries.get(key)
+                out.append((self.cache is not None and self.cache.where(key) is not None)
+                           or (entry is not None and not self.store.waiting(entry.read)))
+        return np.asarray(out, bool)
 
     def wait(self, tickets, timeout: float | None = None) -> bool:
         """Block until every read the tickets started has landed (at most `timeout` seconds); True if they have.

@@ -72,11 +72,13 @@ class ChunkReads:
         """The disk's read queue (stores.scheduler): its measured rate, what waits in it."""
         return self._arrays.scheduler
 
-    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False) -> list[ChunkRead]:
+    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False,
+                    background: bool = False) -> list[ChunkRead]:
         """Read chunks of one layer and kind: runs of adjacent ids go to the disk as one read (at most
-        `max_read_bytes`, by default as large as the disk's scheduler allows). Each `ChunkRead.future` resolves
-        with its verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is
-        cancelled if its read was withdrawn unread."""
+        `max_read_bytes`, by default as large as the disk's scheduler allows), at the scheduler's priority
+        `speculative` / `background` (stores.scheduler). Each `ChunkRead.future` resolves with its verified chunk
+        `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its read was
+        withdrawn unread."""
         chunks = [int(c) for c in chunks]
         expected = {c: self._expected_checksum(layer, kind, c) for c in chunks}
         for c, e in expected.items():
@@ -85,7 +87,7 @@ class ChunkReads:
         reads = []
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
         for first, n in _runs(chunks, max(1, max_bytes // self.layout.chunk_nbytes(kind))):
-            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative), n)
+            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative, background=background), n)
             parts = [ChunkRead(layer, kind, first + j, run) for j in range(n)]
             run.read.future.add_done_callback(functools.partial(self._verify, parts, expected))
             reads += parts
@@ -125,6 +127,10 @@ class ChunkReads:
     def expedite(self, read: ChunkRead) -> None:
         """A speculative read is needed now: its run joins the disk's demand queue (if it has not been issued)."""
         self._arrays.scheduler.expedite(read.run.read)
+
+    def waiting(self, read: ChunkRead) -> bool:
+        """Is the chunk's read still queued, not yet asked of the disk?"""
+        return self._arrays.scheduler.waiting(read.run.read)
 
     def withdraw(self, read: ChunkRead) -> None:
         """A speculative chunk is no longer wanted; once no chunk of its run is, a run not yet issued is dropped

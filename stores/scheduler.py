@@ -4,6 +4,9 @@ rate measured online. An emulated disk (`bytes_per_s`) is a bandwidth model insi
 A read waits in the queue until the bytes in flight leave room for it; only then is it issued to the disk. So a
 speculative read that is superseded while it waits (`withdraw`) is never read, and one that becomes needed
 (`expedite`) joins the demand queue. A read already issued is never interrupted.
+
+A speculative read may be `background`: it is issued only when the disk would otherwise idle (nothing in flight,
+nothing else queued), so it never holds back another read by more than one read's time.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ class Read:
     issue: Callable[[], concurrent.futures.Future]
     nbytes: int
     speculative: bool
+    background: bool = False  # speculative, and issued only while the disk has nothing else to do
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     state: str = QUEUED
     deliver_at: float = 0.0  # emulated link: monotonic time its bytes have crossed
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)  # when it joined the queue
 
 
 class ReadScheduler:
@@ -51,6 +56,7 @@ class ReadScheduler:
         self.bytes_per_s = bytes_per_s
         self._demand: collections.deque = collections.deque()
         self._speculative: collections.deque = collections.deque()
+        self._background: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._inflight = 0          # reads issued, not yet delivered
         self._inflight_bytes = 0
@@ -63,35 +69,55 @@ class ReadScheduler:
     # -- the queue -----------------------------------------------------------------------------
 
     def submit(self, read: Read) -> Read:
+        if read.background and not read.speculative:
+            raise ValueError("a background read must be speculative")
         with self._lock:
-            (self._speculative if read.speculative else self._demand).append(read)
+            self._queue_of(read).append(read)
             ready = self._take_ready()
         self._issue(ready)
         return read
+
+    def _queue_of(self, read: Read) -> collections.deque:
+        if not read.speculative:
+            return self._demand
+        return self._background if read.background else self._speculative
 
     def expedite(self, read: Read) -> None:
         """The read is needed now: a queued speculative read joins the demand queue."""
         with self._lock:
             if read.speculative and read.state == QUEUED:
-                self._speculative.remove(read)
+                self._queue_of(read).remove(read)
                 self._demand.append(read)
-            read.speculative = False
+            read.speculative = read.background = False
+            ready = self._take_ready()
+        self._issue(ready)
 
     def withdraw(self, read: Read) -> bool:
         """Drop a speculative read that has not been issued (its future is cancelled); False if it was issued."""
         with self._lock:
             if not (read.speculative and read.state == QUEUED):
                 return False
-            self._speculative.remove(read)
+            self._queue_of(read).remove(read)
             read.state = WITHDRAWN
         read.future.cancel()
         return True
 
+    def waiting(self, read: Read) -> bool:
+        """Is the read still in the queue (not issued to the disk, not withdrawn)?"""
+        return read.state == QUEUED
+
+    def _next_queue(self) -> collections.deque | None:
+        """The queue whose head goes next: demand, then speculative, then background once the disk is idle."""
+        if self._demand or self._speculative:
+            return self._demand or self._speculative
+        if self._background and self._inflight == 0:
+            return self._background
+        return None
+
     def _take_ready(self) -> list[Read]:
         """Reads to issue now, in priority order, within the in-flight bound (called with the lock held)."""
         ready = []
-        while self._demand or self._speculative:
-            queue = self._demand or self._speculative
+        while (queue := self._next_queue()) is not None:
             read = queue[0]
             if self._inflight and self._inflight_bytes + read.nbytes > self.max_inflight_bytes:
                 break
@@ -102,7 +128,9 @@ class ReadScheduler:
             self._inflight += 1
             self._inflight_bytes += read.nbytes
             if self.bytes_per_s:
-                start = max(time.monotonic(), self._link_free_at)
+                # The link moves queued reads back to back, as a device working through its queue: a read
+                # waiting when the previous one's bytes crossed starts then, not when the host got to it.
+                start = max(read.queued_at, self._link_free_at)
                 self._link_free_at = read.deliver_at = start + read.nbytes / self.bytes_per_s
             ready.append(read)
         return ready
@@ -157,6 +185,7 @@ class ReadScheduler:
         return MAX_READ_BYTES if rate is None else int(min(MAX_READ_BYTES, rate * MAX_READ_S))
 
     def queued_bytes(self) -> int:
+        """Bytes of demand and speculative reads waiting: what a new speculative read queues behind."""
         with self._lock:
             return sum(r.nbytes for r in self._demand) + sum(r.nbytes for r in self._speculative)
 

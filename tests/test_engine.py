@@ -235,6 +235,32 @@ def test_a_fallback_layer_reads_no_keys_when_the_probe_keys_are_every_kv_head(mo
     np.testing.assert_allclose(r.first_token_logits, plain.first_token_logits, atol=TOL, rtol=0)
 
 
+def test_a_shared_set_reads_no_keys_when_the_probe_keys_are_every_kv_head(model):
+    """On the shared path too, probe keys that are every KV head's are the layer's K: spec gathers the set's keys
+    from them and reads (and speculates) only V, with the same logits as reading K; tiny-opt reads K."""
+    req = _request(model, prefix_len=128, seed=7)
+    runs = {}
+    for reuse in (True, False):
+        engine = Engine(model, make_system("spec", alpha=50.0), _store(model),
+                        EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
+        engine.warm(req.prefix)
+        engine.probe_is_k = engine.probe_is_k and reuse
+        reads, read_chunks = [], engine.store.read_chunks
+
+        def recording(layer, kind, chunks, **kw):
+            reads.append((kind, bool(kw.get("speculative"))))
+            return read_chunks(layer, kind, chunks, **kw)
+
+        engine.store.read_chunks = recording
+        runs[reuse] = engine.run(req), reads
+    (r, reads), (plain, plain_reads) = runs[True], runs[False]
+    assert not any(r.layers["fallback"])
+    assert (K, False) in plain_reads and (K, True) in plain_reads  # taken and speculated
+    assert ((K, False) in reads) == ((K, True) in reads) == (model.config.num_kv_heads != 2)
+    assert (V, True) in reads and r.prefetch["prefetch_used"] > 0
+    np.testing.assert_allclose(r.first_token_logits, plain.first_token_logits, atol=TOL, rtol=0)
+
+
 def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     """A large alpha makes t ~ 0, so every layer shares one set: probe keys + k of m tokens' K and V are read."""
     req = _request(model, prefix_len=128, seed=7)
@@ -246,7 +272,8 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     assert not any(spec.layers["fallback"])
     probe_heads = len(engine.probe_kv)
     per_token_head = cfg.head_dim * 4  # float32
-    expected = cfg.num_layers * per_token_head * (probe_heads * m + 2 * cfg.num_kv_heads * k)
+    kinds = 1 if engine.probe_is_k else 2  # V, and K unless the probe keys are every KV head's K
+    expected = cfg.num_layers * per_token_head * (probe_heads * m + kinds * cfg.num_kv_heads * k)
     assert spec.io["used_token_bytes"] == expected < full.io["used_token_bytes"]
     p = spec.prefetch
     # Layers 1..L-1 were guessed from the previous layer's set: with no reordering, every token of the
@@ -255,10 +282,31 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     guessed = [np.unique(prev // c) for prev in sets[:-1]]
     assert p["prefetch_issued"] == c * sum(len(g) for g in guessed)
     assert p["prefetch_needed"] == (cfg.num_layers - 1) * k
-    assert p["prefetch_used"] == sum(np.isin(cur // c, g).sum() for g, cur in zip(guessed, sets[1:]))
-    assert p["precision"] == pytest.approx(p["prefetch_used"] / p["prefetch_issued"])
+    assert p["prefetch_guess_hits"] == sum(np.isin(cur // c, g).sum() for g, cur in zip(guessed, sets[1:]))
+    assert p["prefetch_used"] <= p["prefetch_guess_hits"] and p["prefetch_ahead"] <= p["prefetch_issued"]
+    assert p["precision"] == pytest.approx(p["prefetch_used"] / max(p["prefetch_ahead"], 1))
     assert p["recall"] == pytest.approx(p["prefetch_used"] / p["prefetch_needed"])
     assert all(len(np.intersect1d(a, b)) <= k for a, b in zip(spec.selections, spec.selections[1:]))
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_prefetch_counts_as_read_ahead_only_what_was_on_its_way_when_the_layer_took_it(model, late):
+    """A guessed token whose V chunk still waited in the disk's queue when its layer took its V was not read ahead:
+    the guess named it (guess_hits), but it is neither `ahead` nor `used`; precision and recall count what was."""
+    req = _request(model, prefix_len=128, seed=7)
+    engine = Engine(model, make_system("spec", alpha=50.0), _store(model),
+                    EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
+    engine.warm(req.prefix)
+    ahead = engine.prefetcher.ahead
+    engine.prefetcher.ahead = lambda layer, kind, chunks: (
+        np.zeros(len(chunks), bool) if late and kind == V else np.ones(len(chunks), bool))
+    p = engine.run(req).prefetch
+    engine.prefetcher.ahead = ahead
+    assert p["prefetch_guess_hits"] > 0
+    assert p["prefetch_ahead"] == (0 if late else p["prefetch_issued"])
+    assert p["prefetch_used"] == (0 if late else p["prefetch_guess_hits"])
+    assert p["recall"] == pytest.approx(p["prefetch_used"] / p["prefetch_needed"])
+    assert p["guess_recall"] == pytest.approx(p["prefetch_guess_hits"] / p["prefetch_needed"])
 
 
 @pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,))])
@@ -381,6 +429,11 @@ def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(
     assert speculator.budget_bytes() == pytest.approx(rate * speculator.window_s, rel=0.05, abs=pair)
     speculator.window_s = None
     assert speculator.budget_bytes() == math.inf
+    speculator.budget_bytes = lambda: 2.5 * pair  # what does not fit is read in the background, in rank order
+    locate = _locator(engine.store, match)
+    now, background = speculator.chunks(locate, 2, previous)
+    likely = ranked[speculator.usage.likely(2, ranked)]
+    assert len(now) == 2 and np.concatenate([now, background]).tolist() == likely.tolist()
     match.close()
 
 
@@ -418,8 +471,9 @@ def test_spec_records_what_each_layer_needed_and_does_not_speculate_what_it_neve
     for _ in range(2):
         usage.record(layer, matched, [int(c) for c in matched if int(c) != dropped])
     engine.speculator.window_s = None  # no disk budget: only the records decide
-    chosen = engine.speculator.chunks(_locator(store, match), layer, previous).tolist()
-    assert dropped not in chosen
+    chosen, background = engine.speculator.chunks(_locator(store, match), layer, previous)
+    chosen = chosen.tolist()
+    assert dropped not in chosen and len(background) == 0
     likely = [int(c) for c in ranked if 2 * (usage.counts(layer, int(c))[1] + 1) >= usage.counts(layer, int(c))[0] + 2]
     assert chosen == likely and len(likely) == len(ranked) - 1  # the others were needed each time
     match.close()

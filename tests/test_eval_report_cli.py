@@ -79,8 +79,8 @@ class _FakeRetentionSystem(PlainRecompute):
         r = self.settings.retention
         out.choice_logprobs[request.gold] -= (1 - r) * 3
         out.counters.update(disk_bytes=1000, used_token_bytes=400, cache_lookups=10, device_hits=6, host_hits=3,
-                            itf_layers=2, itf_fallbacks=1, jaccard_sum=1.2, prefetch_issued=10, prefetch_used=8,
-                            prefetch_needed=9)
+                            itf_layers=2, itf_fallbacks=1, jaccard_sum=1.2, prefetch_issued=12, prefetch_ahead=10,
+                            prefetch_used=8, prefetch_needed=9, prefetch_guess_hits=9)
         out.layers = {"retained": [r, r / 2], "fallback": [0.0, 1.0]}
         return out
 
@@ -101,6 +101,7 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     assert s["cache"] == {"device_hit_ratio": 0.6, "host_hit_ratio": 0.3}
     assert s["itf"] == {"fallback_ratio": 0.5, "mean_jaccard": pytest.approx(0.6)}
     assert s["prefetch"]["precision"] == pytest.approx(0.8) and s["paired_vs_recompute"]["n"] == 8
+    assert s["prefetch"]["recall"] == pytest.approx(8 / 9) and s["prefetch"]["guess_recall"] == pytest.approx(1.0)
     names = {p.name for p in report.write_all(results, tmp_path / "out")}
     assert {"accuracy_vs_retention.png", "layers.png", "tradeoff.png"} <= names
     md = (tmp_path / "out" / "results.md").read_text()

@@ -283,6 +283,36 @@ def test_prefetcher_withdraws_superseded_speculation_before_it_is_read(slow_stor
     m.close()
 
 
+def test_background_speculation_waits_for_an_idle_link_and_is_not_ahead_until_asked_of_the_disk(slow_store):
+    """The guess beyond the disk's budget is read in the background: behind every other read, issued only when
+    the link idles. A chunk still waiting is not `ahead` (a take expedites it: it was not read ahead); the rest,
+    not needed, are withdrawn unread when the take is done."""
+    store, tokens, kv = slow_store
+    prefetcher = Prefetcher(store, None)
+    m = store.match(tokens)
+    chunks = store.locate(m, np.arange(200), 1).unique_chunks()  # 13 chunks
+    prefetcher.compile_assembly(V, 1)  # the takes below then take no compile time
+    prefetcher.compile_assembly(K, 2)
+    prefetcher.request(m, 1, K, chunks=chunks[:1], background=chunks[1:], speculative=True)
+    prefetcher.request(m, 0, V, [0], speculative=True)  # queued later, read before every background chunk
+    time.sleep(0.15)  # the link has moved layer 1's chunk 0 (by 50 ms), then layer 0's V chunk (by 100 ms)
+    v_chunk = store.locate(m, [0], 0).chunks
+    assert prefetcher.ahead(0, V, v_chunk).tolist() == [True]
+    first = prefetcher.take(m, 0, V, [0])
+    assert first.waited_ms < 40
+    assert prefetcher.ahead(1, K, chunks[[0, 12]]).tolist() == [True, False]  # chunk 12 still waits
+    taken = prefetcher.take(m, 1, K, [0, 199])
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[1][K][:, [0, 199]])
+    time.sleep(0.5)  # long enough for the other background chunks to cross, had they stayed queued
+    # layer 1's chunk 0, layer 0's V chunk, layer 1's chunk 12, and the few background chunks the idle link took
+    # (one at a time: chunks 1 to 3 by 250 ms) before the take withdrew the rest: not all 12
+    assert store.metrics.snapshot()["chunks_read"] <= 7
+    with pytest.raises(ValueError, match="speculative"):
+        prefetcher.request(m, 1, K, chunks=chunks[:1], background=chunks[1:2])
+    prefetcher.close()
+    m.close()
+
+
 def test_take_moves_a_layers_chunks_in_one_copy_and_reads_device_hits_from_their_pages(filled_store):
     """However many chunks a take reads from disk, one host->device copy moves them: the needed vectors when the
     device tier keeps none (4 bytes x 8 per vector), the whole chunks as pages when it keeps them all (13 chunks,

@@ -8,6 +8,7 @@ prefix tokens' KV behind. A `System` decides what each layer loads; the loop is 
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import jax
@@ -89,7 +90,7 @@ class Engine:
         # keys a layer reads are then its K, and a layer that needs all keys reads no more
         self.probe_is_k = tuple(probe_kv) == tuple(range(self.cfg.num_kv_heads))
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
-        self.cache = self.prefetcher = self.speculator = None
+        self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self.requests_run = 0
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = self.place_kv(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
@@ -98,6 +99,8 @@ class Engine:
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
                                      metrics=store.metrics)
             self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
+            # queues each layer's reads ahead (LayerIO._read_ahead_of) while the request's thread goes on
+            self.io_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-read-ahead")
             if system.prefetch == "speculative":
                 self.speculator = Speculator(store, self.cache)
 

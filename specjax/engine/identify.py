@@ -2,7 +2,8 @@
 identification a `System` names (`System.identify`).
 
 Each policy declares `certain_reads`, the store kinds a layer reads whatever it then selects (what `certain`
-prefetch reads one layer ahead), and `select`, which reads through the request's `LayerIO`, updates the
+prefetch reads one layer ahead), `selection_reads(engine)`, the kinds it reads for the tokens it selects (what
+speculation reads ahead), and `select`, which reads through the request's `LayerIO`, updates the
 `ImportanceState` and returns the layer's prefix KV with its selection:
 
     (state, prefix_k, prefix_v, selection, importance of R [m], chosen positions of R [1 or H, k])
@@ -40,6 +41,9 @@ class LoadAll:
 
     certain_reads = (K, V)
 
+    def selection_reads(self, engine: Engine) -> tuple:
+        return ()
+
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m, m_pad = io.m, io.m_pad
         keys, values = io.take_all(layer, K), io.take_all(layer, V)
@@ -52,6 +56,9 @@ class H2O:
     """Per-head H2O (AS+H2O): every head's scores from all keys, then the values of each head's top-k."""
 
     certain_reads = (K,)
+
+    def selection_reads(self, engine: Engine) -> tuple:
+        return (V,)
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap, keys=None):
         """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
@@ -71,9 +78,15 @@ class H2O:
 class ITF(H2O):
     """SPEC's similarity-guided identification (design 4.2): the probe heads' keys score the prefix; if the probe
     heads agree (mean pairwise Jaccard >= t = j ** alpha) every head takes their shared top-k and only its K/V
-    are read; otherwise the layer falls back to per-head H2O."""
+    are read; otherwise the layer falls back to per-head H2O.
+
+    When the probe keys are every KV head's (`Engine.probe_is_k`: a grouped-query model with few KV heads, such
+    as smollm2's 3), they are the layer's K: the shared set's keys are gathered from them, and only its V read."""
 
     certain_reads = (PROBE,)
+
+    def selection_reads(self, engine: Engine) -> tuple:
+        return (V,) if engine.probe_is_k else (K, V)
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m = io.m
@@ -87,7 +100,11 @@ class ITF(H2O):
             return super().select(engine, io, state, layer, q, own_k, n, k, k_cap,
                                   keys=probe_k if engine.probe_is_k else None)
         chosen = np.asarray(shared)[:k]
-        keys, values = io.take(layer, K, chosen, k_cap), io.take(layer, V, chosen, k_cap)
+        if engine.probe_is_k:  # the probe keys' rows are positions of R, as `take` would give them
+            keys = S.gather_tokens(probe_k, jnp.asarray(padded(chosen, k_cap, io.m_pad)))
+        else:
+            keys = io.take(layer, K, chosen, k_cap)
+        values = io.take(layer, V, chosen, k_cap)
         selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
         return state, keys, values, selection, S.normalised_importance(scores, m), chosen[None]
 
@@ -98,6 +115,9 @@ class Chunks:
     plans every read, so nothing is certain ahead of it)."""
 
     certain_reads = ()
+
+    def selection_reads(self, engine: Engine) -> tuple:
+        return (K, V)
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         c, m, m_pad = engine.store.layout.chunk_tokens, io.m, io.m_pad

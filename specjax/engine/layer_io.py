@@ -55,10 +55,12 @@ class LayerIO:
         self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
         self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
         self.prefetched: dict[int, np.ndarray] = {}
-        self.stats = {"issued": 0, "needed": 0, "used": 0}  # tokens, speculative prefetch (prefetch_report)
+        self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0}  # tokens (prefetch_report)
+        self._behind: dict[int, list] = {}  # layer -> guessed positions not on their way when the layer took them
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
         self._locations: dict = {}  # (layer, positions' bytes) -> Locations (`locate`)
+        self._ahead = None  # the reads the last `after_selection` queues on the engine's I/O worker (a future)
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`, located once per request: a layer's set is taken as K and V, recorded
@@ -146,44 +148,84 @@ class LayerIO:
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
         """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
         which chunks it needed, then queue the next layer's reads while this one computes: its certain reads on
-        demand, the guess of its selection (spec), and the certain reads of the layer after it."""
+        demand, and, off this thread (`_read_ahead_of`), the guess of its selection (spec) and the certain reads of
+        the layer after it."""
+        self._join_ahead()
         if self.engine.speculator is not None:
             self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
                                                 self.locate(layer, chosen).unique_chunks())
         guess = self.prefetched.pop(layer, None)
+        behind = self._behind.pop(layer, [])
         if guess is not None:
-            hit = len(np.intersect1d(guess, chosen, assume_unique=True))
+            ahead = np.setdiff1d(guess, np.concatenate(behind)) if behind else guess
             self.stats["issued"] += len(guess)
+            self.stats["ahead"] += len(ahead)
             self.stats["needed"] += len(chosen)
-            self.stats["used"] += hit
+            self.stats["used"] += len(np.intersect1d(ahead, chosen))
+            self.stats["guess_hits"] += len(np.intersect1d(guess, chosen))
         self._request_ahead(layer + 1, chosen)
-        self._speculate(layer + 1, chosen)
-        self.read_ahead(layer + 2)
+        self._read_ahead_of(layer, chosen)
+
+    def _read_ahead_of(self, layer: int, chosen: np.ndarray) -> None:
+        """The guess of layer + 1's selection and layer + 2's certain reads, issued by the engine's I/O worker while
+        this thread goes on to the next layer: the host work of choosing and queueing them stays off the path to
+        the first token. Joined before the next layer's K/V are taken (`_join_ahead`)."""
+        def ahead():
+            self._speculate(layer + 1, chosen)
+            self.read_ahead(layer + 2)
+
+        if self.engine.io_worker is None:
+            ahead()
+        else:
+            self._ahead = self.engine.io_worker.submit(ahead)
+
+    def _join_ahead(self) -> None:
+        """Wait until the reads queued by the last `after_selection` are issued (re-raising what they raised)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
 
     def _speculate(self, layer: int, previous: np.ndarray) -> None:
         """SPEC's guess of `layer`'s selection from the previous layer's set (specjax.engine.speculation), read at
-        speculative priority; a guessed chunk the layer does not need is withdrawn when its K/V are taken unless
-        the disk has already read it."""
+        speculative priority as far as the disk's budget goes and in the background beyond it; a guessed chunk the
+        layer does not need is withdrawn when its K/V are taken unless the disk has already read it."""
         speculator = self.engine.speculator
         if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous):
             return
         self._window_opened[layer] = time.perf_counter()
-        guess = speculator.chunks(self.locate, layer, previous)  # chunk ids of `layer`
-        for kind in (K, V):
-            self.engine.prefetcher.request(self.match, layer, kind, chunks=guess, speculative=True)
+        kinds = self.engine.identification.selection_reads(self.engine)
+        now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
+        for kind in kinds:
+            self.engine.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
+                                           speculative=True)
+        guess = np.concatenate([now, background])
         self.prefetched[layer] = self.all_positions[np.isin(self._chunks_of_all(layer), guess)]
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
+        if kind != PROBE:  # the layer's guess is issued before its K/V are taken
+            self._join_ahead()
         opened = self._window_opened.pop(layer, None) if kind != PROBE else None
         if opened is not None:
             self.engine.speculator.observe_window(opened)
+        if kind != PROBE and layer in self.prefetched:
+            self._note_behind(layer, kind)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
         return self.engine.place_kv(taken.array)
+
+    def _note_behind(self, layer: int, kind: int) -> None:
+        """The layer's guessed positions whose `kind` chunk is not on its way as the layer takes it: they were not
+        read ahead (`prefetch_report`'s `ahead`)."""
+        guess = self.prefetched[layer]
+        loc = self.locate(layer, guess)
+        chunks = loc.unique_chunks()
+        behind = chunks[~self.engine.prefetcher.ahead(layer, kind, chunks)]
+        if len(behind):
+            self._behind.setdefault(layer, []).append(guess[np.isin(loc.chunks, behind)])
 
     def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
         return self.take(layer, kind, self.all_positions, self.m_pad, phase)
@@ -192,5 +234,8 @@ class LayerIO:
         return prefetch_report(**self.stats)
 
     def close(self) -> None:
-        if self.engine.prefetcher is not None:
-            self.engine.prefetcher.close()
+        try:
+            self._join_ahead()
+        finally:
+            if self.engine.prefetcher is not None:
+                self.engine.prefetcher.close()

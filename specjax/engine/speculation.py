@@ -13,8 +13,10 @@ on a real disk and not only on a slow emulated one:
   (matched + 2): a chunk never seen is read, as is one the layer needed in half its requests or more; one the
   layer has needed in fewer is left to the demand read, as impress reads it. This is SPEC's importance-informed
   idea (the scores that reorder the store and rank the caches) carried into the prefetcher; it needs no setting.
-- **The disk's budget**: only as many of those chunks (best first, cached ones free) as the disk can deliver in
-  the time before the layer's own reads are demanded, from its measured rate and that measured window.
+- **The disk's budget**: as many of those chunks (best first, cached ones free) as the disk can deliver in the
+  time before the layer's own reads are demanded, from its measured rate and that measured window, are read at
+  speculative priority. The rest of the guess is read in the background: only when the disk would otherwise
+  idle, and withdrawn unread if the layer's set does not need it (stores.scheduler).
 """
 
 from __future__ import annotations
@@ -87,12 +89,14 @@ class Speculator:
         self.window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
         store.on_free(self.usage.forget)
 
-    def chunks(self, locate, layer: int, previous: np.ndarray) -> np.ndarray:
-        """The chunks of `layer` to read ahead: the guess's chunks that their record says are likely needed,
-        best first, as many as the disk's budget holds (`locate` as for `ranking`)."""
+    def chunks(self, locate, layer: int, previous: np.ndarray, kinds=(K, V)) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks of `layer` to read ahead, (now, background): the guess's chunks that their record says are
+        likely needed, best first, split where the disk's budget for their `kinds` ends (`locate` as for
+        `ranking`)."""
         ranked, _ = ranking(locate, layer, previous)
         ranked = ranked[self.usage.likely(layer, ranked)]
-        return self.within_budget(layer, ranked, self.budget_bytes())
+        now = self.within_budget(layer, ranked, self.budget_bytes(), kinds)
+        return now, ranked[len(now):]
 
     def budget_bytes(self) -> float:
         """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
@@ -103,11 +107,11 @@ class Speculator:
             return math.inf
         return rate * self.window_s - self.store.scheduler.queued_bytes()
 
-    def within_budget(self, layer: int, ranked: np.ndarray, budget: float) -> np.ndarray:
-        """The longest head of `ranked` chunks whose uncached K and V bytes fit in `budget`."""
+    def within_budget(self, layer: int, ranked: np.ndarray, budget: float, kinds=(K, V)) -> np.ndarray:
+        """The longest head of `ranked` chunks whose uncached bytes of `kinds` fit in `budget`."""
         lay, spent = self.store.layout, 0
         for i, chunk in enumerate(ranked):
-            spent += sum(lay.chunk_nbytes(kind) for kind in (K, V)
+            spent += sum(lay.chunk_nbytes(kind) for kind in kinds
                          if self.cache is None or self.cache.where((layer, kind, int(chunk))) is None)
             if spent > budget:
                 return ranked[:i]
@@ -120,9 +124,15 @@ class Speculator:
         self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
 
 
-def prefetch_report(issued: int = 0, needed: int = 0, used: int = 0) -> dict:
+def prefetch_report(issued: int = 0, ahead: int = 0, needed: int = 0, used: int = 0, guess_hits: int = 0) -> dict:
     """A request's speculative prefetch, in tokens, under the names results.json uses: `prefetch_issued` (guessed
-    and requested ahead), `prefetch_needed` (selected by the layers that had a guess), `prefetch_used` (both), and
-    precision = used / issued, recall = used / needed (None without a guess)."""
-    return {"prefetch_issued": issued, "prefetch_needed": needed, "prefetch_used": used,
-            "precision": used / issued if issued else None, "recall": used / max(needed, 1) if issued else None}
+    and requested ahead), `prefetch_ahead` (of those, read ahead: held by a cache or asked of the disk when their
+    layer took its K/V; the rest was withdrawn unread or became a demand read), `prefetch_needed` (selected by the
+    layers that had a guess), `prefetch_used` (read ahead and selected), `prefetch_guess_hits` (guessed and
+    selected, read ahead or not). precision = used / ahead, recall = used / needed, and guess_recall = guess_hits /
+    needed, how much of the sets the guess named (None without a guess)."""
+    some = bool(issued)
+    return {"prefetch_issued": issued, "prefetch_ahead": ahead, "prefetch_needed": needed, "prefetch_used": used,
+            "prefetch_guess_hits": guess_hits,
+            "precision": used / max(ahead, 1) if some else None, "recall": used / max(needed, 1) if some else None,
+            "guess_recall": guess_hits / max(needed, 1) if some else None}
