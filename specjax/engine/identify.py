@@ -80,8 +80,9 @@ class ITF(H2O):
     heads agree (mean pairwise Jaccard >= t = j ** alpha) every head takes their shared top-k and only its K/V
     are read; otherwise the layer falls back to per-head H2O.
 
-    When the probe keys are every KV head's (`Engine.probe_is_k`: a grouped-query model with few KV heads, such
-    as smollm2's 3), they are the layer's K: the shared set's keys are gathered from them, and only its V read."""
+    When the probe keys are every KV head's (`Engine.probe_is_k`: probe heads spread over all KV heads, as
+    tiny-llama's 3 over its 2; not smollm2, whose 3 probe heads share one of its 3 KV heads), they are the layer's
+    K: the shared set's keys are gathered from them, and only its V read."""
 
     certain_reads = (PROBE,)
 
