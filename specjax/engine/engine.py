@@ -86,8 +86,8 @@ class Engine:
         group = self.cfg.q_per_kv
         self.kv_of_probe = tuple(probe_kv.index(h // group) for h in probe_q)
         self.probe_q, self.probe_kv = np.asarray(probe_q), np.asarray(probe_kv)
-        # the probe heads' keys are every KV head's, in order (e.g. smollm2: 3 KV heads, 3 probe heads): the probe
-        # keys a layer reads are then its K, and a layer that needs all keys reads no more
+        # the probe heads' keys are every KV head's, in order (e.g. tiny-llama: 3 probe heads over its 2 KV heads;
+        # not smollm2, whose 3 probe heads share one KV head): the probe keys a layer reads are then its K
         self.probe_is_k = tuple(probe_kv) == tuple(range(self.cfg.num_kv_heads))
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = self.speculator = self.io_worker = None

@@ -204,13 +204,13 @@ class LayerIO:
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
-        if kind != PROBE:  # the layer's guess is issued before its K/V are taken
+        if kind != PROBE:  # the layer's K/V: its guess has been issued; what did it get ahead?
             self._join_ahead()
-        opened = self._window_opened.pop(layer, None) if kind != PROBE else None
-        if opened is not None:
-            self.engine.speculator.observe_window(opened)
-        if kind != PROBE and layer in self.prefetched:
-            self._note_behind(layer, kind)
+            opened = self._window_opened.pop(layer, None)
+            if opened is not None:
+                self.engine.speculator.observe_window(opened)
+            if layer in self.prefetched:
+                self._note_behind(layer, kind)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
