@@ -220,6 +220,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     model = eval_main.load_model(args.model, args.dtype, args.init, args.seed)
     workload = build_workload(model, args)
+    if args.store:
+        pathlib.Path(args.store).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="data-path-", dir=args.store) as tmp:
         store_fs = filesystem_of(tmp)
         records, run = measure(model, workload, args, pathlib.Path(tmp))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -108,8 +109,12 @@ def _random_config(name_or_path: str) -> ModelConfig:
     if name_or_path in MODEL_SHAPES:
         return from_hf_config(MODEL_SHAPES[name_or_path])
     path = pathlib.Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return load_config(path / "config.json")
+    if (path / "config.json").is_file():  # a converted model's config, or a Hugging Face config.json
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SpecjaxError(f"cannot read model config {path / 'config.json'}: {e}") from e
+        return from_hf_config(hf) if isinstance(hf, dict) and "model_type" in hf else load_config(path / "config.json")
     raise SpecjaxError(
         f"unknown model {name_or_path!r} for random init; known shapes: {', '.join(paths.known_names())}"
     )

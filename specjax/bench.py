@@ -11,12 +11,15 @@ give the same first-token logits first), side by side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import pathlib
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -31,6 +34,7 @@ from specjax.api import load_model
 from specjax.cli import run
 from specjax.errors import SpecjaxError
 from specjax.models import inference
+from specjax.models.params import param_specs
 from specjax.models import transformer as T
 
 FLAGS = flags.FLAGS
@@ -47,6 +51,12 @@ def define_flags() -> None:
     flags.DEFINE_enum("against", None, ["transformers"], "Also time Hugging Face transformers' PyTorch forward "
                       "(sdpa attention, same dtype) of the same weights, after checking it gives specjax's logits.")
     flags.DEFINE_integer("threads", os.cpu_count(), "With --against: torch.set_num_threads (JAX keeps its own pool).")
+    flags.DEFINE_enum("torch_device", "cpu", ["cpu", "cuda"], "With --against: where transformers runs (its float32 "
+                      "logit check always runs on the CPU).")
+    flags.DEFINE_float("check_tol", 1e-3, "With --against: largest max |first-token logit difference| (float32, "
+                       f"{CHECK_TOKENS} tokens) accepted between the two frameworks.")
+    flags.DEFINE_float("peak_tflops", None, "With --against: the device's datasheet dense TFLOP/s for the dtype; if set, "
+                       "model FLOP utilisation (MFU) is reported against it.")
     flags.DEFINE_bool("engine", False, "Time the engine's recompute system (Engine.run of one request: the "
                       "tokens as prefix, no query) instead of the plain model forward.")
     flags.DEFINE_integer("prefill_chunk_tokens", None, "With --engine: EngineConfig.prefill_chunk_tokens (0: one "
@@ -140,57 +150,125 @@ class ModelSpec:
     init: str = "pretrained"
     dtype: str | None = None
     seed: int = 0
+    lengths: tuple[int, ...] = ()  # the prompt lengths to be timed (for their FLOP counts)
 
     def load(self):
         return load_model(self.name, dtype=self.dtype, init=self.init, seed=self.seed)
 
 
-_SIDE: dict = {}  # in a worker process: its framework's model, prefill function and ids
+_SIDE: dict = {}  # in a worker process: its framework's prefill function, vocabulary size and ids
 
 
-def side_setup(side: str, spec: ModelSpec, threads: int | None) -> dict:
+def prefill_flops(cfg, n_tokens: int) -> float:
+    """Model FLOPs of one prefill to first-token logits: 2 per weight per token in every layer's matrices, the LM
+    head for the last token only, and attention's two products over the causally visible query-key pairs."""
+    matrices = sum(math.prod(spec.shape) for spec in param_specs(cfg)["layers"][0].values()
+                   if len(spec.axes) > 1 and "embed" in spec.axes)  # not the (heads, head_dim) biases
+    visible_pairs = n_tokens * (n_tokens + 1) / 2
+    attention = 2 * 2 * cfg.num_heads * cfg.head_dim * visible_pairs
+    return cfg.num_layers * (2 * n_tokens * matrices + attention) + 2 * cfg.embed_dim * cfg.vocab_size
+
+
+def matmul_tflops(size: int = 8192, repeats: int = 10) -> float:
+    """The measured dense bfloat16 matrix-product rate of JAX's default device (size^3, median of `repeats`)."""
+    a, b = (jax.random.normal(jax.random.key(i), (size, size), jax.numpy.bfloat16) for i in (1, 2))
+    product = jax.jit(lambda x, y: x @ y)
+    product(a, b).block_until_ready()
+    seconds = statistics.median(_seconds(lambda: product(a, b).block_until_ready()) for _ in range(repeats))
+    return 2 * size**3 / seconds / 1e12
+
+
+def side_setup(side: str, spec: ModelSpec, threads: int | None, torch_device: str = "cpu") -> dict:
     """Load one framework's model in this (worker) process; its versions and its float32 first-token logits of the
     check prompt."""
     model = spec.load()
-    _SIDE.update(model=model, ids={})
+    _SIDE.update(vocab_size=model.config.vocab_size, ids={})
     if side == "specjax":
-        _SIDE["prefill"] = lambda ids: prefill_logits(model.config, model.params, ids).block_until_ready()
+        config, params = model.config, model.params
+        _SIDE["prefill"] = lambda ids: prefill_logits(config, params, ids).block_until_ready()
+        on_gpu = jax.default_backend() == "gpu"
         return {"check": _check_logits(model), "model": model.name, "weights": model.weights,
                 "arch": model.config.arch, "dtype": np.dtype(model.dtype).name, "jax": jax.__version__,
-                "device": device_name()}
+                "device": device_name(), "flops": {n: prefill_flops(model.config, n) for n in spec.lengths},
+                "matmul_tflops": matmul_tflops() if on_gpu else None}
     torch, transformers = torch_ref.require_torch()
     if threads:
         torch.set_num_threads(threads)
     hf_model = torch_ref.transformers_model(model.config, model.params)
-    check = torch_prefill_logits(hf_model, prompt_ids(model.config.vocab_size, CHECK_TOKENS)).float().numpy()
-    hf_model.to(getattr(torch, np.dtype(model.dtype).name))
-    _SIDE["prefill"] = lambda ids: torch_prefill_logits(hf_model, ids)
+    dtype = np.dtype(model.dtype).name
+    del model  # its arrays may sit on the GPU transformers is about to use
+    check = torch_prefill_logits(hf_model, prompt_ids(_SIDE["vocab_size"], CHECK_TOKENS)).float().numpy()
+    hf_model.to(device=torch_device, dtype=getattr(torch, dtype))
+    sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
+
+    def prefill(ids):
+        logits = torch_prefill_logits(hf_model, ids)
+        sync()
+        return logits
+
+    _SIDE["prefill"] = prefill
+    device = torch.cuda.get_device_name() if torch_device == "cuda" else "cpu"
     return {"check": check, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "attn_implementation": hf_model.config._attn_implementation}
+            "transformers": transformers.__version__, "attn_implementation": hf_model.config._attn_implementation,
+            "torch_device": device}
 
 
 def side_seconds(n_tokens: int) -> float:
     """Seconds of one prefill of the n-token prompt in this worker (its first call per length warms up first)."""
     ids = _SIDE["ids"].get(n_tokens)
     if ids is None:
-        ids = _SIDE["ids"][n_tokens] = prompt_ids(_SIDE["model"].config.vocab_size, n_tokens)
+        ids = _SIDE["ids"][n_tokens] = prompt_ids(_SIDE["vocab_size"], n_tokens)
         _SIDE["prefill"](ids)
     return _seconds(lambda: _SIDE["prefill"](ids))
 
 
+SPECJAX_GPU_MEMORY_FRACTION = 0.6  # of the GPU, for the specjax worker: bf16 + fp32 (check) params of a 7B model
+
+
+def worker_environment(side: str, torch_device: str) -> dict[str, str]:
+    """Environment of each framework's worker. The transformers worker's JAX only builds the weights, on the host,
+    so it never takes GPU memory. With torch on the GPU, the specjax worker's JAX takes GPU memory as it needs it,
+    up to a fraction that leaves transformers room (by default JAX takes 75% of the GPU at start)."""
+    if side == "transformers":
+        return {"JAX_PLATFORMS": "cpu"}
+    if torch_device == "cuda":
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": str(SPECJAX_GPU_MEMORY_FRACTION)}
+    return {}
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def compare_prefill(spec: ModelSpec, lengths: list[int], repeats: int, threads: int | None = None,
-                    tol: float = 1e-3) -> list[dict]:
+                    tol: float = 1e-3, torch_device: str = "cpu", peak_tflops: float | None = None) -> list[dict]:
     """One record per prompt length: specjax and transformers prefill seconds (same weights, same ids, same
     repeats, one warm-up each).
 
     Each framework runs in a process of its own (in one process, torch's presence left specjax 10-20% slower on
     2 cores), and their timed runs alternate, one at a time, so a machine whose speed drifts (a shared VM) drifts
-    for both alike. Their first-token logits of a check prompt must agree in float32 first."""
+    for both alike. Their first-token logits of a check prompt must agree in float32 first (see
+    `worker_environment` for how both fit on one GPU)."""
     torch_ref.require_torch()
+    spec = dataclasses.replace(spec, lengths=tuple(lengths))
     context = multiprocessing.get_context("spawn")
-    pools = {side: context.Pool(1) for side in ("specjax", "transformers")}
+    pools = {}
+    for side in ("specjax", "transformers"):
+        with _environment(worker_environment(side, torch_device)):  # a spawned worker starts with these
+            pools[side] = context.Pool(1)
     try:
-        info = {side: pool.apply(side_setup, (side, spec, threads)) for side, pool in pools.items()}
+        info = {side: pool.apply(side_setup, (side, spec, threads, torch_device)) for side, pool in pools.items()}
         seconds = {side: {n: [] for n in lengths} for side in pools}
         for n in lengths:
             for r in range(repeats):
@@ -201,37 +279,62 @@ def compare_prefill(spec: ModelSpec, lengths: list[int], repeats: int, threads: 
             pool.terminate()
     ours, theirs = info["specjax"], info["transformers"]
     diff = _agreement(ours["check"], theirs["check"], tol, ours["model"], ours["arch"])
-    base = {k: ours[k] for k in ("model", "weights", "dtype", "device", "jax")}
-    base |= {k: theirs[k] for k in ("threads", "torch", "transformers", "attn_implementation")}
-    base |= {"torch_device": "cpu", "max_abs_logit_diff_fp32": diff, "repeats": repeats,
+    base = {k: ours[k] for k in ("model", "weights", "dtype", "device", "jax", "matmul_tflops")}
+    base |= {k: theirs[k] for k in ("threads", "torch", "transformers", "attn_implementation", "torch_device")}
+    base |= {"max_abs_logit_diff_fp32": diff, "repeats": repeats, "peak_tflops": peak_tflops,
              "processes": "one per framework; timed runs alternate"}
     records = []
     for n in lengths:
         mine, other = seconds["specjax"][n], seconds["transformers"][n]
-        records.append(base | {
+        flops = ours["flops"][n]
+        record = base | {
             "tokens": n, "specjax_seconds": mine, "transformers_seconds": other,
             "specjax_tokens_per_s": n / statistics.median(mine), "specjax_best_tokens_per_s": n / min(mine),
             "transformers_tokens_per_s": n / statistics.median(other), "transformers_best_tokens_per_s": n / min(other),
-            "time_ratio": statistics.median(mine) / statistics.median(other),
-        })
+            "time_ratio": statistics.median(mine) / statistics.median(other), "model_tflop": flops / 1e12,
+            "specjax_tflops_per_s": flops / statistics.median(mine) / 1e12,
+            "transformers_tflops_per_s": flops / statistics.median(other) / 1e12,
+        }
+        if peak_tflops:
+            record |= {"specjax_mfu": record["specjax_tflops_per_s"] / peak_tflops,
+                       "transformers_mfu": record["transformers_tflops_per_s"] / peak_tflops}
+        records.append(record)
     return records
 
 
 def markdown_table(records: list[dict]) -> str:
     r = records[0]
+    where = r["device"] if r["torch_device"] == "cpu" else f"{r['device']} (torch on {r['torch_device']})"
+    threads = f", {r['threads']} torch threads" if r["torch_device"] == "cpu" else ""
     lines = [
         f"# Prefill to first-token logits: specjax vs transformers, {r['model']}", "",
-        f"{r['weights']} weights, {r['dtype']}, {r['device']}, {r['threads']} torch threads; jax {r['jax']}, "
+        f"{r['weights']} weights, {r['dtype']}, {where}{threads}; jax {r['jax']}, "
         f"torch {r['torch']}, transformers {r['transformers']} ({r['attn_implementation']} attention). Median (best) of "
         f"{r['repeats']} after one warm-up each, each framework in a process of its own, timed runs alternating. Same weights: max |first-token logit difference| "
         f"{r['max_abs_logit_diff_fp32']:.1e} in float32.", "",
     ]
+    if r.get("matmul_tflops"):
+        lines += [f"Model FLOPs count every layer matrix twice per token, attention's two products over the causally "
+                  f"visible pairs and the LM head once. A dense bfloat16 8192^3 matrix product measured "
+                  f"{r['matmul_tflops']:.0f} TFLOP/s through JAX in the same run"
+                  + (f"; MFU is against {r['peak_tflops']:g} TFLOP/s (datasheet)." if r.get("peak_tflops") else "."), ""]
     if r.get("command"):
         lines += [f"`{r['command']}`", ""]
-    lines += ["| tokens | specjax tok/s | transformers tok/s | specjax time / transformers time |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r['tokens']} | {r['specjax_tokens_per_s']:.0f} ({r['specjax_best_tokens_per_s']:.0f}) | "
-              f"{r['transformers_tokens_per_s']:.0f} ({r['transformers_best_tokens_per_s']:.0f}) | {r['time_ratio']:.2f} |"
-              for r in records]
+    header = "| tokens | specjax tok/s | transformers tok/s | specjax time / transformers time |"
+    rule = "|---:|---:|---:|---:|"
+    flops = bool(r.get("matmul_tflops"))
+    if flops:
+        header += " specjax TFLOP/s | transformers TFLOP/s |" + (" specjax MFU | transformers MFU |" if r.get("peak_tflops") else "")
+        rule += "---:|---:|" + ("---:|---:|" if r.get("peak_tflops") else "")
+    lines += [header, rule]
+    for r in records:
+        line = (f"| {r['tokens']} | {r['specjax_tokens_per_s']:.0f} ({r['specjax_best_tokens_per_s']:.0f}) | "
+                f"{r['transformers_tokens_per_s']:.0f} ({r['transformers_best_tokens_per_s']:.0f}) | {r['time_ratio']:.2f} |")
+        if flops:
+            line += f" {r['specjax_tflops_per_s']:.0f} | {r['transformers_tflops_per_s']:.0f} |"
+            if r.get("peak_tflops"):
+                line += f" {r['specjax_mfu']:.1%} | {r['transformers_mfu']:.1%} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -245,10 +348,11 @@ def _lengths(values) -> list[int]:
     return lengths
 
 
-def _output(name: str) -> pathlib.Path:
+def _output(name: str, device: str | None = None) -> pathlib.Path:
     out = pathlib.Path(FLAGS.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return out / name.format(device=device_name().split(" ")[0].replace("/", "_"))
+    device = device or device_name()
+    return out / name.format(device="cpu" if device.startswith("cpu") else re.sub(r"\W+", "_", device).lower())
 
 
 def main(argv):
@@ -260,15 +364,17 @@ def main(argv):
         if FLAGS.engine:
             raise SpecjaxError("--against transformers compares the plain model forward; drop --engine")
         spec = ModelSpec(FLAGS.model, FLAGS.init, FLAGS.dtype, seed=0)
-        records = compare_prefill(spec, lengths, FLAGS.repeats, FLAGS.threads)
+        records = compare_prefill(spec, lengths, FLAGS.repeats, FLAGS.threads, FLAGS.check_tol, FLAGS.torch_device,
+                                  FLAGS.peak_tflops)
         command = shlex.join(["python", "-m", "specjax.bench", *sys.argv[1:]])
         records = [r | {"command": command} for r in records]
         table = markdown_table(records)
         print(table, end="")
         if FLAGS.output_dir:
-            with open(_output("prefill_vs_transformers_{device}.jsonl"), "a") as f:
+            device = records[0]["device"]  # the parent process never starts JAX's GPU client
+            with open(_output("prefill_vs_transformers_{device}.jsonl", device), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
-            _output("prefill_vs_transformers_{device}.md").write_text(table)
+            _output("prefill_vs_transformers_{device}.md", device).write_text(table)
         return
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, init=FLAGS.init)
     label = " (random weights)" if model.weights == "random" else ""

@@ -6,6 +6,9 @@ transformers are imported only when a model is built.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import jax
 import numpy as np
 
@@ -89,13 +92,24 @@ def hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     return {k: np.array(v, np.float32, order="C") for k, v in t.items()}  # own, writable copies for torch
 
 
+def _no_init(transformers):
+    """transformers' context that skips weight initialisation (its module moved between versions), or none."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return getattr(importlib.import_module(where), "no_init_weights")()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
+
+
 def transformers_model(cfg: ModelConfig, params: Params, dtype: str = "float32", attn_implementation: str = "sdpa"):
     """A transformers causal LM (eval mode, on the CPU) computing with exactly these weights, cast to `dtype`."""
     torch, transformers = require_torch()
     hf_cfg = hf_config(cfg)
     config = transformers.AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                          dtype=torch.float32)
+    with _no_init(transformers):  # every weight is loaded below: skip the random init (minutes at 7B on a CPU)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                              dtype=torch.float32)
     state = {(k if k == "lm_head.weight" else f"model.{k}"): torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}
     model.load_state_dict(state, strict=True)  # every tensor named, every shape checked
     return model.to(getattr(torch, dtype)).eval()

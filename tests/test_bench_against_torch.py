@@ -1,6 +1,8 @@
 """`python -m specjax.bench --against transformers`: the transformers model built from specjax params computes
 specjax's function (tiny random OPT / Llama / Qwen2), and the side-by-side benchmark returns a record per length."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -90,6 +92,30 @@ def test_compare_prefill_records():
     table = bench.markdown_table(records)
     assert "| tokens | specjax tok/s | transformers tok/s | specjax time / transformers time |" in table
     assert table.count("\n| 8 |") == 1 and table.count("\n| 24 |") == 1
+
+
+def test_workers_share_one_gpu(monkeypatch):
+    """The transformers worker's JAX stays on the host; with torch on the GPU the specjax worker's JAX grows on
+    demand under a cap instead of taking 75% of the GPU at start (which left transformers out of memory on an
+    H100 with OPT-6.7B). Each pool's environment is set only while it spawns."""
+    assert bench.worker_environment("transformers", "cuda") == {"JAX_PLATFORMS": "cpu"}
+    gpu = bench.worker_environment("specjax", "cuda")
+    assert gpu["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and 0 < float(gpu["XLA_PYTHON_CLIENT_MEM_FRACTION"]) < 0.75
+    assert bench.worker_environment("specjax", "cpu") == {}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    with bench._environment(gpu):
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == gpu["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_prefill_flops_count_matrices_attention_and_head():
+    """2 FLOPs per weight per token in the layer matrices, attention over the causally visible pairs, the LM
+    head once; checked against a hand count of tiny-opt (D=64, F=128, 4 heads of 16, 2 layers, vocab 512)."""
+    cfg = specjax.load_model("tiny-opt", init="random").config
+    n = 10
+    layer = 2 * n * (4 * 64 * 64 + 2 * 64 * 128) + 2 * 2 * 4 * 16 * (n * (n + 1) / 2)
+    assert bench.prefill_flops(cfg, n) == 2 * layer + 2 * 64 * 512
 
 
 def test_wrong_weights_are_refused():

@@ -46,6 +46,19 @@ def test_random_init_is_labelled_and_runs():
         model.generate("hello")
 
 
+def test_random_init_from_a_hugging_face_config_json(tmp_path):
+    """A directory holding only a Hugging Face config.json gives random weights of its shape (here OPT with its
+    position table extended), as a converted model's config.json does."""
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_SHAPES["tiny-opt"] | {"max_position_embeddings": 1024}))
+    model = specjax.load_model(str(tmp_path), init="random")
+    assert model.config == from_hf_config(MODEL_SHAPES["tiny-opt"] | {"max_position_embeddings": 1024})
+    assert model.config.max_positions == 1024 and model.params["pos_embed"].shape == (1026, 64)
+    assert np.isfinite(model.logits(list(range(600)))).all()  # beyond tiny-opt's own 512 positions
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecjaxError, match="cannot read model config"):
+        specjax.load_model(str(tmp_path), init="random")
+
+
 def test_unknown_model_lists_known_names():
     with pytest.raises(ModelNotFoundError, match="known names: .*opt-6.7b"):
         specjax.load_model("gpt-5")
