@@ -6,8 +6,9 @@
 #   kernels  the kernel benchmark (Pallas vs the jnp reference vs dense attention)
 #   data     the data-path benchmark and the as_full / impress / spec evaluation on O_DIRECT reads
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh prefill data
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh against engine
 #
+# A device call runs at most 10 minutes: split the phases, e.g. `against engine`, then `data`, then `tests kernels`.
 # Every step runs under its own time limit and logs to $OUT/logs; results land in results/gpu/ and, with the
 # logs, in $OUT/results.tgz after every step (so a run cut short still returns what it finished).
 # The model is OPT-6.7B's shape with random weights and its learned position table extended from 2048 to 8192

@@ -268,7 +268,9 @@ def compare_prefill(spec: ModelSpec, lengths: list[int], repeats: int, threads: 
         with _environment(worker_environment(side, torch_device)):  # a spawned worker starts with these
             pools[side] = context.Pool(1)
     try:
-        info = {side: pool.apply(side_setup, (side, spec, threads, torch_device)) for side, pool in pools.items()}
+        setups = {side: pool.apply_async(side_setup, (side, spec, threads, torch_device))  # both build at once
+                  for side, pool in pools.items()}
+        info = {side: setup.get() for side, setup in setups.items()}
         seconds = {side: {n: [] for n in lengths} for side in pools}
         for n in lengths:
             for r in range(repeats):
