@@ -5,8 +5,12 @@
     model.generate("The capital of France is", max_new_tokens=8)
 """
 
-from specjax.api import Model, load_model
-from specjax.config import ModelConfig
-from specjax.errors import SpecjaxError
+from specjax import host_memory
+
+host_memory.reuse_freed_blocks()  # before XLA's threads first allocate (see specjax.host_memory)
+
+from specjax.api import Model, load_model  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
 
 __all__ = ["Model", "ModelConfig", "SpecjaxError", "load_model"]

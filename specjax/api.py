@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import paths
+from specjax import host_memory, paths
 from specjax.checkpoint import load_model_dir
 from specjax.config import ModelConfig, from_hf_config, load_config
 from specjax.configs.models import MODEL_SHAPES
@@ -161,4 +161,5 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
     tokenizer = Tokenizer.from_file(tok_path, cfg.bos_token_id, cfg.eos_token_id) if tok_path.is_file() else None
     path = pathlib.Path(name_or_path).expanduser()
     name = path.resolve().name if path.is_dir() else name_or_path  # a folder's own name, not its conversion's
+    host_memory.release_free_memory()  # the loader's host copies (see specjax.host_memory)
     return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir, mesh=mesh)

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from specjax import torch_ref
+from specjax import host_memory, torch_ref
 from specjax.api import load_model
 from specjax.cli import run
 from specjax.errors import SpecjaxError
@@ -189,7 +189,8 @@ def side_setup(side: str, spec: ModelSpec, threads: int | None, torch_device: st
         on_gpu = jax.default_backend() == "gpu"
         return {"check": _check_logits(model), "model": model.name, "weights": model.weights,
                 "arch": model.config.arch, "dtype": np.dtype(model.dtype).name, "jax": jax.__version__,
-                "device": device_name(), "flops": {n: prefill_flops(model.config, n) for n in spec.lengths},
+                "device": device_name(), "host_malloc": _host_malloc(),
+                "flops": {n: prefill_flops(model.config, n) for n in spec.lengths},
                 "matmul_tflops": matmul_tflops() if on_gpu else None}
     torch, transformers = torch_ref.require_torch()
     if threads:
@@ -209,8 +210,14 @@ def side_setup(side: str, spec: ModelSpec, threads: int | None, torch_device: st
     _SIDE["prefill"] = prefill
     device = torch.cuda.get_device_name() if torch_device == "cuda" else "cpu"
     return {"check": check, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "host_malloc": _host_malloc(),
             "transformers": transformers.__version__, "attn_implementation": hf_model.config._attn_implementation,
             "torch_device": device}
+
+
+def _host_malloc() -> str:
+    """This process's malloc settings: specjax's "reuse" (specjax.host_memory) or the "system"'s defaults."""
+    return "reuse" if host_memory.reuse_freed_blocks() else "system"
 
 
 def side_seconds(n_tokens: int) -> float:
@@ -227,10 +234,11 @@ SPECJAX_GPU_MEMORY_FRACTION = 0.6  # of the GPU, for the specjax worker: bf16 + 
 
 def worker_environment(side: str, torch_device: str) -> dict[str, str]:
     """Environment of each framework's worker. The transformers worker's JAX only builds the weights, on the host,
-    so it never takes GPU memory. With torch on the GPU, the specjax worker's JAX takes GPU memory as it needs it,
-    up to a fraction that leaves transformers room (by default JAX takes 75% of the GPU at start)."""
-    if side == "transformers":
-        return {"JAX_PLATFORMS": "cpu"}
+    so it never takes GPU memory, and specjax's malloc settings are not imposed on it. With torch on the GPU, the
+    specjax worker's JAX takes GPU memory as it needs it, up to a fraction that leaves transformers room (by
+    default JAX takes 75% of the GPU at start)."""
+    if side == "transformers":  # and glibc's malloc as PyTorch users have it (see specjax.host_memory)
+        return {"JAX_PLATFORMS": "cpu", host_memory.ENV_VAR: "system"}
     if torch_device == "cuda":
         return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                 "XLA_PYTHON_CLIENT_MEM_FRACTION": str(SPECJAX_GPU_MEMORY_FRACTION)}
@@ -282,6 +290,7 @@ def compare_prefill(spec: ModelSpec, lengths: list[int], repeats: int, threads: 
     ours, theirs = info["specjax"], info["transformers"]
     diff = _agreement(ours["check"], theirs["check"], tol, ours["model"], ours["arch"])
     base = {k: ours[k] for k in ("model", "weights", "dtype", "device", "jax", "matmul_tflops")}
+    base |= {"specjax_host_malloc": ours["host_malloc"], "transformers_host_malloc": theirs["host_malloc"]}
     base |= {k: theirs[k] for k in ("threads", "torch", "transformers", "attn_implementation", "torch_device")}
     base |= {"max_abs_logit_diff_fp32": diff, "repeats": repeats, "peak_tflops": peak_tflops,
              "processes": "one per framework; timed runs alternate"}
@@ -313,7 +322,8 @@ def markdown_table(records: list[dict]) -> str:
         f"{r['weights']} weights, {r['dtype']}, {where}{threads}; jax {r['jax']}, "
         f"torch {r['torch']}, transformers {r['transformers']} ({r['attn_implementation']} attention). Median (best) of "
         f"{r['repeats']} after one warm-up each, each framework in a process of its own, timed runs alternating. Same weights: max |first-token logit difference| "
-        f"{r['max_abs_logit_diff_fp32']:.1e} in float32.", "",
+        f"{r['max_abs_logit_diff_fp32']:.1e} in float32. Host malloc (specjax.host_memory): specjax "
+        f"{r.get('specjax_host_malloc', 'system')}, transformers {r.get('transformers_host_malloc', 'system')}.", "",
     ]
     if r.get("matmul_tflops"):
         lines += [f"Model FLOPs count every layer matrix twice per token, attention's two products over the causally "

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
-from specjax import bench, torch_ref  # noqa: E402
+from specjax import bench, host_memory, torch_ref  # noqa: E402
 from specjax.api import Model  # noqa: E402
 from specjax.config import from_hf_config  # noqa: E402
 from specjax.convert import hf_params  # noqa: E402
@@ -89,6 +89,9 @@ def test_compare_prefill_records():
         assert min(r["specjax_seconds"]) > 0 and min(r["transformers_seconds"]) > 0
         assert r["dtype"] == "float32" and r["threads"] == 1 and r["torch"] == torch.__version__
         assert r["time_ratio"] > 0 and r["max_abs_logit_diff_fp32"] <= 1e-3
+        # transformers runs with glibc's malloc as its users have it; specjax with its own settings where glibc is
+        assert r["transformers_host_malloc"] == "system"
+        assert r["specjax_host_malloc"] == ("reuse" if host_memory._glibc() else "system")
     table = bench.markdown_table(records)
     assert "| tokens | specjax tok/s | transformers tok/s | specjax time / transformers time |" in table
     assert table.count("\n| 8 |") == 1 and table.count("\n| 24 |") == 1
@@ -98,7 +101,7 @@ def test_workers_share_one_gpu(monkeypatch):
     """The transformers worker's JAX stays on the host; with torch on the GPU the specjax worker's JAX grows on
     demand under a cap instead of taking 75% of the GPU at start (which left transformers out of memory on an
     H100 with OPT-6.7B). Each pool's environment is set only while it spawns."""
-    assert bench.worker_environment("transformers", "cuda") == {"JAX_PLATFORMS": "cpu"}
+    assert bench.worker_environment("transformers", "cuda") == {"JAX_PLATFORMS": "cpu", host_memory.ENV_VAR: "system"}
     gpu = bench.worker_environment("specjax", "cuda")
     assert gpu["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and 0 < float(gpu["XLA_PYTHON_CLIENT_MEM_FRACTION"]) < 0.75
     assert bench.worker_environment("specjax", "cpu") == {}

@@ -160,3 +160,33 @@ def test_unsupported_architecture():
 def test_home_override(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_HOME", str(tmp_path / "h"))
     assert paths.models_dir() == tmp_path / "h" / "models"
+
+
+def test_a_forward_rotates_every_layer_with_one_table(monkeypatch):
+    """The rotary angles' cos / sin are computed once per forward and given to each layer step, whose compiled
+    program then has no cos or sin of its own (inside it, XLA:CPU evaluates them once per element of every head);
+    the rotation is the same either way, to float32 rounding (the fused cos may differ from the table's in the last
+    bit)."""
+    import jax.numpy as jnp
+
+    from specjax.models import inference
+    from specjax.models import transformer as T
+
+    model = specjax.load_model("tiny-llama", init="random", seed=1)
+    cfg, lp = model.config, model.params["layers"][0]
+    positions = jnp.arange(16, dtype=jnp.int32)
+    h = jax.random.normal(jax.random.key(0), (16, cfg.hidden_size), jnp.float32)
+    table = T.rotary_step(cfg, positions)
+    for given, computed in zip(T.project(cfg, lp, h, positions, rotary_table=table), T.project(cfg, lp, h, positions)):
+        np.testing.assert_allclose(given, computed, rtol=1e-6, atol=1e-7)
+
+    def trig(rotary_table):
+        text = T._self_attention_layer.lower(cfg, lp, h, positions, positions < 16, rotary_table, fused=True).as_text()
+        return "cosine" in text or "stablehlo.sine" in text
+
+    assert trig(None) and not trig(table)
+    tables = []
+    layer = T.self_attention_layer
+    monkeypatch.setattr(T, "self_attention_layer", lambda *a: tables.append(a[5]) or layer(*a))
+    inference.forward_logits(cfg, model.params, [1, 2, 3])
+    assert len(tables) == cfg.num_layers and tables[0] is not None and all(t is tables[0] for t in tables)

@@ -229,10 +229,11 @@ class CakeEngine(Engine):
             ids[:n] = tokens[m:]
             positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
             h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            rotary = T.rotary_step(cfg, positions)
             selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
             layers_kv = []
             for layer, lp in enumerate(params["layers"]):
-                q, own_k, own_v = S.project(cfg, lp, h, positions)
+                q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
                 h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
                             impl=self.config.kernel_impl)
                 layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
@@ -273,10 +274,10 @@ class CakeEngine(Engine):
 
     # -- the device's side ---------------------------------------------------------------------------
 
-    def _chunk_layer(self, j: int, lp, h, positions, keys, values, count):
+    def _chunk_layer(self, j: int, lp, h, positions, rotary, keys, values, count):
         """One layer of chunk j: writes its K/V into keys / values and attends causally to the device's chunks
         before it and to itself (the engine's chunked-prefill step). Returns (next hidden, keys, values)."""
-        return self._prefill_layer(lp, h, positions, keys, values, j * self.chunk_tokens, count)
+        return self._prefill_layer(lp, h, positions, rotary, keys, values, j * self.chunk_tokens, count)
 
     def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader
@@ -288,11 +289,12 @@ class CakeEngine(Engine):
         ids[:count] = prefix[lo:lo + count]
         positions = jnp.asarray(np.arange(lo, lo + c, dtype=np.int32))
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
         for layer, lp in enumerate(params["layers"]):
             if meeting.loaded_from(j):
                 return False
-            h, keys[layer], values[layer] = self._chunk_layer(j, lp, h, positions, keys[layer], values[layer],
-                                                              count)
+            h, keys[layer], values[layer] = self._chunk_layer(j, lp, h, positions, rotary, keys[layer],
+                                                              values[layer], count)
             h.block_until_ready()  # layer by layer, so the check above follows the loader's progress
         return True
 
@@ -316,12 +318,14 @@ class CakeEngine(Engine):
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
         self.prefetcher.compile_assembly(K, c)
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
+        rotary = T.rotary_step(cfg, positions)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         buffers = S.zero_buffers(cfg.num_layers, shape, dtype)
         for j in range(n_chunks):
             h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
             for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not
-                h, buffers[0], buffers[1] = self._chunk_layer(j, lp, h, positions, buffers[0], buffers[1], c)
+                h, buffers[0], buffers[1] = self._chunk_layer(j, lp, h, positions, rotary, buffers[0], buffers[1],
+                                                              c)
         rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
 

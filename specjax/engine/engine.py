@@ -126,10 +126,11 @@ class Engine:
         ids[:n] = prefix
         positions = jnp.arange(len(ids), dtype=jnp.int32)
         h = T.embed_step(self.cfg, self.model.params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(self.cfg, positions)
         start = match.length
         with writer:
             for layer, lp in enumerate(self.model.params["layers"]):
-                h, k, v = T.self_attention_layer(self.cfg, lp, h, positions, positions < n)
+                h, k, v = T.self_attention_layer(self.cfg, lp, h, positions, positions < n, rotary)
                 writer.write_layer(layer, k[:, start:n], v[:, start:n], k[self.probe_kv, start:n])
             writer.commit()
         return True
@@ -214,14 +215,15 @@ class Engine:
         ids[:n] = tokens[m:]
         positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
         layers_kv, importance, traced = [], [], []
         for layer, lp in enumerate(params["layers"]):
             if m == 0:  # nothing reused: the plain forward's layer (as models.inference.forward_hidden)
                 prefix_k = prefix_v = self._no_prefix
                 selection = self._no_selection
-                h, own_k, own_v = T.self_attention_layer(cfg, lp, h, positions, positions < n)
+                h, own_k, own_v = T.self_attention_layer(cfg, lp, h, positions, positions < n, rotary)
             else:
-                q, own_k, own_v = S.project(cfg, lp, h, positions)
+                q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
                 state, prefix_k, prefix_v, selection, imp, chosen = self.identification.select(
                     self, io, state, layer, q, own_k, n, k, k_cap)
                 importance.append(imp)
@@ -240,11 +242,11 @@ class Engine:
 
     # -- chunked prefill (nothing reused) ----------------------------------------------------------------
 
-    def _prefill_layer(self, lp, h, positions, keys, values, lo: int, count: int):
+    def _prefill_layer(self, lp, h, positions, rotary, keys, values, lo: int, count: int):
         """One layer of a chunk of new tokens at token `lo` (`count` valid rows): its K/V rows are written into this
         layer's buffers keys / values [H_kv, W, d], and it attends causally to rows [0, lo + count) of them.
         Returns (next hidden, keys, values)."""
-        q, own_k, own_v = S.project(self.cfg, lp, h, positions)
+        q, own_k, own_v = S.project(self.cfg, lp, h, positions, rotary)
         keys, values = S.put_rows(keys, own_k, lo), S.put_rows(values, own_v, lo)
         return S.finish_plain(self.cfg, lp, h, q, keys, values, positions, lo + count), keys, values
 
@@ -267,9 +269,10 @@ class Engine:
             ids[:count] = tokens[lo:lo + count]
             positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
             h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+            rotary = T.rotary_step(cfg, positions)
             for layer, lp in enumerate(params["layers"]):
-                h, keys[layer], values[layer] = self._prefill_layer(lp, h, positions, keys[layer], values[layer],
-                                                                    lo, count)
+                h, keys[layer], values[layer] = self._prefill_layer(lp, h, positions, rotary, keys[layer],
+                                                                    values[layer], lo, count)
                 if writer is not None and j == n_chunks - 1:
                     writer.write_layer(layer, keys[layer][:, :new_prefix], values[layer][:, :new_prefix],
                                        keys[layer][self.probe_kv, :new_prefix])
@@ -292,8 +295,9 @@ class Engine:
         ids[:c] = cont
         positions = jnp.arange(m + n, m + n + c_pad, dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
         for lp, (prefix_k, prefix_v, selection) in zip(params["layers"], contexts):
-            q, own_k, own_v = S.project(cfg, lp, h, positions)
+            q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
             h = S.finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
                         impl=self.config.kernel_impl)
         logits = np.concatenate([first_logits[None], np.asarray(T.head_step(cfg, params, h))[: c - 1]], 0)

@@ -21,14 +21,15 @@ from specjax.models import transformer as T
 from specjax.models.inference import bucket
 
 
-def project(cfg, lp, h, positions):
-    """A layer's q, k, v (T.project): one fused matmul, or three where the weights are split by head over devices."""
-    return _project(cfg, lp, h, positions, fused=not T.split_over_devices(lp["wq"]))
+def project(cfg, lp, h, positions, rotary_table=None):
+    """A layer's q, k, v (T.project): one fused matmul, or three where the weights are split by head over devices.
+    rotary_table: T.rotary_step(cfg, positions), computed once for every layer (None: computed here)."""
+    return _project(cfg, lp, h, positions, rotary_table, fused=not T.split_over_devices(lp["wq"]))
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("fused",))
-def _project(cfg, lp, h, positions, *, fused):
-    return T.project(cfg, lp, h, positions, fused=fused)
+def _project(cfg, lp, h, positions, rotary_table, *, fused):
+    return T.project(cfg, lp, h, positions, fused=fused, rotary_table=rotary_table)
 
 
 def finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *, impl):

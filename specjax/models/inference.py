@@ -56,8 +56,9 @@ def forward_hidden(cfg: ModelConfig, params: dict, ids) -> tuple[jnp.ndarray, in
     positions = jnp.arange(len(padded), dtype=jnp.int32)
     valid = positions < n
     h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
+    rotary = T.rotary_step(cfg, positions)
     for lp in params["layers"]:
-        h, _, _ = T.self_attention_layer(cfg, lp, h, positions, valid)
+        h, _, _ = T.self_attention_layer(cfg, lp, h, positions, valid, rotary)
     return h, n
 
 
@@ -110,9 +111,10 @@ def extend(cfg: ModelConfig, params: dict, cache: KVCache, ids) -> np.ndarray:
     padded[:n] = ids
     positions = jnp.arange(start, start + width, dtype=jnp.int32)
     h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
+    rotary = T.rotary_step(cfg, positions)
     for i, lp in enumerate(params["layers"]):
         h, cache.k[i], cache.v[i] = T.cached_layer(
-            cfg, lp, h, positions, cache.k[i], cache.v[i], start, start + n
+            cfg, lp, h, positions, cache.k[i], cache.v[i], start, start + n, rotary
         )
     cache.length = start + n
     return to_host(T.head_step(cfg, params, h[:n]))
