@@ -50,18 +50,19 @@ class _Oracle:
         ids[: len(tokens)] = tokens
         positions = jnp.arange(len(ids), dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
         self.kv = []
         for lp in params["layers"]:
-            h, k, v = T.self_attention_layer(cfg, lp, h, positions, positions < len(tokens))
+            h, k, v = T.self_attention_layer(cfg, lp, h, positions, positions < len(tokens), rotary)
             self.kv.append((k, v))
         self.layer, self.m = 0, len(request.prefix_ids)
 
     def wrap(self, layer_fn):
-        def oracle_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total, deviation="value"):
-            h, mixed_k, mixed_v, _ = layer_fn(cfg, lp, h, rows, reused_k, reused_v, shift, total, deviation)
+        def oracle_layer(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviation="value"):
+            h, mixed_k, mixed_v, _ = layer_fn(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviation)
             full_k, full_v = self.kv[self.layer]
             self.layer += 1
-            keys = blend.reposition_keys(cfg, reused_k, shift)
+            keys = T.rotate(reused_k, *rotation)
             size = keys.shape[1]
             true = (jnp.square(full_k[:, :size].astype(jnp.float32) - keys.astype(jnp.float32)).sum((0, 2))
                     + jnp.square(full_v[:, :size].astype(jnp.float32) - reused_v.astype(jnp.float32)).sum((0, 2)))

@@ -101,9 +101,19 @@ def blend_fingerprint(model, chunk_tokens: int) -> dict:
     return {**fingerprint(model, chunk_tokens), "chunk_sink": list(chunk_sink(model.config))}
 
 
+def shift_rotation(cfg, shift):
+    """The rotation (cos, sin [T, d]) that moves keys computed at positions p to p + shift ([T] int). A request
+    computes it once for all layers (`_shift_rotation`): computed inside a layer step, XLA:CPU evaluates the cos / sin
+    once per element of every KV head (see transformer.rotary)."""
+    return T.rotary_angles(shift, cfg.head_dim, cfg.rope_theta)
+
+
+_shift_rotation = jax.jit(shift_rotation, static_argnums=0)
+
+
 def reposition_keys(cfg, keys, shift):
     """Keys [H_kv, T, d] computed at positions p, moved to p + shift ([T] int): one more RoPE rotation."""
-    return T.rope(keys, shift, cfg.rope_theta)
+    return T.rotate(keys, *shift_rotation(cfg, shift))
 
 
 def _distance(new, reused, rows):
@@ -113,17 +123,18 @@ def _distance(new, reused, rows):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8))
-def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, shift, total, deviation="value"):
+def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviation="value"):
     """One layer over the computed rows of a request whose other tokens reuse cached KV.
 
     h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
     length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
-    at their stored positions), shift [S]: each token's position in the request minus its stored position;
+    at their stored positions), rotation: shift_rotation of each token's position in the request minus its stored
+    position;
     total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
     [H_kv, S, d], and each row's deviation [C]: the squared distance between its recomputed and reused values,
     keys (both at the request position) or both, summed over heads.
     """
-    keys = reposition_keys(cfg, reused_k, shift)
+    keys = T.rotate(reused_k, *rotation)
     q, k, v = T.project(cfg, lp, h, rows)
     mixed_k = keys.at[:, rows].set(k.astype(keys.dtype), mode="drop")
     mixed_v = reused_v.at[:, rows].set(v.astype(reused_v.dtype), mode="drop")
@@ -210,7 +221,7 @@ class BlendEngine(Engine):
             rows_dev = jnp.asarray(padded(rows, rows_pad, size))
             h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
             zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
-            shift_dev = jnp.asarray(shift)
+            rotation = _shift_rotation(cfg, jnp.asarray(shift))
             contexts, traced = [], []
             for layer, lp in enumerate(params["layers"]):
                 traced.append(recomputed)
@@ -221,7 +232,7 @@ class BlendEngine(Engine):
                 else:
                     reused_k = reused_v = zeros
                 h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
-                                                             shift_dev, total, self.system.blend_deviation)
+                                                             rotation, total, self.system.blend_deviation)
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):
