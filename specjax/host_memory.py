@@ -43,6 +43,7 @@ def _glibc():
 
 
 def choice() -> str:
+    """$SPECJAX_HOST_MALLOC: "reuse" (the default) or "system"."""
     chosen = os.environ.get(ENV_VAR, "reuse").strip().lower() or "reuse"
     if chosen not in CHOICES:
         raise ValueError(f"${ENV_VAR}={chosen!r} is not one of {CHOICES}; unset it or pick one.")
