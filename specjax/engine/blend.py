@@ -101,19 +101,10 @@ def blend_fingerprint(model, chunk_tokens: int) -> dict:
     return {**fingerprint(model, chunk_tokens), "chunk_sink": list(chunk_sink(model.config))}
 
 
-def shift_rotation(cfg, shift):
-    """The rotation (cos, sin [T, d]) that moves keys computed at positions p to p + shift ([T] int). A request
-    computes it once for all layers (`_shift_rotation`): computed inside a layer step, XLA:CPU evaluates the cos / sin
-    once per element of every KV head (see transformer.rotary)."""
-    return T.rotary_angles(shift, cfg.head_dim, cfg.rope_theta)
-
-
-_shift_rotation = jax.jit(shift_rotation, static_argnums=0)
-
-
 def reposition_keys(cfg, keys, shift):
-    """Keys [H_kv, T, d] computed at positions p, moved to p + shift ([T] int): one more RoPE rotation."""
-    return T.rotate(keys, *shift_rotation(cfg, shift))
+    """Keys [H_kv, T, d] computed at positions p, moved to p + shift ([T] int): one more RoPE rotation, by the
+    rotary table of the shifts (T.rotary), which a request computes once for all layers."""
+    return T.rotate(keys, *T.rotary(cfg, shift))
 
 
 def _distance(new, reused, rows):
@@ -128,8 +119,8 @@ def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviatio
 
     h [C, D]: hidden states of `rows` (int32 [C], request positions, ascending; padding rows hold the array
     length and are dropped); reused_k / reused_v [H_kv, S, d]: the chunks' stored KV in request order (keys still
-    at their stored positions), rotation: shift_rotation of each token's position in the request minus its stored
-    position;
+    at their stored positions), rotation: the rotary table (T.rotary) of each token's position in the request
+    minus its stored position;
     total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
     [H_kv, S, d], and each row's deviation [C]: the squared distance between its recomputed and reused values,
     keys (both at the request position) or both, summed over heads.
@@ -221,7 +212,7 @@ class BlendEngine(Engine):
             rows_dev = jnp.asarray(padded(rows, rows_pad, size))
             h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
             zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
-            rotation = _shift_rotation(cfg, jnp.asarray(shift))
+            rotation = T.rotary_step(cfg, jnp.asarray(shift))  # see reposition_keys
             contexts, traced = [], []
             for layer, lp in enumerate(params["layers"]):
                 traced.append(recomputed)
