@@ -140,6 +140,9 @@ def _counters(r, prefix_tokens: int) -> dict:
         "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
         "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
         "bad_chunks": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
+        "probe_disk_bytes": io.get("probe_disk_bytes", 0),
+        # tensor parallel: what each device's reader read of its own heads
+        **{f"device{i}_disk_bytes": n for i, n in enumerate(r.disk_bytes_by_device)},
         **_split_counters(r),
     }
 

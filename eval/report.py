@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specjax.eval import metrics, tasks as tasks_lib, tradeoff
-from specjax.eval.systems import BREAKDOWN_KEYS
+from specjax.eval.systems import BREAKDOWN_KEYS, device_bytes
 
 # ---------------------------------------------------------------- schema (design.md section 7)
 
@@ -153,6 +153,9 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
                              "recall": _ratio(get("prefetch_used"), get("prefetch_needed")),
                              # beyond the contract: how much of the sets the guess named, read ahead or not
                              "guess_recall": _ratio(get("prefetch_guess_hits"), get("prefetch_needed"))}
+    devices = device_bytes(totals)
+    if devices:  # beyond the contract: tensor parallel, each device's own heads' bytes (replicated heads: once)
+        entry["io"]["disk_bytes_by_device"] = [int(v) for v in devices]
     if "computed_prefix_tokens" in totals:  # cake: where computing from the front met loading from the back
         entry["split"] = _split(outs, get)
     layers = _mean_layers(outs)

@@ -18,6 +18,7 @@ are plugged in by `specjax.eval.engine_systems`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -38,13 +39,21 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
 COUNTER_KEYS = (
-    "disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests", "host_to_device_transfers",
+    "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
+    "host_to_device_transfers",
     "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
     "computed_prefix_tokens", "compilations",
 )
+DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh
+
+
+def device_bytes(counters: Mapping[str, float]) -> list[float]:
+    """The per-device disk bytes among `counters`, in device order (empty without split reads)."""
+    found = {int(k[len("device"):-len("_disk_bytes")]): v for k, v in counters.items() if DEVICE_COUNTER.fullmatch(k)}
+    return [found.get(i, 0.0) for i in range(max(found) + 1)] if found else []
 
 
 @dataclasses.dataclass
@@ -69,7 +78,7 @@ def as_outcome(x: Any) -> Outcome:
     missing = [k for k in ("choice_logprobs", "choice_greedy", "ttft_ms") if get(k) is None]
     if missing:
         raise TypeError(f"system outcome lacks {missing}")
-    unknown = sorted(set(get("counters") or {}) - set(COUNTER_KEYS))
+    unknown = sorted(k for k in set(get("counters") or {}) - set(COUNTER_KEYS) if not DEVICE_COUNTER.fullmatch(k))
     if unknown:  # one vocabulary: a counter results.json would not know is a bug, not a new name
         raise TypeError(f"system outcome has unknown counters {unknown}; known: {', '.join(COUNTER_KEYS)}")
     return Outcome(

@@ -111,6 +111,14 @@ def kv_sharding(cfg: ModelConfig, mesh: Mesh, heads: int | None = None) -> Named
     return NamedSharding(mesh, PartitionSpec(TP if split else None, None, None))
 
 
+def kv_parts(cfg: ModelConfig, mesh: Mesh | None, heads: int) -> int:
+    """Over how many devices K/V arrays of `heads` heads are split (`kv_sharding`): the mesh's size, or 1 when
+    every device holds them all (no mesh, replicated)."""
+    if mesh is None or kv_sharding(cfg, mesh, heads).spec[0] != TP:
+        return 1
+    return tp_size(mesh)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -39,7 +39,7 @@ class Segment:
     first_chunk: int
     n_chunks: int
     n_tokens: int
-    checksums: np.ndarray             # uint32 [num_layers, kinds, n_chunks]
+    checksums: np.ndarray             # uint32 [num_layers, kinds, n_chunks, heads] (Layout.max_heads; 0 past a kind's)
     # m[i] = stored position of original token i: None (identity), [n] (one order for every layer) or
     # [layers, n] (each layer its own order, as SPEC's per-layer PrefixKVLayer keeps it)
     mapping: np.ndarray | None = None

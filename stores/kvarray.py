@@ -47,6 +47,14 @@ class Layout:
     def heads(self, kind: int) -> int:
         return self.probe_heads if kind == PROBE else self.kv_heads
 
+    @property
+    def max_heads(self) -> int:
+        return max(self.kv_heads, self.probe_heads)
+
+    def head_chunk_nbytes(self) -> int:
+        """Bytes of one head in a chunk file: a chunk holds its heads one after another."""
+        return self.chunk_tokens * self.head_dim * self.np_dtype.itemsize
+
     def chunk_nbytes(self, kind: int) -> int:
         return self.heads(kind) * self.chunk_tokens * self.head_dim * self.np_dtype.itemsize
 
@@ -155,29 +163,42 @@ class KVArrays:
         return (f"c/{layer}/0/{chunk}/0" if kind == PROBE else f"c/{layer}/{kind}/0/{chunk}/0").encode()
 
     def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False,
-                 background: bool = False) -> Read:
+                 background: bool = False, head_parts: int = 1) -> Read:
         """Queue one read of `n_chunks` adjacent chunks (at the scheduler's priority `speculative` / `background`);
         its future resolves with their arrays, each `[heads, chunk_tokens, head_dim]`, once the scheduler has issued
         it and (on an emulated disk) its bytes have crossed the link. It fails if a chunk file has the wrong size; a
-        missing file reads as zeros (zarr's fill value)."""
+        missing file reads as zeros (zarr's fill value).
+
+        `head_parts` > 1: each chunk file is read as that many byte ranges of equal head counts, one per device of a
+        tensor-parallel mesh (a chunk file holds its heads one after another), as each device's reader would read
+        its own heads; the parts are joined in head order."""
         files = self._files[kind]
         keys = [self._chunk_key(layer, kind, first_chunk + j) for j in range(n_chunks)]
+        part = self.layout.heads(kind) // head_parts * self.layout.head_chunk_nbytes()
+        ranges = [None] if head_parts == 1 else [slice(i * part, (i + 1) * part) for i in range(head_parts)]
 
         def issue() -> concurrent.futures.Future:
-            return when_all([files.read(key) for key in keys], lambda results: [
-                self._decode(kind, key, r) for key, r in zip(keys, results)])
+            reads = [files.read(key, byte_range=r) for key in keys for r in ranges]
+            return when_all(reads, lambda results: [
+                self._decode(kind, key, results[j * len(ranges):(j + 1) * len(ranges)], ranges)
+                for j, key in enumerate(keys)])
 
         return self.scheduler.submit(Read(issue, n_chunks * self.layout.chunk_nbytes(kind), speculative, background))
 
-    def _decode(self, kind: int, key: bytes, result) -> np.ndarray:
+    def _decode(self, kind: int, key: bytes, results: list, ranges: list) -> np.ndarray:
+        """A chunk `[heads, chunk_tokens, head_dim]` from the reads of its file's byte `ranges` (None: whole)."""
         lay = self.layout
         shape = (lay.heads(kind), lay.chunk_tokens, lay.head_dim)
-        if result.state == "missing":
+        if all(r.state == "missing" for r in results):
             return np.zeros(shape, lay.np_dtype)
-        if len(result.value) != lay.chunk_nbytes(kind):
-            raise ValueError(f"chunk file {KIND_NAMES[kind]}/{key.decode()} holds {len(result.value)} bytes, "
-                             f"expected {lay.chunk_nbytes(kind)}")
-        return np.frombuffer(result.value, lay.np_dtype).reshape(shape)
+        for result, byte_range in zip(results, ranges):
+            want = lay.chunk_nbytes(kind) if byte_range is None else byte_range.stop - byte_range.start
+            if len(result.value) != want:
+                where = "" if byte_range is None else f" at bytes {byte_range.start}..{byte_range.stop}"
+                raise ValueError(f"chunk file {KIND_NAMES[kind]}/{key.decode()} holds {len(result.value)} bytes"
+                                 f"{where}, expected {want}")
+        data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
+        return np.frombuffer(data, lay.np_dtype).reshape(shape)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write `[heads, n_chunks * chunk_tokens, head_dim]` at `first_chunk`; the future resolves when durable."""

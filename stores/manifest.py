@@ -1,4 +1,4 @@
-"""The store's manifest: radix tree, segments, mapping lists, chunk checksums, writers and model fingerprint.
+"""The store's manifest: radix tree, segments, mapping lists, per-head chunk checksums, writers and model fingerprint.
 
 It is written whole, only after the chunk data it names is durable, and replaces the previous generation in one
 atomic step, so a reader always sees one committed generation. Publishing is conditional on the generation the
@@ -27,14 +27,16 @@ import tensorstore as ts
 
 from specjax.stores.errors import ManifestError, StoreMismatchError
 
-FORMAT = "specjax-kvstore/1"
+FORMAT = "specjax-kvstore/2"  # 2: a checksum per KV head of each chunk (1: one per chunk)
 MANIFEST_KEY = "manifest.json"
 LOCK_KEY = "manifest.lock"
 
 
-def chunk_checksum(chunk: np.ndarray) -> int:
-    """crc32 of a chunk's little-endian bytes as stored (the zarr `bytes` codec writes exactly these)."""
-    return zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8).data)
+def head_checksums(chunk: np.ndarray) -> tuple[int, ...]:
+    """crc32 of each head's little-endian bytes in a chunk `[heads, chunk_tokens, head_dim]` as stored (the zarr
+    `bytes` codec writes exactly these, head after head): a reader of some heads' byte range can check them."""
+    chunk = np.ascontiguousarray(chunk)
+    return tuple(zlib.crc32(head) for head in chunk.view(np.uint8).reshape(len(chunk), -1))
 
 
 def encode_array(a: np.ndarray | None) -> dict | None:

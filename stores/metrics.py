@@ -9,6 +9,7 @@ import threading
 @dataclasses.dataclass
 class StoreMetrics:
     disk_bytes: int = 0            # bytes read from the KV array (whole chunks)
+    probe_disk_bytes: int = 0      # of which probe keys
     chunks_read: int = 0
     read_requests: int = 0         # reads the scheduler issued (a coalesced run of adjacent chunks counts once)
     bad_chunks: int = 0            # checksum or read failures, served as misses
@@ -22,6 +23,22 @@ class StoreMetrics:
 
     def __post_init__(self):
         self._lock = threading.Lock()
+        self._device_bytes: list[int] = []  # per device of a mesh whose heads split the reads (ChunkReads.split_reads)
+
+    def add_device_bytes(self, per_device: list[int]) -> None:
+        """Bytes each device's reader read of its own heads (one entry per device of the mesh)."""
+        with self._lock:
+            if len(self._device_bytes) < len(per_device):
+                self._device_bytes += [0] * (len(per_device) - len(self._device_bytes))
+            for i, n in enumerate(per_device):
+                self._device_bytes[i] += n
+
+    def device_bytes(self) -> list[int]:
+        """Disk bytes read per device in head parts (empty when no read was split); reads of heads every device
+        holds (replicated: a few probe heads, KV heads that do not divide the mesh) are read once, in `disk_bytes`
+        only."""
+        with self._lock:
+            return list(self._device_bytes)
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -32,6 +49,7 @@ class StoreMetrics:
         with self._lock:
             for field in dataclasses.fields(self):
                 setattr(self, field.name, 0)
+            self._device_bytes = []
 
     def snapshot(self) -> dict:
         with self._lock:

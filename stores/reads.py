@@ -1,5 +1,8 @@
 """The disk read path of a store: chunk reads coalesced into runs through the disk's read scheduler, each
-chunk checked against its checksum before it is served; gathering token positions from the chunks read."""
+chunk checked against its heads' checksums before it is served; gathering token positions from the chunks read.
+
+Under tensor parallelism (`ChunkReads.split_reads`) a kind whose heads the mesh splits is read as each device's
+own heads' byte ranges of every chunk file, and each device's bytes are counted (`StoreMetrics.device_bytes`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import logging
 import numpy as np
 
 from specjax.stores import kvarray
-from specjax.stores.manifest import chunk_checksum
+from specjax.stores.manifest import head_checksums
 from specjax.stores.scheduler import when_all
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,26 @@ def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
 
 class ChunkReads:
     """Reading chunks and located positions (mixed into `KVStore`: uses its layout, arrays, metrics, lock
-    and `_expected_checksum`)."""
+    and `_expected_checksums`)."""
+
+    def split_reads(self, devices: dict[int, int]) -> None:
+        """Read kind `k`'s chunks as `devices[k]` byte ranges of equal head counts, one per device of a mesh that
+        splits those heads (1, or a kind left out: whole chunk files). Set once per store handle; an engine on
+        another mesh needs its own handle."""
+        parts = {kind: int(devices.get(kind, 1)) for kind in self.layout.kinds()}
+        for kind, n in parts.items():
+            if n < 1 or self.layout.heads(kind) % n:
+                raise ValueError(f"{kvarray.KIND_NAMES[kind]}: {self.layout.heads(kind)} heads cannot be read in "
+                                 f"{n} equal parts")
+        with self._lock:
+            current = self._head_parts or {kind: 1 for kind in self.layout.kinds()}
+            if current != parts and self._reads_started:
+                raise ValueError(f"this store handle has read its chunks in head parts {current}; "
+                                 f"open another handle for parts {parts}")
+            self._head_parts = parts
+
+    def _parts(self, kind: int) -> int:
+        return 1 if self._head_parts is None else self._head_parts[kind]
 
     @property
     def scheduler(self):
@@ -80,14 +102,17 @@ class ChunkReads:
         `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its read was
         withdrawn unread."""
         chunks = [int(c) for c in chunks]
-        expected = {c: self._expected_checksum(layer, kind, c) for c in chunks}
+        expected = {c: self._expected_checksums(layer, kind, c) for c in chunks}
         for c, e in expected.items():
             if e is None:
                 raise KeyError(f"chunk {c} belongs to no segment of the store")
+        self._reads_started = True
         reads = []
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
+        head_parts = self._parts(kind)
         for first, n in _runs(chunks, max(1, max_bytes // self.layout.chunk_nbytes(kind))):
-            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative, background=background), n)
+            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative, background=background,
+                                             head_parts=head_parts), n)
             parts = [ChunkRead(layer, kind, first + j, run) for j in range(n)]
             run.read.future.add_done_callback(functools.partial(self._verify, parts, expected))
             reads += parts
@@ -95,7 +120,7 @@ class ChunkReads:
         return [order[c] for c in chunks]
 
     def _verify(self, parts: list, expected: dict, f) -> None:
-        """Check each chunk of a landed run against its checksum before it is served."""
+        """Check each chunk of a landed run against its heads' checksums before it is served."""
         if f.cancelled():  # withdrawn before it was read: nothing was read
             for part in parts:
                 part.future.cancel()
@@ -110,9 +135,14 @@ class ChunkReads:
             for part in parts:
                 part.future.set_result(None)
             return
-        self.metrics.add(disk_bytes=sum(a.nbytes for a in arrays), chunks_read=len(parts), read_requests=1)
+        nbytes = sum(a.nbytes for a in arrays)
+        self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if first.kind == kvarray.PROBE else 0,
+                         chunks_read=len(parts), read_requests=1)
+        devices = self._parts(first.kind)
+        if devices > 1:  # each device read its own heads' byte range of every chunk file
+            self.metrics.add_device_bytes([nbytes // devices] * devices)
         for part, chunk in zip(parts, arrays):
-            if chunk_checksum(chunk) != expected[part.chunk]:
+            if head_checksums(chunk) != expected[part.chunk]:
                 log.warning("chunk %d layer %d %s fails its checksum", part.chunk, part.layer,
                             kvarray.KIND_NAMES[part.kind])
                 self.metrics.add(bad_chunks=1)

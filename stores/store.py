@@ -115,6 +115,8 @@ class KVStore(ChunkReads):
         self.disk_capacity_bytes = disk_capacity_bytes
         self.max_read_bytes = max_read_bytes  # None: as the read scheduler sizes reads for the disk
         self.metrics = StoreMetrics()
+        self._head_parts: dict[int, int] | None = None  # ChunkReads.split_reads; None: whole chunk files
+        self._reads_started = False
         io = ManifestIO(self.kvstore_spec, self.context)
         self.where = io.where
         local = io.local_dir is not None or self.kvstore_spec.get("driver") == "memory"
@@ -315,7 +317,7 @@ class KVStore(ChunkReads):
                                             f"{self.disk_capacity_bytes} bytes and every prefix is in use")
             first = self._cat.take_chunks(n_chunks)
             seg = Segment(first + 1, first, n_chunks, n_tokens,
-                          np.zeros((lay.num_layers, len(lay.kinds()), n_chunks), np.uint32))
+                          np.zeros((lay.num_layers, len(lay.kinds()), n_chunks, lay.max_heads), np.uint32))
             self._cat.add(seg)
         return seg
 
@@ -392,10 +394,13 @@ class KVStore(ChunkReads):
                 offsets[sel] = stored % c
         return Locations(chunks, offsets)
 
-    def _expected_checksum(self, layer: int, kind: int, chunk: int) -> int | None:
+    def _expected_checksums(self, layer: int, kind: int, chunk: int) -> tuple[int, ...] | None:
+        """The chunk's per-head checksums (as `manifest.head_checksums` gives them); None if no segment holds it."""
         with self._lock:
             seg = self._cat.segment_of(chunk)
-            return None if seg is None else int(seg.checksums[layer, kind, chunk - seg.first_chunk])
+            if seg is None:
+                return None
+            return tuple(seg.checksums[layer, kind, chunk - seg.first_chunk, :self.layout.heads(kind)].tolist())
     def read(self, match: Match, layer: int, kind: int, positions=None) -> concurrent.futures.Future:
         """Future of `Gathered` vectors of `positions` (original prefix order; default all) of one layer."""
         positions = np.arange(match.length) if positions is None else positions

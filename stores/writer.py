@@ -12,7 +12,7 @@ from specjax.stores import kvarray
 from specjax.stores.catalog import Segment
 from specjax.stores.errors import DiskFullError, StoreError, is_disk_full
 from specjax.stores.kvarray import K, PROBE, V
-from specjax.stores.manifest import chunk_checksum
+from specjax.stores.manifest import head_checksums
 
 if typing.TYPE_CHECKING:
     from specjax.stores.store import KVStore, Match
@@ -61,7 +61,7 @@ class SegmentWriter:
                 data[:, :seg.n_tokens] = np.asarray(a)
                 for j in range(seg.n_chunks):
                     chunk = data[:, j * lay.chunk_tokens:(j + 1) * lay.chunk_tokens]
-                    seg.checksums[layer, kind, j] = chunk_checksum(chunk)
+                    seg.checksums[layer, kind, j, :lay.heads(kind)] = head_checksums(chunk)
                 pending.append(self.store._arrays.write_range(layer, kind, seg.first_chunk, data))
             for w in pending:
                 w.result()  # resolves once the chunk files are written and synced

@@ -83,7 +83,8 @@ class _Reads(PlainRecompute):
     def run(self, request):
         out = super().run(request)
         i = request.request_id
-        out.counters.update(disk_bytes=3000, read_requests=i, host_to_device_transfers=2 * i)
+        out.counters.update(disk_bytes=3000, read_requests=i, host_to_device_transfers=2 * i,
+                            device0_disk_bytes=1000, device1_disk_bytes=1000 + i)  # as a 2-device mesh reports
         return out
 
 
@@ -104,7 +105,9 @@ def test_fake_read_and_transfer_fields_in_results_json_and_resume(tmp_path, monk
     assert io["read_requests_per_request"] == pytest.approx(6 / 4)  # 0 + 1 + 2 + 3 reads over 4 requests
     assert io["bytes_per_read"] == pytest.approx(4 * 3000 / 6)  # disk_bytes / read_requests over the run
     assert io["host_to_device_transfers_per_request"] == pytest.approx(12 / 4)
+    assert io["disk_bytes_by_device"] == [4000, 4006]  # each device's bytes, summed over the run, in device order
     ref = loaded["systems"]["recompute"]["io"]
+    assert "disk_bytes_by_device" not in ref  # no split reads: not reported
     assert (ref["read_requests_per_request"], ref["bytes_per_read"], ref["host_to_device_transfers_per_request"]) \
         == (0.0, None, 0.0)
     assert "| fake_reads | 1.5 | 1.95 KiB | 3.0 | 0 |" in (tmp_path / "out" / "results.md").read_text()
@@ -157,5 +160,8 @@ def test_a_counter_outside_the_vocabulary_is_refused():
                "counters": {"disk_bytes": 1, "gpu_hits": 2}}
     with pytest.raises(TypeError, match=r"unknown counters \['gpu_hits'\]"):
         systems.as_outcome(outcome)
-    outcome["counters"] = {"disk_bytes": 1, "device_hits": 2}
-    assert systems.as_outcome(outcome).counters == {"disk_bytes": 1.0, "device_hits": 2.0}
+    outcome["counters"] = {"disk_bytes": 1, "device_hits": 2, "device3_disk_bytes": 1}
+    assert systems.as_outcome(outcome).counters == {"disk_bytes": 1.0, "device_hits": 2.0, "device3_disk_bytes": 1.0}
+    outcome["counters"] = {"devicex_disk_bytes": 1}
+    with pytest.raises(TypeError, match="unknown counters"):
+        systems.as_outcome(outcome)

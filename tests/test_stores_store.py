@@ -203,21 +203,30 @@ def _chunk_file(root, layer, kind, chunk):
     return os.path.join(root, "kv", "c", str(layer), str(kind), "0", str(chunk), "0")
 
 
-def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
-    rng = np.random.default_rng(4)
+def _stored_prefix(tmp_path, seed):
+    """A store of one random 48-token prefix in 16-token chunks: (root, fingerprint, tokens, kv)."""
+    rng = np.random.default_rng(seed)
     fp = dict(FP, chunk_tokens=16)
     tokens = rng.integers(0, 1000, 48)
     kv = random_kv(rng, 48)
     root = str(tmp_path / "s")
     with KVStore.open(root, fp) as store:
         store.insert(tokens, kv)
-    assert fsck_main([root]) == 0
-    path = _chunk_file(root, 1, V, 1)                   # layer 1, V, tokens 16..31
+    return root, fp, tokens, kv
+
+
+def _flip_bit(path, offset, bit):
     with open(path, "r+b") as f:
-        f.seek(100)
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0x01]))
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ bit]))
+
+
+def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
+    root, fp, tokens, kv = _stored_prefix(tmp_path, 4)
+    assert fsck_main([root]) == 0
+    _flip_bit(_chunk_file(root, 1, V, 1), 100, 0x01)  # layer 1, V, tokens 16..31
     with KVStore.open(root, fp) as store:
         with store.match(tokens) as m:
             got = store.read(m, 1, V).result()
@@ -230,6 +239,52 @@ def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
     capsys.readouterr()
     assert fsck_main([root]) == 1
     assert "bad chunks 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_each_devices_reader_reads_and_checks_its_own_heads(tmp_path, direct_io):
+    """Split reads (tensor parallel): each of 2 devices reads its KV head's byte range of every chunk file, and
+    its bytes are counted; the probe keys (1 head) are read whole; a flipped byte in one head is caught."""
+    root, fp, tokens, kv = _stored_prefix(tmp_path, 9)
+    with KVStore.open(root, fp, direct_io=direct_io) as store:
+        with pytest.raises(ValueError, match="2 heads cannot be read in 3 equal parts"):
+            store.split_reads({K: 3})
+        store.split_reads({K: 2, V: 2})
+        assert_serves(store, tokens, kv)
+        kv_bytes = 2 * 3 * kv[0][K].nbytes  # K and V of 3 layers, 3 chunks each
+        assert store.metrics.device_bytes() == [kv_bytes // 2] * 2
+        assert store.metrics.disk_bytes == kv_bytes + store.metrics.probe_disk_bytes
+        assert store.metrics.probe_disk_bytes == 3 * kv[0][PROBE].nbytes
+        with pytest.raises(ValueError, match="open another handle"):
+            store.split_reads({K: 1, V: 1})
+    head_bytes = 16 * FP["head_dim"] * 4
+    _flip_bit(_chunk_file(root, 2, K, 0), head_bytes + 5, 0x10)  # layer 2, K, tokens 0..15: the second head
+    with KVStore.open(root, fp, direct_io=direct_io) as store:
+        store.split_reads({K: 2, V: 2})
+        with store.match(tokens) as m:
+            got = store.read(m, 2, K).result()
+        assert store.metrics.bad_chunks == 1
+        assert not got.ok[:16].any() and got.ok[16:].all()
+        np.testing.assert_array_equal(got.array[:, 16:], kv[2][K][:, 16:])
+
+
+def test_a_store_of_the_older_format_is_refused_clearly(tmp_path):
+    """Format 1 kept one checksum per chunk; a reader of some heads cannot check it."""
+    import json
+    import zlib
+
+    from specjax.stores.manifest import canonical
+
+    root = tmp_path / "s"
+    rng = np.random.default_rng(1)
+    with KVStore.open(str(root), FP) as store:
+        store.insert(rng.integers(0, 1000, 20), random_kv(rng, 20))
+    doc = json.loads((root / "manifest.json").read_text())
+    doc["body"]["format"] = "specjax-kvstore/1"
+    doc["crc32"] = zlib.crc32(canonical(doc["body"]).encode())
+    (root / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match="has format 'specjax-kvstore/1', expected 'specjax-kvstore/2'"):
+        KVStore.open(str(root), FP)
 
 
 def test_disk_full_gives_clear_error_and_reads_continue(memory_location, monkeypatch):

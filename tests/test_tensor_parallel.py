@@ -50,13 +50,34 @@ def _check(case: dict, q_heads_split: bool, kv_heads_split: bool) -> None:
         assert case["pruned_logit_diff"][system] <= EXACT, (label, system)
     # both ITF paths ran: the probe heads' shared top-k, and the per-head fallback (H2O's union)
     assert not any(case["fallback"]["spec_shared"][0]) and all(case["fallback"]["as_h2o_lru"][0]), label
+    _check_disk_bytes(case, kv_heads_split)
+
+
+def _check_disk_bytes(case: dict, kv_heads_split: bool) -> None:
+    """Each device's reader reads its own heads' share of the one-device run's bytes of every split kind (K and V,
+    and the probe keys when they are split too); heads every device holds are read once."""
+    tp, label = case["tensor_parallel"], f"{case['model']} tp={case['tensor_parallel']}"
+    for system, disk in case["disk"].items():
+        assert disk["many"] == disk["one"], (label, system)  # the same chunks, in all
+        if system == "recompute":
+            assert disk["one"] == 0 and disk["by_device"] == [], label  # reads nothing
+        elif not kv_heads_split:
+            assert disk["by_device"] == [], (label, system)  # replicated K/V: one whole read per chunk
+        else:
+            split = disk["one"] - (disk["one_probe"] if case["probe_parts"] == 1 else 0)
+            assert split > 0 and split % tp == 0, (label, system, disk)
+            assert disk["by_device"] == [split // tp] * tp, (label, system, disk)
+    assert case["disk"]["spec"]["one_probe"] > 0, label  # spec's probe keys were read (and counted) too
 
 
 def test_tiny_models_match_one_device():
-    """tiny-llama (4 query heads, 2 KV heads: KV replicated at tp=4) and tiny-opt (4 and 4: one each)."""
-    llama, opt = _worker("tiny-llama:4", "tiny-opt:4")
+    """tiny-llama (4 query heads, 2 KV heads: KV replicated at tp=4, one each at tp=2) and tiny-opt (4 and 4: one
+    each at tp=4)."""
+    llama, llama2, opt = _worker("tiny-llama:4", "tiny-llama:2", "tiny-opt:4")
     assert llama["sharded_axes"] == ["ffw", "q_heads"]
     _check(llama, q_heads_split=True, kv_heads_split=False)
+    assert llama2["sharded_axes"] == ["ffw", "kv_heads", "q_heads"]
+    _check(llama2, q_heads_split=True, kv_heads_split=True)
     assert opt["sharded_axes"] == ["ffw", "kv_heads", "q_heads"]
     _check(opt, q_heads_split=True, kv_heads_split=True)
 

@@ -101,14 +101,17 @@ def case(name: str, tp: int, folder: pathlib.Path) -> dict:
     req = _request(one)
     out = {"model": name, "tensor_parallel": tp, "layers": one.config.num_layers, **_placement(many),
            "logit_diff": {}, "pruned_logit_diff": {}, "same_selections": {}, "layers_compared": {},
-           "fallback": {}}
+           "fallback": {}, "disk": {}}
     # the KV a sharded engine reads is split by head as it enters the device
     engine = Engine(many, make_system("recompute"), None)
     kv = engine.place_kv(np.zeros((many.config.num_kv_heads, 16, many.config.head_dim), np.float32))
     out["kv_devices"], out["kv_shard"] = len(kv.sharding.device_set), list(kv.addressable_shards[0].data.shape)
+    probe_heads = fingerprint(many, 16)["probe_heads"]  # how many devices split the stored probe keys' heads
+    out["probe_parts"] = sh.kv_parts(many.config, many.mesh, probe_heads)
     for system in FULL:
         a, b = single(system, 1.0), _run(many, system, req, 1.0)
         out["logit_diff"][system] = float(np.abs(a.first_token_logits - b.first_token_logits).max())
+        out["disk"][system] = _disk(a, b)
     for label, (system, options) in PRUNED.items():
         a, b = single(system, PRUNED_RETENTION, **options), _run(many, system, req, PRUNED_RETENTION, **options)
         out["same_selections"][label] = (len(a.selections) == len(b.selections) and all(
@@ -116,7 +119,14 @@ def case(name: str, tp: int, folder: pathlib.Path) -> dict:
         out["layers_compared"][label] = len(a.selections)
         out["pruned_logit_diff"][label] = float(np.abs(a.first_token_logits - b.first_token_logits).max())
         out["fallback"][label] = [a.layers["fallback"], b.layers["fallback"]]
+        out["disk"][label] = _disk(a, b)
     return out
+
+
+def _disk(one, many) -> dict:
+    """Disk bytes of the one-device and the sharded run, and what each device's reader read of its own heads."""
+    return {"one": one.io.get("disk_bytes", 0), "one_probe": one.io.get("probe_disk_bytes", 0),
+            "many": many.io.get("disk_bytes", 0), "by_device": many.disk_bytes_by_device}
 
 
 def main(args: list[str]) -> None:

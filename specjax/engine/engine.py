@@ -96,6 +96,9 @@ class Engine:
         self._no_prefix = self.place_kv(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
         if store is not None:
+            # each device reads its own heads' bytes of every chunk file (one device, or replicated heads: whole)
+            store.split_reads({kind: sh.kv_parts(self.cfg, self.mesh, store.layout.heads(kind))
+                               for kind in store.layout.kinds()})
             self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
                                      metrics=store.metrics)
             self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
@@ -141,6 +144,7 @@ class Engine:
         if not request.prefix and not request.query:
             raise SpecjaxError("a request needs at least one token")
         before = self.store.metrics.snapshot() if self.store is not None else None
+        before_devices = self.store.metrics.device_bytes() if self.store is not None else []
         try:
             result = self._run(request, reuse=self.system.reuse)
         except BadChunk:
@@ -149,6 +153,9 @@ class Engine:
         if before is not None:
             after = self.store.metrics.snapshot()
             result.io = {k: after[k] - before[k] for k in before if not k.endswith(("_ratio", "amplification"))}
+            after_devices = self.store.metrics.device_bytes()
+            before_devices += [0] * (len(after_devices) - len(before_devices))
+            result.disk_bytes_by_device = [a - b for a, b in zip(after_devices, before_devices)]
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
             self.reorder()

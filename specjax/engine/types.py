@@ -45,6 +45,9 @@ class RequestResult:
     layers: dict  # per-layer lists: retained, fallback, jaccard, threshold
     prefetch: dict  # prefetch_report: speculative prefetch in tokens
     recomputed_bad_chunks: bool = False
+    # tensor parallel: disk bytes each device's reader read of its own heads during the request (empty when no
+    # read was split over devices; heads every device holds are read once and counted in io["disk_bytes"] only)
+    disk_bytes_by_device: list[int] = dataclasses.field(default_factory=list)
     selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
     split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
 
