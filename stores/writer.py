@@ -61,7 +61,10 @@ class SegmentWriter:
                 data[:, :seg.n_tokens] = np.asarray(a)
                 for j in range(seg.n_chunks):
                     chunk = data[:, j * lay.chunk_tokens:(j + 1) * lay.chunk_tokens]
-                    seg.checksums[layer, kind, j, :lay.heads(kind)] = head_checksums(chunk)
+                    checksums = head_checksums(chunk)
+                    seg.checksums[layer, kind, j, :lay.heads(kind)] = checksums
+                    if kind == K:  # the chunk's key summary, while its keys are at hand
+                        self.store.summaries.put(layer, seg.first_chunk + j, checksums, chunk)
                 pending.append(self.store._arrays.write_range(layer, kind, seg.first_chunk, data))
             for w in pending:
                 w.result()  # resolves once the chunk files are written and synced

@@ -99,8 +99,11 @@ class Engine:
             # each device reads its own heads' bytes of every chunk file (one device, or replicated heads: whole)
             store.split_reads({kind: sh.kv_parts(self.cfg, self.mesh, store.layout.heads(kind))
                                for kind in store.layout.kinds()})
-            self.cache = TieredCache(config.gpu_cache_bytes, config.cpu_cache_bytes, system.cache_policy,
-                                     metrics=store.metrics)
+            # key summaries (spec_gqa's candidates) live in host memory: the host tier gives up their bytes
+            host_bytes = config.cpu_cache_bytes
+            if system.candidates is not None:
+                host_bytes = max(0, host_bytes - store.summary_bytes)
+            self.cache = TieredCache(config.gpu_cache_bytes, host_bytes, system.cache_policy, metrics=store.metrics)
             self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
             # queues each layer's reads ahead (LayerIO._read_ahead_of) while the request's thread goes on
             self.io_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-read-ahead")

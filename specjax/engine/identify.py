@@ -13,6 +13,7 @@ speculation reads ahead), and `select`, which reads through the request's `Layer
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
@@ -20,8 +21,9 @@ import numpy as np
 
 from specjax.engine import state as st
 from specjax.engine import steps as S
+from specjax.engine.layer_io import BadChunk
 from specjax.errors import SpecjaxError
-from specjax.kernels import PerHeadIndices, SharedIndices
+from specjax.kernels import PerHeadIndices, SharedIndices, quest
 from specjax.models.inference import bucket, padded
 from specjax.stores import K, PROBE, V
 
@@ -30,10 +32,11 @@ if TYPE_CHECKING:
     from specjax.engine.layer_io import LayerIO
 
 
-def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n):
-    """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed)."""
-    return io.clock.timed("identify", S.scores, q, keys, own_k, io.m, n, kv_head_of_probe=engine.kv_of_head,
-                          impl=engine.config.kernel_impl)
+def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n, prefix_len=None):
+    """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed); or of
+    the first `prefix_len` rows of `keys` when they are a part of the prefix."""
+    return io.clock.timed("identify", S.scores, q, keys, own_k, io.m if prefix_len is None else prefix_len, n,
+                          kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
 
 
 class LoadAll:
@@ -144,7 +147,116 @@ class Chunks:
         return state, keys, values, selection, io.period_importance, chosen[None]
 
 
-POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks}
+class GroupedITF:
+    """spec_gqa (issue 22): ITF whose probes are KV heads, the unit in which keys and values are stored and read.
+
+    Each probe KV head (the first `num_probe_heads` KV heads, one per group) scores the prefix with all of its query
+    heads, their H2O scores normalised and summed; the probes' mean pairwise Jaccard is tested against t = j ** alpha
+    as in ITF. Probes never share keys, so agreement is not free. Agreeing: every head takes the top-k of the probes'
+    summed scores. Else each query head keeps its own top-k (per-head H2O).
+
+    Only candidate positions are scored (`System.candidates` = B): the chunks whose key summaries (`stores.summaries`,
+    host memory) bound the most attention (`kernels.quest.chunk_mass`), at least B x k positions; their keys are read
+    and the rest of the prefix is never read. With B None, or B x k covering the prefix, every position is a
+    candidate, and on a model with one query head per KV head this selects exactly what `ITF` selects.
+
+    Probe keys come from the store's probe kind when its heads are these probe KV heads (one query head per KV
+    head), else from K (grouped-query models: the candidates' keys of every KV head come with the chunk files)."""
+
+    certain_reads = ()
+
+    def selection_reads(self, engine: Engine) -> tuple:
+        """A selected position's probe keys are read as a candidate's; its keys come with them when the probe keys
+        are every KV head's."""
+        return (PROBE, V) if self.probe_source(engine) == PROBE and engine.probe_is_k else (K, V)
+
+    @staticmethod
+    def probe_kv(engine: Engine) -> tuple[int, ...]:
+        return tuple(range(min(engine.system.num_probe_heads, engine.cfg.num_kv_heads)))
+
+    def probe_source(self, engine: Engine) -> int:
+        """PROBE when the store's probe kind holds exactly the probe KV heads, else K."""
+        return PROBE if self.probe_kv(engine) == tuple(map(int, engine.probe_kv)) else K
+
+    def candidates(self, engine: Engine, io: LayerIO, layer, q, n, k) -> np.ndarray:
+        """The positions scored: whole chunks, in order of their bounded attention mass summed over every query
+        head, until B x k positions (all of them when B is None or B x k covers the prefix)."""
+        budget = engine.system.candidates
+        if budget is None or budget * k >= io.m:
+            return io.all_positions
+        chunk_of = io.locate(layer, io.all_positions).chunks
+        chunks, slot_of = np.unique(chunk_of, return_inverse=True)
+        got = io.clock.timed("probe_io", engine.store.key_summaries, layer, chunks)
+        if not got.ok.all():
+            raise BadChunk()
+        summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.array.shape[1:], got.array.dtype)
+        summaries[: len(chunks)] = got.array
+        mass = io.clock.timed("identify", quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
+                              kv_of_head=engine.kv_of_head)
+        order = np.argsort(-np.asarray(mass)[:, : len(chunks)].sum(0), kind="stable")
+        covered = np.cumsum(np.bincount(slot_of, minlength=len(chunks))[order])
+        keep = order[: int(np.searchsorted(covered, math.ceil(budget * k))) + 1]
+        return io.all_positions[np.isin(slot_of, keep)]
+
+    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
+        m, impl = io.m, engine.config.kernel_impl
+        cand = self.candidates(engine, io, layer, q, n, k)
+        c = len(cand)
+        c_pad = io.m_pad if c == m else bucket(c)
+        probe_kv = self.probe_kv(engine)
+        group = engine.cfg.q_per_kv
+        heads = tuple(h for g in probe_kv for h in range(g * group, (g + 1) * group))  # the probes' query heads
+        stored_probe = self.probe_source(engine) == PROBE
+        probe_k = io.take(layer, PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
+        keys = every = None  # every KV head's keys of the candidates, and every query head's scores, once known
+        if stored_probe and not engine.probe_is_k:
+            scores = io.clock.timed("identify", S.scores, q, probe_k, own_k, c, n,
+                                    kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
+                                    kv_heads=probe_kv)
+        else:  # the probe keys are every KV head's
+            keys = probe_k
+            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+            scores = every[: len(heads)]
+        probes = io.clock.timed("identify", st.kv_head_scores, scores, c, groups=len(probe_kv))
+        # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
+        state, shared, use_shared = io.clock.timed(
+            "identify", st.itf_select, state, layer, probes, k, c, engine.system.alpha, k_cap=k_cap, kept_of=m)
+        if bool(use_shared):
+            chosen = cand[np.asarray(shared)[:k]]
+            state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
+            if keys is not None:
+                keys = S.gather_tokens(keys, jnp.asarray(padded(np.asarray(shared)[:k], k_cap, c_pad)))
+            else:
+                keys = io.take(layer, K, chosen, k_cap)
+            values = io.take(layer, V, chosen, k_cap)
+            selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
+            return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
+                    chosen[None])
+        if every is None:
+            keys = io.take(layer, K, cand, c_pad)
+            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+        state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
+                                         kept_of=m)
+        per_head_np = np.asarray(per_head)[:, :k]
+        union = np.unique(per_head_np)  # candidate slots
+        state = st.record_union(state, layer, jnp.asarray(padded(cand[union], io.m_pad, -1)), len(union))
+        union_pad = bucket(len(union))
+        values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, c_pad)),
+                                  io.take(layer, V, cand[union], union_pad))
+        return (state, keys, values, PerHeadIndices(per_head, k), _on_prefix(S.normalised_importance(every, c), cand, m),
+                cand[per_head_np])
+
+
+def _on_prefix(importance: np.ndarray, positions: np.ndarray, m: int) -> np.ndarray:
+    """Importance of the scored positions spread over all m positions of the prefix (0 where not scored)."""
+    if len(positions) == m:
+        return importance
+    out = np.zeros(m, np.float32)
+    out[positions] = importance
+    return out
+
+
+POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}
 
 
 def policy(name: str):

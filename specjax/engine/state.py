@@ -52,12 +52,13 @@ def _row(state_row, idx, count):
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
-def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha, *, k_cap: int):
+def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha, *, k_cap: int, kept_of=None):
     """SPEC's similarity-guided identification for one layer (design 4.2).
 
     probe_scores: f32 [P, m_pad] H2O importance from the probe heads. Returns (state, shared int32[k_cap],
     use_shared bool): the top-k of the probe heads' summed normalised scores (first `k` entries valid, best
-    first) and whether the probe heads' mean pairwise Jaccard reaches t = j ** alpha.
+    first) and whether the probe heads' mean pairwise Jaccard reaches t = j ** alpha. `kept_of`: the prefix length
+    the retained fraction is of, when the scores cover only part of it (default `prefix_len`).
     """
     decision = itf.identify(probe_scores, k, prefix_len, alpha, k_cap=k_cap)
     shared, jaccard, threshold, use_shared = (decision.shared, decision.jaccard, decision.threshold,
@@ -68,20 +69,31 @@ def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha
         jaccard=state.jaccard.at[layer].set(jaccard),
         threshold=state.threshold.at[layer].set(threshold),
         fallback=state.fallback.at[layer].set(~use_shared),
-        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len, 1)),
+        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len if kept_of is None else kept_of, 1)),
     )
     return state, shared, use_shared
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
-def per_head_select(state: ImportanceState, layer, head_scores, k, prefix_len, *, k_cap: int):
-    """H2O per head (AS+H2O, and ITF's fallback): top-k of every head's own scores [H, m_pad] -> int32 [H, k_cap]."""
+def per_head_select(state: ImportanceState, layer, head_scores, k, prefix_len, *, k_cap: int, kept_of=None):
+    """H2O per head (AS+H2O, and ITF's fallback): top-k of every head's own scores [H, m_pad] -> int32 [H, k_cap].
+    `kept_of`: as in `itf_select`."""
     idx = itf.top_k(head_scores, k_cap, prefix_len)
     state = state.replace(
         fallback=state.fallback.at[layer].set(True),
-        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len, 1)),
+        retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len if kept_of is None else kept_of, 1)),
     )
     return state, idx
+
+
+@functools.partial(jax.jit, static_argnames=("groups",))
+def kv_head_scores(scores, prefix_len, *, groups: int):
+    """Per KV head, its query heads' H2O scores f32 [groups * q_per_kv, m_pad] (rows grouped by KV head, in order)
+    normalised over the valid prefix and summed, every query head one vote -> [groups, m_pad]. With one query head
+    per KV head, the scores as they are (what ITF's probes score)."""
+    if scores.shape[0] == groups:
+        return scores
+    return itf.normalised(scores, prefix_len).reshape(groups, -1, scores.shape[-1]).sum(1)
 
 
 @jax.jit

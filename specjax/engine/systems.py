@@ -42,6 +42,9 @@ class System:
     blend: float | None = None
     blend_deviation: str = "value"
     blend_filter: str = "gradual"
+    # spec_gqa: only the chunks whose key summaries bound the most attention, at least this many times the kept
+    # tokens, are scored and read (None: every position)
+    candidates: float | None = None
 
     def __post_init__(self):
         for field, value, known in (("identify", self.identify, IDENTIFY), ("prefetch", self.prefetch, PREFETCH),
@@ -52,6 +55,9 @@ class System:
             if value not in known:
                 raise SpecjaxError(f"system {self.name!r}: unknown {field} {value!r}; choose one of "
                                    f"{', '.join(known)}")
+        if self.candidates is not None and not self.candidates >= 1.0:
+            raise SpecjaxError(f"system {self.name!r}: candidates must be at least 1 (x the kept tokens), got "
+                               f"{self.candidates}")
         if (self.prefetch == "periods") != (self.identify == "chunks"):
             raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
 
@@ -74,6 +80,10 @@ SYSTEMS: dict[str, System] = {
         System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu"),
         System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+        # grouped-query-aware identification (issue 22): probes are KV heads, candidates from key summaries of
+        # 16-token chunks (Quest's pages; its own store)
+        System("spec_gqa", identify="gqa_itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+               candidates=2.0, chunk_tokens=16),
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
         System("cake", identify="none", cache_policy="lru", schedule="cake"),

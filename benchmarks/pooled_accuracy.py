@@ -1,0 +1,89 @@
+"""Accuracy paired per item against one reference system, per task and pooled over tasks, with disk bytes.
+
+    python -m specjax.eval --preset gqa_identification --data_dir ../shared/data --output_dir DIR
+    python benchmarks/pooled_accuracy.py DIR --reference as_h2o_lfu
+
+Reads DIR/<task>/requests.jsonl (one per task of a preset run; every system ran the same requests) and prints, per
+task and pooled: each system's accuracy (lm-eval acc), its paired difference from the reference (mean and standard
+error over items, `specjax.eval.metrics.paired_difference`), its disk bytes over the reference's, and the share of
+ITF layers that fell back. `--json FILE` writes the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+
+from specjax.eval import metrics
+
+
+def load(directory: pathlib.Path) -> dict[str, dict[str, dict[int, dict]]]:
+    """task -> system -> request id -> the request's row."""
+    files = sorted(directory.glob("*/requests.jsonl")) or sorted(directory.glob("requests.jsonl"))
+    if not files:
+        raise SystemExit(f"no requests.jsonl under {directory}")
+    out: dict = {}
+    for path in files:
+        task = path.parent.name
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(task, {}).setdefault(row["system"], {})[row["request_id"]] = row
+    return out
+
+
+def correct(row: dict) -> float:
+    return float(int(np.argmax(row["choice_logprobs"])) == row["gold"])
+
+
+def summary(rows: dict[str, dict[int, dict]], reference: str) -> dict:
+    """Per system, over the requests every system ran."""
+    ids = sorted(set.intersection(*(set(r) for r in rows.values())))
+    ref_correct = [correct(rows[reference][i]) for i in ids]
+    ref_bytes = sum(rows[reference][i]["counters"]["disk_bytes"] for i in ids)
+    out = {}
+    for system, by_id in rows.items():
+        c = [correct(by_id[i]) for i in ids]
+        counters = [by_id[i]["counters"] for i in ids]
+        layers = sum(x["itf_layers"] for x in counters)
+        out[system] = {"n": len(ids), "acc": float(np.mean(c)),
+                       "paired": metrics.paired_difference(c, ref_correct),
+                       "disk_bytes": int(sum(x["disk_bytes"] for x in counters)),
+                       "disk_bytes_vs_reference": sum(x["disk_bytes"] for x in counters) / max(ref_bytes, 1),
+                       "itf_fallback": sum(x["itf_fallbacks"] for x in counters) / layers if layers else None}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("directory", type=pathlib.Path)
+    ap.add_argument("--reference", default="as_h2o_lfu")
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args()
+    data = load(args.directory)
+    pooled: dict = {}
+    results = {}
+    for task, rows in data.items():
+        if args.reference not in rows:
+            raise SystemExit(f"{task}: no {args.reference} run")
+        results[task] = summary(rows, args.reference)
+        for system, by_id in rows.items():
+            pooled.setdefault(system, {}).update({(task, i): row for i, row in by_id.items()})
+    results["pooled"] = summary(pooled, args.reference)
+    print(f"{'task':<12}{'system':<14}{'n':>5}{'acc':>8}{'vs ' + args.reference:>22}{'disk bytes':>12}"
+          f"{'ITF fallback':>14}")
+    for task, systems in results.items():
+        for system, s in systems.items():
+            p = s["paired"]
+            fallback = "-" if s["itf_fallback"] is None else f"{s['itf_fallback']:.2f}"
+            print(f"{task:<12}{system:<14}{s['n']:>5}{100 * s['acc']:>7.1f}%"
+                  f"{100 * p['acc_diff']:>+12.1f} ± {100 * p['stderr']:.1f} pp{s['disk_bytes_vs_reference']:>11.3f}x"
+                  f"{fallback:>14}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
