@@ -295,19 +295,19 @@ class KVStore(ChunkReads):
         lay = self.layout
         return lay.num_layers * sum(lay.chunk_nbytes(kind) for kind in lay.kinds())
 
+    def _live_chunks(self) -> int:
+        with self._lock:
+            return sum(s.n_chunks for s in self._segments.values() if not s.retired)
+
     @property
     def disk_bytes_used(self) -> int:
-        with self._lock:
-            chunks = sum(s.n_chunks for s in self._segments.values() if not s.retired)
-        return chunks * self._chunk_bytes_all_layers()
+        return self._live_chunks() * self._chunk_bytes_all_layers()
 
     @property
     def summary_bytes(self) -> int:
         """Host memory the key summaries of every stored chunk take (`key_summaries`): 2 / chunk_tokens of K."""
         lay = self.layout
-        with self._lock:
-            chunks = sum(s.n_chunks for s in self._segments.values() if not s.retired)
-        return chunks * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * lay.np_dtype.itemsize
+        return self._live_chunks() * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * lay.np_dtype.itemsize
 
     def _allocate(self, n_tokens: int) -> Segment:
         if self.read_only:
@@ -411,6 +411,7 @@ class KVStore(ChunkReads):
             if seg is None:
                 return None
             return tuple(seg.checksums[layer, kind, chunk - seg.first_chunk, :self.layout.heads(kind)].tolist())
+
     def key_summaries(self, layer: int, chunks) -> Gathered:
         """The key summaries `[n, kv_heads, 2, head_dim]` (min, max; `stores.summaries`) of `chunks` at `layer`, from
         host memory; the keys of chunks this handle has no summary of are read (verified, counted) and summarised.

@@ -202,7 +202,9 @@ class GroupedITF:
         m, impl = io.m, engine.config.kernel_impl
         cand = self.candidates(engine, io, layer, q, n, k)
         c = len(cand)
-        c_pad = io.m_pad if c == m else bucket(c)
+        # whole chunks until B x k: fewer than B x k + chunk_tokens positions, a bucket fixed by the prefix and k
+        c_pad = io.m_pad if c == m else min(io.m_pad, bucket(math.ceil(engine.system.candidates * k) +
+                                                             engine.store.layout.chunk_tokens))
         probe_kv = self.probe_kv(engine)
         group = engine.cfg.q_per_kv
         heads = tuple(h for g in probe_kv for h in range(g * group, (g + 1) * group))  # the probes' query heads
@@ -243,8 +245,8 @@ class GroupedITF:
         union_pad = bucket(len(union))
         values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, c_pad)),
                                   io.take(layer, V, cand[union], union_pad))
-        return (state, keys, values, PerHeadIndices(per_head, k), _on_prefix(S.normalised_importance(every, c), cand, m),
-                cand[per_head_np])
+        importance = _on_prefix(S.normalised_importance(every, c), cand, m)
+        return state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np]
 
 
 def _on_prefix(importance: np.ndarray, positions: np.ndarray, m: int) -> np.ndarray:
