@@ -4,9 +4,9 @@
     python benchmarks/pooled_accuracy.py DIR --reference as_h2o_lfu
 
 Reads DIR/<task>/requests.jsonl (one per task of a preset run; every system ran the same requests) and prints, per
-task and pooled: each system's accuracy (lm-eval acc), its paired difference from the reference (mean and standard
-error over items, `specjax.eval.metrics.paired_difference`), its disk bytes over the reference's, and the share of
-ITF layers that fell back. `--json FILE` writes the same numbers.
+task and pooled: each run's accuracy (lm-eval acc), its paired difference from the reference at the same retention
+(mean and standard error over items, `specjax.eval.metrics.paired_difference`), its disk bytes over the reference's,
+and the share of ITF layers that fell back. `--json FILE` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -38,13 +38,21 @@ def correct(row: dict) -> float:
     return float(int(np.argmax(row["choice_logprobs"])) == row["gold"])
 
 
+def retention_of(system: str) -> str:
+    """A run's retention suffix ("r=0.25" of "spec@r=0.25"; "" when the run had one retention)."""
+    return system.partition("@")[2]
+
+
 def summary(rows: dict[str, dict[int, dict]], reference: str) -> dict:
-    """Per system, over the requests every system ran."""
+    """Per system, over the requests every system ran; each paired with the reference at its own retention."""
     ids = sorted(set.intersection(*(set(r) for r in rows.values())))
-    ref_correct = [correct(rows[reference][i]) for i in ids]
-    ref_bytes = sum(rows[reference][i]["counters"]["disk_bytes"] for i in ids)
     out = {}
     for system, by_id in rows.items():
+        ref = f"{reference}@{retention_of(system)}" if retention_of(system) else reference
+        if ref not in rows:  # a run without retention (recompute, as_full) beside runs with several
+            continue
+        ref_correct = [correct(rows[ref][i]) for i in ids]
+        ref_bytes = sum(rows[ref][i]["counters"]["disk_bytes"] for i in ids)
         c = [correct(by_id[i]) for i in ids]
         counters = [by_id[i]["counters"] for i in ids]
         layers = sum(x["itf_layers"] for x in counters)
@@ -66,19 +74,17 @@ def main() -> None:
     pooled: dict = {}
     results = {}
     for task, rows in data.items():
-        if args.reference not in rows:
-            raise SystemExit(f"{task}: no {args.reference} run")
         results[task] = summary(rows, args.reference)
         for system, by_id in rows.items():
             pooled.setdefault(system, {}).update({(task, i): row for i, row in by_id.items()})
     results["pooled"] = summary(pooled, args.reference)
-    print(f"{'task':<12}{'system':<14}{'n':>5}{'acc':>8}{'vs ' + args.reference:>22}{'disk bytes':>12}"
+    print(f"{'task':<12}{'system':<22}{'n':>5}{'acc':>8}{'vs ' + args.reference:>22}{'disk bytes':>12}"
           f"{'ITF fallback':>14}")
     for task, systems in results.items():
         for system, s in systems.items():
             p = s["paired"]
             fallback = "-" if s["itf_fallback"] is None else f"{s['itf_fallback']:.2f}"
-            print(f"{task:<12}{system:<14}{s['n']:>5}{100 * s['acc']:>7.1f}%"
+            print(f"{task:<12}{system:<22}{s['n']:>5}{100 * s['acc']:>7.1f}%"
                   f"{100 * p['acc_diff']:>+12.1f} ± {100 * p['stderr']:.1f} pp{s['disk_bytes_vs_reference']:>11.3f}x"
                   f"{fallback:>14}")
     if args.json:
