@@ -65,16 +65,12 @@ class H2O:
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap, keys=None):
         """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
-        m, m_pad = io.m, io.m_pad
+        m = io.m
         keys = io.take_all(layer, K) if keys is None else keys
         scores = _every_head_scores(engine, io, q, keys, own_k, n)
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
-        union = np.unique(chosen)
-        state = st.record_union(state, layer, jnp.asarray(padded(union, m_pad, -1)), len(union))
-        union_pad = bucket(len(union))
-        values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, m_pad)),
-                                  io.take(layer, V, union, union_pad))
+        state, values = _union_values(io, state, layer, keys, np.unique(chosen), lambda slots: slots)
         return state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen
 
 
@@ -240,13 +236,20 @@ class GroupedITF:
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
                                          kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
-        union = np.unique(per_head_np)  # candidate slots
-        state = st.record_union(state, layer, jnp.asarray(padded(cand[union], io.m_pad, -1)), len(union))
-        union_pad = bucket(len(union))
-        values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, c_pad)),
-                                  io.take(layer, V, cand[union], union_pad))
+        state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np]
+
+
+def _union_values(io: LayerIO, state, layer, keys, union, positions_of):
+    """Per-head sets' values: the union's V (`union`: slots of `keys`' token axis, at prefix positions
+    `positions_of(union)`) read once and placed in its slots, zeros elsewhere; the union recorded in the state."""
+    positions = positions_of(union)
+    state = st.record_union(state, layer, jnp.asarray(padded(positions, io.m_pad, -1)), len(union))
+    union_pad = bucket(len(union))
+    values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, keys.shape[1])),
+                              io.take(layer, V, positions, union_pad))
+    return state, values
 
 
 def _on_prefix(importance: np.ndarray, positions: np.ndarray, m: int) -> np.ndarray:
