@@ -6,7 +6,9 @@
 Reads DIR/<task>/requests.jsonl (one per task of a preset run; every system ran the same requests) and prints, per
 task and pooled: each run's accuracy (lm-eval acc), its paired difference from the reference at the same retention
 (mean and standard error over items, `specjax.eval.metrics.paired_difference`), its disk bytes over the reference's,
-and the share of ITF layers that fell back. `--json FILE` writes the same numbers.
+and the share of ITF layers that fell back; then, per layer, each ITF run's pass rate (the share of requests whose
+probes passed the similarity test there) and mean probe Jaccard, from DIR/<task>/results.json, pooled over tasks with
+each task weighted by its requests. `--json FILE` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -64,12 +66,33 @@ def summary(rows: dict[str, dict[int, dict]], reference: str) -> dict:
     return out
 
 
-def main() -> None:
+def layer_rates(directory: pathlib.Path) -> dict[str, dict[str, list[float]]]:
+    """Run -> {"pass": per-layer share of requests whose ITF test passed, "jaccard": per-layer mean probe Jaccard},
+    pooled over DIR/<task>/results.json with each task weighted by its requests; runs without ITF are left out."""
+    sums: dict = {}
+    for path in sorted(directory.glob("*/results.json")) or sorted(directory.glob("results.json")):
+        for key, entry in json.loads(path.read_text())["systems"].items():
+            layers = entry.get("layers") or {}
+            if "jaccard" not in layers:  # no ITF test (as_h2o_lfu reports fallback 0 on every layer)
+                continue
+            n = entry["accuracy"]["n"]
+            acc = sums.setdefault(key, {"n": 0, "fallback": 0.0, "jaccard": 0.0})
+            if acc["n"] and len(acc["fallback"]) != len(layers["fallback"]):
+                raise SystemExit(f"{path}: {key} has {len(layers['fallback'])} layers, other tasks "
+                                 f"{len(acc['fallback'])}")
+            acc["n"] += n
+            acc["fallback"] = acc["fallback"] + n * np.asarray(layers["fallback"], dtype=np.float64)
+            acc["jaccard"] = acc["jaccard"] + n * np.asarray(layers["jaccard"], dtype=np.float64)
+    return {key: {"pass": (1.0 - a["fallback"] / a["n"]).tolist(), "jaccard": (a["jaccard"] / a["n"]).tolist()}
+            for key, a in sums.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("directory", type=pathlib.Path)
     ap.add_argument("--reference", default="as_h2o_lfu")
     ap.add_argument("--json", type=pathlib.Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     data = load(args.directory)
     pooled: dict = {}
     results = {}
@@ -87,8 +110,16 @@ def main() -> None:
             print(f"{task:<12}{system:<22}{s['n']:>5}{100 * s['acc']:>7.1f}%"
                   f"{100 * p['acc_diff']:>+12.1f} ± {100 * p['stderr']:.1f} pp{s['disk_bytes_vs_reference']:>11.3f}x"
                   f"{fallback:>14}")
+    layers = layer_rates(args.directory)
+    if layers:
+        runs = sorted(layers)
+        print("\nITF pass rate (mean probe Jaccard) per layer, pooled over tasks")
+        print(f"{'layer':<7}" + "".join(f"{run:>24}" for run in runs))
+        for i in range(len(layers[runs[0]]["pass"])):
+            print(f"{i:<7}" + "".join(f"{layers[run]['pass'][i]:>17.2f} ({layers[run]['jaccard'][i]:.2f})"
+                                      for run in runs))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({**results, "layers": layers}, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from specjax.eval.observe_measure import (
     keep_count,
     keys_fraction,
     kv_heads_of,
+    kv_itf_selection,
     partner_of,
     probe_choices,
     shared_sets,
@@ -255,6 +256,41 @@ def itf_sweep(records: list[Record], cfg, retention: float, alphas) -> dict:
     return out
 
 
+def kv_head_test(records: list[Record], cfg, retention: float, alphas) -> dict:
+    """spec_gqa's test (KV-head probes, `observe_measure.kv_itf_selection`) per alpha: its pass rate per layer and,
+    where it passes, how much of every query head's own top-k the shared set recovers (what sharing keeps); beside
+    them the same for the engine's ITF (SPEC's query-head probes). Empty on a model with one query head per KV
+    head, where the two tests are the same."""
+    if cfg.q_per_kv == 1:
+        return {}
+    out = {}
+    for alpha in alphas:
+        passed = {"kvheads": [], "engine": []}
+        kept = {"kvheads": [], "engine": []}
+        for rec in records:
+            m = rec.scores.shape[-1]
+            k = keep_count(retention, m)
+            own = top_k(rec.scores, k)
+            chosen = {"kvheads": kv_itf_selection(rec.scores, cfg, k, alpha),
+                      "engine": itf_selection(rec.scores, k, probe_choices(cfg)["engine"], alpha)}
+            for name, (sets, _, fell) in chosen.items():
+                passed[name].append(~fell)
+                kept[name].append([np.mean([recall(s, own[layer, h]) for h in range(cfg.num_heads)])
+                                   if not f else np.nan for layer, (s, f) in enumerate(zip(sets, fell))])
+        out[alpha] = {name: {"pass_per_layer": np.mean(passed[name], axis=0), "pass": float(np.mean(passed[name])),
+                             "recall_per_layer": _nanmean_rows(kept[name]),
+                             "recall": float(np.nanmean(kept[name])) if np.any(~np.isnan(kept[name])) else float("nan")}
+                      for name in passed}
+    return out
+
+
+def _nanmean_rows(rows) -> np.ndarray:
+    """Column means of a [requests, layers] array ignoring NaN (a layer no request passed on: NaN)."""
+    a = np.asarray(rows, dtype=np.float64)
+    counts = (~np.isnan(a)).sum(0)
+    return np.where(counts > 0, np.nansum(a, 0) / np.maximum(counts, 1), np.nan)
+
+
 def accuracy(records: list[Record]) -> dict:
     """acc (argmax of summed log-likelihood, as lm-eval) and its stderr per selection mode."""
     modes = sorted({k for r in records for k in r.logprobs})
@@ -280,5 +316,6 @@ def analyse(records: list[Record], cfg, settings: dict) -> dict:
         "spi": static_preidentification(records, cfg, rets),
         "density": density(records, cfg, density_rets, settings["chunk_tokens"]),
         "itf": itf_sweep(records, cfg, main, settings["alphas"]),
+        "kv_heads": kv_head_test(records, cfg, main, settings["alphas"]),
         "accuracy": accuracy(records) if settings["accuracy"] else {},
     }

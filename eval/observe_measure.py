@@ -25,6 +25,7 @@ import tensorstore as ts
 
 from specjax.engine import EngineConfig, fingerprint, make_engine, make_system, steps
 from specjax.engine import engine as engine_lib
+from specjax.engine import state as st
 from specjax.eval.engine_systems import warm_up
 from specjax.kernels import PerHeadIndices, itf
 from specjax.models import inference
@@ -105,10 +106,32 @@ def itf_selection(scores: np.ndarray, k: int, probes, alpha: float) -> tuple[lis
     """The engine's ITF on every layer of scores [L, H, m] with probe heads `probes`: the selection (the shared
     set [k] when the probes agree, else every head's own top-k [H, k], the engine's fallback), the probes' mean
     Jaccard and whether the layer fell back."""
-    decision = identify_layers(scores[:, list(probes)], k, alpha)
+    return _decided(identify_layers(scores[:, list(probes)], k, alpha), scores, k)
+
+
+def _decided(decision: itf.Identification, scores: np.ndarray, k: int) -> tuple[list, np.ndarray, np.ndarray]:
+    """Per layer the shared set where the decision shares, else every head's own top-k of scores [L, H, m]."""
     own = top_k(scores, k)
     sets = [shared if use else heads for shared, use, heads in zip(decision.shared, decision.use_shared, own)]
     return sets, decision.jaccard, ~decision.use_shared
+
+
+def kv_probe_heads(cfg) -> tuple[int, ...]:
+    """spec_gqa's probes (`specjax.engine.identify.GroupedITF`): the first `num_probe_heads` KV heads."""
+    return tuple(range(min(make_system("spec_gqa").num_probe_heads, cfg.num_kv_heads)))
+
+
+def kv_itf_selection(scores: np.ndarray, cfg, k: int, alpha: float) -> tuple[list, np.ndarray, np.ndarray]:
+    """spec_gqa's test on every layer of scores [L, H, m], every position a candidate (observe has the whole
+    prefix's scores, so there is no candidate stage): each probe KV head's query heads' scores normalised and
+    summed (`specjax.engine.state.kv_head_scores`), ITF's decision over those probes; agreeing, the top-k of their
+    summed scores for every head, else every head's own top-k. Returns (sets, probes' Jaccard, fell back)."""
+    group, probes = cfg.q_per_kv, kv_probe_heads(cfg)
+    rows = [h for g in probes for h in range(g * group, (g + 1) * group)]
+    m = scores.shape[-1]
+    per_kv = np.stack([np.asarray(st.kv_head_scores(jnp.asarray(layer[rows]), m, groups=len(probes)))
+                       for layer in scores])
+    return _decided(identify_layers(per_kv, k, alpha), scores, k)
 
 
 # ---------------------------------------------------------------- model passes (the engine's steps)
@@ -226,8 +249,8 @@ def _same_tokens_key(selections, num_heads: int) -> tuple:
 
 def collect(model, requests, settings: dict, progress=print) -> list[Record]:
     """Importance for every request, then choice scores under every selection asked for: "full", per-head H2O
-    sets of the request itself ("own@r") and of another request on its prefix ("spi@r"), and ITF with spread
-    probes ("itf-spread@alpha")."""
+    sets of the request itself ("own@r") and of another request on its prefix ("spi@r"), ITF with spread
+    probes ("itf-spread@alpha") and, on a grouped-query model, spec_gqa's test ("itf-kvheads@alpha")."""
     cfg = model.config
     records: list[Record] = []
     kv_cache: dict[int, inference.KVCache] = {}
@@ -260,6 +283,8 @@ def collect(model, requests, settings: dict, progress=print) -> list[Record]:
         k = keep_count(settings["main_retention"], m)
         for alpha in settings["alphas"]:
             modes[f"itf-spread@{alpha}"] = itf_selection(rec.scores, k, probes, alpha)[0]
+            if cfg.q_per_kv > 1:
+                modes[f"itf-kvheads@{alpha}"] = kv_itf_selection(rec.scores, cfg, k, alpha)[0]
         seen: dict[object, list[float]] = {}
         for name, selections in modes.items():
             key = "full" if selections is None else _same_tokens_key(selections, cfg.num_heads)

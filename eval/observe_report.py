@@ -125,6 +125,38 @@ def gqa_notes(res: dict, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kv_head_section(res: dict, cfg) -> str:
+    """spec_gqa's test beside the engine's ITF: pass rate and what a passing layer's shared set keeps of every head's
+    own set, per alpha and per layer, with the accuracy each keeps (issue 22)."""
+    main, acc, tests = res["main_retention"], res["accuracy"], res["kv_heads"]
+    L = [f"### 5c. spec_gqa's test: KV-head probes (issue 22), retention {main:.0%}, oracle scores\n",
+         "spec_gqa's probes are the first KV heads (one per group; `GroupedITF`), each scoring with all of its query "
+         "heads (normalised, summed); ITF's test across them; passing, every head takes the top-k of their summed "
+         "scores, else its own top-k (`observe_measure.kv_itf_selection`). Every position is a candidate here "
+         "(observe has the whole prefix's scores; the engine's candidate stage is not modelled). The engine's ITF "
+         f"probes are query heads {res['probes']['engine']['probes']}. \"kept\" is the mean over query heads of the "
+         "share of the head's own top-k that the shared set holds, on layers that pass (a fallback layer keeps all of "
+         "it). Accuracy: per-head H2O is every head's own top-k on every layer.\n",
+         "| alpha | test | pass (layers) | kept where passing | accuracy | per-head H2O accuracy |",
+         "|---|---|---|---|---|---|"]
+    for a, t in tests.items():
+        for name, label, mode in (("kvheads", "spec_gqa (KV-head probes)", f"itf-kvheads@{a}"),
+                                  ("engine", "spec (engine's query-head probes)", None)):
+            accs = _acc(acc, mode) if mode else "not measured (5b runs the engine)"
+            L.append(f"| {a} | {label} | {_f(t[name]['pass'], True)} | {_f(t[name]['recall'], True)} | {accs} | "
+                     f"{_acc(acc, f'own@{main}')} |")
+    a = 0.6 if 0.6 in tests else next(iter(tests))
+    t = tests[a]
+    L += [f"\nPer layer at alpha {a}:\n",
+          "| layer | spec_gqa pass | spec_gqa kept | spec pass | spec kept |", "|---|---|---|---|---|"]
+    for layer in range(cfg.num_layers):
+        L.append(f"| {layer} | {_f(float(t['kvheads']['pass_per_layer'][layer]), True)} | "
+                 f"{_f(float(t['kvheads']['recall_per_layer'][layer]), True)} | "
+                 f"{_f(float(t['engine']['pass_per_layer'][layer]), True)} | "
+                 f"{_f(float(t['engine']['recall_per_layer'][layer]), True)} |")
+    return "\n".join(L) + "\n"
+
+
 def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib.Path:
     """Write OUT/observations.md from the results, the run's description `meta` and the figures' paths."""
     cfg = meta["cfg"]
@@ -238,6 +270,8 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
             w(f"| {a} | {PROBE_LABELS[probes_name]} {s['probes']} | {_f(s['fallback'], True)} | {_f(s['keys_loaded'], True)} | "
               f"{_f(float(np.mean(s['kept_per_layer'])), True)} | {accs} | {paper} |")
     w("\nFigure: `fig11_19_22_itf_threshold.png` (keys read and accuracy vs alpha; fallback per layer).\n")
+    if res.get("kv_heads"):
+        w(kv_head_section(res, cfg))
     w(meta.get("engine_note", "## 5b/6. Engine measurements\n\npending: the engine was not run."))
     w("")
     w("## Figures\n")

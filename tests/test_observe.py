@@ -122,6 +122,28 @@ def test_itf_selection_is_the_engines_identify():
     assert {(0.6, True), (0.6, False)} <= decisions, "the case should cover both decisions"
 
 
+def test_kv_head_test_is_not_passed_by_heads_sharing_keys():
+    # smollm2's shape: 9 query heads on 3 KV heads. Layer 0: the heads of KV head 0 agree with each other (SPEC's
+    # probes, query heads 0-2, pass) but the KV heads want disjoint tokens; layer 1: every head agrees.
+    m, k = 30, 4
+    scores = np.full((2, 9, m), 0.01, np.float32)
+    for head in range(9):
+        scores[0, head, 4 * (head // 3): 4 * (head // 3) + 4] = [4.0, 3.0, 2.0, 1.0]
+        scores[1, head, 20:24] = [4.0, 3.0, 2.0, 1.0]
+    assert M.kv_probe_heads(GqaCfg) == (0, 1, 2)
+    sets, jac, fell = M.kv_itf_selection(scores, GqaCfg, k, alpha=0.6)
+    assert fell.tolist() == [True, False] and jac[1] == 1.0
+    assert sets[0].shape == (9, k) and sets[1].tolist() == [20, 21, 22, 23]
+    assert M.itf_selection(scores, k, probe_query_heads(GqaCfg), alpha=0.6)[2].tolist() == [False, False]
+    test = A.kv_head_test([M.Record(0, 0, 0, scores)], GqaCfg, retention=0.13, alphas=[0.6])[0.6]
+    assert test["kvheads"]["pass_per_layer"].tolist() == [0.0, 1.0]
+    assert test["engine"]["pass_per_layer"].tolist() == [1.0, 1.0]
+    # the engine's layer-0 shared set is KV group 0's tokens: it keeps 1/3 of the nine heads' own sets
+    assert test["engine"]["recall_per_layer"][0] == pytest.approx(1 / 3)
+    assert np.isnan(test["kvheads"]["recall_per_layer"][0]) and test["kvheads"]["recall_per_layer"][1] == 1.0
+    assert A.kv_head_test([], dataclasses.replace(GqaCfg, num_kv_heads=9), 0.25, [0.6]) == {}
+
+
 def test_reported_engine_probes_are_the_engines(tmp_path):
     rng = np.random.default_rng(0)
     records = [M.Record(i, i % 2, 0, rng.gamma(0.3, size=(3, 9, 64)).astype(np.float32)) for i in range(4)]
@@ -195,7 +217,8 @@ def test_command_on_tiny_random_model(tmp_path):
         if name.endswith(".png"):
             assert f"`{name}`" in md
     assert "| paper |" in md and "tiny-llama" in md
-    assert set(res["accuracy"]) >= {"full", "own@0.25", "itf-spread@0.6"}
+    assert set(res["accuracy"]) >= {"full", "own@0.25", "itf-spread@0.6", "itf-kvheads@0.6"}  # tiny-llama: GQA
+    assert "5c. spec_gqa's test" in md and set(res["kv_heads"]) == {0.0, 0.6, 2.0}
     assert 0.0 <= res["heads"][0.25]["per_layer"].min() <= 1.0
 
 
