@@ -129,7 +129,7 @@ def kv_head_section(res: dict, cfg) -> str:
     """spec_gqa's test beside the engine's ITF: pass rate and what a passing layer's shared set keeps of every head's
     own set, per alpha and per layer, with the accuracy each keeps (issue 22)."""
     main, acc, tests = res["main_retention"], res["accuracy"], res["kv_heads"]
-    L = [f"### 5c. spec_gqa's test: KV-head probes (issue 22), retention {main:.0%}, oracle scores\n",
+    L = [f"### spec_gqa's test: KV-head probes (issue 22), retention {main:.0%}, oracle scores\n",
          "spec_gqa's probes are the first KV heads (one per group; `GroupedITF`), each scoring with all of its query "
          "heads (normalised, summed); ITF's test across them; passing, every head takes the top-k of their summed "
          "scores, else its own top-k (`observe_measure.kv_itf_selection`). Every position is a candidate here "

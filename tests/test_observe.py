@@ -218,7 +218,7 @@ def test_command_on_tiny_random_model(tmp_path):
             assert f"`{name}`" in md
     assert "| paper |" in md and "tiny-llama" in md
     assert set(res["accuracy"]) >= {"full", "own@0.25", "itf-spread@0.6", "itf-kvheads@0.6"}  # tiny-llama: GQA
-    assert "5c. spec_gqa's test" in md and set(res["kv_heads"]) == {0.0, 0.6, 2.0}
+    assert "### spec_gqa's test" in md and set(res["kv_heads"]) == {0.0, 0.6, 2.0}
     assert 0.0 <= res["heads"][0.25]["per_layer"].min() <= 1.0
 
 
