@@ -12,6 +12,7 @@ process. Its TTFTs were timed in another process: the report says which runs wer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -27,7 +28,15 @@ DIRNAME = ".partial"
 
 def code_version() -> dict:
     """The code a figure came from: a hash of specjax's source files (what a resumed run must share), and the git
-    commit of the checkout when specjax runs from one (with a flag if the checkout has uncommitted changes)."""
+    commit of the checkout when specjax runs from one (with a flag if the checkout has uncommitted changes).
+
+    Taken once per process, at its first call: the code a process runs is what it imported, so a commit made while
+    a long run (a preset's tasks) goes on must not relabel its later tasks."""
+    return dict(_code_version_once())
+
+
+@functools.cache
+def _code_version_once() -> dict:
     version = {"version": _package_version(), "source_sha256": source_digest()}
     root = pathlib.Path(specjax.__file__).resolve().parent.parent
     try:

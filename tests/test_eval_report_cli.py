@@ -252,8 +252,10 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
         main("--resume", "--seed=1")
     with monkeypatch.context() as changed:
         changed.setattr(partial, "source_digest", lambda: "edited-source")
+        partial._code_version_once.cache_clear()  # as in a new process, which reads its code anew
         with pytest.raises(EvalError, match="other settings .*source"):
             main("--resume")
+    partial._code_version_once.cache_clear()
 
     failing[0] = False
     recompute_calls = calls["recompute"]
@@ -268,6 +270,19 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
         [o["choice_logprobs"] for o in first_recompute]
     assert not (tmp_path / ".partial").exists()  # the results hold the runs now
     main()  # a finished evaluation leaves nothing to resume: running it again needs no flag
+
+
+def test_code_version_is_read_once_per_process(monkeypatch):
+    # a commit made while a preset's tasks run must not relabel the later tasks: the process runs what it imported
+    partial._code_version_once.cache_clear()
+    first = partial.code_version()
+    monkeypatch.setattr(partial, "source_digest", lambda: "edited-later")
+    first["source_sha256"] = "a caller's own copy"  # callers get copies: this changes nothing cached
+    assert partial.code_version()["source_sha256"] == partial._code_version_once()["source_sha256"] != "edited-later"
+    assert partial.code_version()["source_sha256"] != "a caller's own copy"
+    partial._code_version_once.cache_clear()
+    assert partial.code_version()["source_sha256"] == "edited-later"
+    partial._code_version_once.cache_clear()
 
 
 def test_progress_in_a_log_prints_each_tenth_and_every_interval_and_skips_resumed_work():
