@@ -5,6 +5,7 @@
 #            the plain forward)
 #   kernels  the kernel benchmark (Pallas vs the jnp reference vs dense attention)
 #   data     the data-path benchmark and the as_full / impress / spec evaluation on O_DIRECT reads
+#   gqa      as_h2o_lfu / spec / spec_gqa on a grouped-query shape (Qwen2.5-7B, random weights), O_DIRECT reads
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh against engine
 #
@@ -14,7 +15,7 @@
 # The model is OPT-6.7B's shape with random weights and its learned position table extended from 2048 to 8192
 # rows (random too), so prompts of 4k and 8k tokens fit; compute per token is OPT-6.7B's.
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh tests|prefill|against|engine|kernels|data ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh tests|prefill|against|engine|kernels|data|gqa ..." >&2; exit 2; }
 OUT=${OUT:-/tmp/specjax_gpu}
 LOGS=$OUT/logs
 RESULTS=results/gpu
@@ -64,6 +65,11 @@ for phase in "$@"; do
     step eval 360 $PY -m specjax.eval --model "$MODEL" --init random --dtype bfloat16 --task needle \
       --prefix_tokens 4096 --limit 8 --systems as_full,impress,spec --retention 0.25 --direct_io --progress=false \
       --store /tmp/store_eval --output_dir "$RESULTS/eval-opt-6.7b-pos8k-needle8-4k-odirect" ;;
+  gqa)
+    # issue 22 on a grouped-query shape (Qwen2.5-7B: 28 query heads on 4 KV heads, random weights): TTFT and bytes
+    step gqa_eval 420 $PY -m specjax.eval --model qwen2.5-7b --init random --dtype bfloat16 --task needle \
+      --prefix_tokens 4096 --limit 8 --systems as_h2o_lfu,spec,spec_gqa --retention 0.25 --direct_io --progress=false \
+      --store /tmp/store_gqa --output_dir "$RESULTS/eval-qwen2.5-7b-needle8-4k-odirect-gqa" ;;
   prefill|against|engine) ;;
   *)
     echo "unknown phase $phase" >&2 ;;
