@@ -142,6 +142,9 @@ flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive
 flags.register_validator("prefill_chunk_tokens", lambda v: v >= 0, "must be >= 0 (0: one block)")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
+flags.DEFINE_float("gqa_candidates", None, "spec_gqa: the candidate chunks, whose keys alone are read and scored, "
+                   "cover at least this many times the kept tokens (default 2, at least 1); 0 turns the candidate "
+                   "stage off (every position a candidate). Results keep the name spec_gqa and record the flag.")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
 flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
@@ -149,7 +152,7 @@ NEEDLE_DEFAULT_LIMIT = 16
 # flags that are SystemSettings fields of the same name
 SYSTEM_FLAGS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers",
                 "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
-                "blend_filter")
+                "blend_filter", "gqa_candidates")
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "store",

@@ -22,7 +22,7 @@ class EngineSystem:
                                   no_prefetch=s.no_prefetch, chunk_tokens=s.ckv_chunk_tokens,
                                   period_layers=s.period_layers, subperiod_layers=s.subperiod_layers,
                                   blend_ratio=s.blend_ratio, blend_deviation=s.blend_deviation,
-                                  blend_filter=s.blend_filter)
+                                  blend_filter=s.blend_filter, candidates=s.gqa_candidates)
         self.name = self.system.name
         self.needs_store = self.system.reuse
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own

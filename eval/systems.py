@@ -115,6 +115,8 @@ class SystemSettings:
     blend_ratio: float | None = None
     blend_deviation: str | None = None
     blend_filter: str | None = None
+    # spec_gqa's candidate budget, x the kept tokens (None: the system's own; 0: no candidate stage)
+    gqa_candidates: float | None = None
     cake_chunk_tokens: int = EngineConfig.cake_chunk_tokens
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
     kernel_impl: str = EngineConfig.kernel_impl

@@ -179,6 +179,41 @@ def test_a_candidate_budget_below_the_kept_tokens_is_refused():
         dataclasses.replace(make_system("spec_gqa"), candidates=0.5)
 
 
+def test_the_candidate_budget_is_a_setting_and_zero_turns_the_stage_off():
+    """make_system / the eval's --gqa_candidates: a multiple replaces the default 2, 0 drops the candidate stage
+    (the engine's System then says so in its name) and every chunk's probe keys are read; other systems ignore it."""
+    from specjax.eval.engine_systems import EngineSystem
+    from specjax.eval.systems import SystemSettings
+
+    assert make_system("spec_gqa").candidates == 2.0
+    wide = make_system("spec_gqa", candidates=3)
+    assert (wide.name, wide.candidates) == ("spec_gqa", 3.0)
+    with pytest.raises(SpecjaxError, match="candidates must be at least 1"):
+        make_system("spec_gqa", candidates=0.5)
+    assert make_system("spec", candidates=0) == make_system("spec")
+    model = specjax.load_model("tiny-gqa", init="random", seed=1)
+    off = EngineSystem("spec_gqa", model, SystemSettings(gqa_candidates=0)).system
+    assert (off.name, off.candidates) == ("spec_gqa-no_candidates", None)
+
+    req = _request(model, prefix_len=160, seed=3)
+    engine = _engine(model, off, 0.25)
+    engine.warm(req.prefix)
+    reads = []
+    read_chunks = engine.store.read_chunks
+
+    def recording(layer, kind, chunks, **kw):
+        reads.append((layer, kind, list(chunks)))
+        return read_chunks(layer, kind, chunks, **kw)
+
+    engine.store.read_chunks = recording
+    engine.run(req)
+    probe_kind = engine.identification.probe_source(engine)
+    with engine.store.match(req.prefix) as m:
+        for layer in range(model.config.num_layers):
+            every = set(engine.store.locate(m, np.arange(160), layer).chunks.tolist())
+            assert {c for lay, kind, chunks in reads if lay == layer and kind == probe_kind for c in chunks} == every
+
+
 def test_kv_head_scores_give_every_query_head_one_vote():
     from specjax.engine import state as st
 

@@ -102,10 +102,11 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
                 no_prefetch: bool = False, alpha: float | None = None, chunk_tokens: int | None = None,
                 period_layers: int | None = None, subperiod_layers: int | None = None,
                 blend_ratio: float | None = None, blend_deviation: str | None = None,
-                blend_filter: str | None = None) -> System:
+                blend_filter: str | None = None, candidates: float | None = None) -> System:
     """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, ContiguousKV's
-    chunk, period and sub-period sizes (c, p, sp), and CacheBlend's recompute ratio (`blend_ratio`), deviation
-    and filtering (`blend_deviation`, `blend_filter`)."""
+    chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio (`blend_ratio`), deviation
+    and filtering (`blend_deviation`, `blend_filter`), and spec_gqa's candidate budget (`candidates` x the kept
+    tokens; 0: no candidate stage, every position a candidate, named `spec_gqa-no_candidates`)."""
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
     system = SYSTEMS[name]
@@ -131,6 +132,10 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
             changes["alpha"] = alpha
     if system.identify == "chunks":
         return _with_chunk_sizes(system, chunk_tokens, period_layers, subperiod_layers)
+    if system.identify == "gqa_itf" and candidates is not None:
+        if candidates == 0:
+            return dataclasses.replace(system, candidates=None, name=name + "-no_candidates")
+        return dataclasses.replace(system, candidates=float(candidates))  # checked by System; results record it
     if changes:
         suffix = "".join(f"-no_{flag}" for flag, on in
                          (("itf", no_itf), ("reorder", no_reorder), ("score_cache", no_score_cache),
