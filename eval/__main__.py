@@ -98,6 +98,9 @@ flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the c
                      "first layer (p; default 8).")
 flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
                      "period computes (sp; default 4, at most p).")
+flags.DEFINE_float("gqa_candidates", None, "spec_gqa: the candidate chunks, whose keys alone are read and scored, "
+                   "cover at least this many times the kept tokens (default 2, at least 1); 0 turns the candidate "
+                   "stage off (every position a candidate). Results keep the name spec_gqa and record the flag.")
 flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
                      "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
 flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "
@@ -142,9 +145,8 @@ flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive
 flags.register_validator("prefill_chunk_tokens", lambda v: v >= 0, "must be >= 0 (0: one block)")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
-flags.DEFINE_float("gqa_candidates", None, "spec_gqa: the candidate chunks, whose keys alone are read and scored, "
-                   "cover at least this many times the kept tokens (default 2, at least 1); 0 turns the candidate "
-                   "stage off (every position a candidate). Results keep the name spec_gqa and record the flag.")
+flags.register_validator("gqa_candidates", lambda v: v is None or v == 0 or v >= 1, "must be 0 (no candidate stage) "
+                         "or at least 1 (x the kept tokens)")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
 flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
