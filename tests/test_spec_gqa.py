@@ -108,6 +108,19 @@ def _engine(model, system, retention, store=None):
                                                      trace=True))
 
 
+def _record_reads(engine) -> list:
+    """From now on, every store read of the engine as (layer, kind, chunks), in a list returned."""
+    reads = []
+    read_chunks = engine.store.read_chunks
+
+    def recording(layer, kind, chunks, **kw):
+        reads.append((layer, kind, list(chunks)))
+        return read_chunks(layer, kind, chunks, **kw)
+
+    engine.store.read_chunks = recording
+    return reads
+
+
 def _run(engine, req):
     engine.warm(req.prefix)
     engine.store.metrics.reset()
@@ -139,15 +152,8 @@ def test_only_candidate_chunks_are_read_and_selections_lie_in_them(model):
     selected position lies in them."""
     req = _request(model, prefix_len=160, seed=3)
     engine = _engine(model, make_system("spec_gqa"), 0.25)
-    reads = []
-    read_chunks = engine.store.read_chunks
-
-    def recording(layer, kind, chunks, **kw):
-        reads.append((layer, kind, list(chunks)))
-        return read_chunks(layer, kind, chunks, **kw)
-
     engine.warm(req.prefix)
-    engine.store.read_chunks = recording
+    reads = _record_reads(engine)
     r = engine.run(req)
     k = math.ceil(0.25 * 160)
     # tiny-opt: its probe kind holds 3 of its 4 KV heads, the probe KV heads; tiny-llama: both of its 2; tiny-gqa:
@@ -198,14 +204,7 @@ def test_the_candidate_budget_is_a_setting_and_zero_turns_the_stage_off():
     req = _request(model, prefix_len=160, seed=3)
     engine = _engine(model, off, 0.25)
     engine.warm(req.prefix)
-    reads = []
-    read_chunks = engine.store.read_chunks
-
-    def recording(layer, kind, chunks, **kw):
-        reads.append((layer, kind, list(chunks)))
-        return read_chunks(layer, kind, chunks, **kw)
-
-    engine.store.read_chunks = recording
+    reads = _record_reads(engine)
     engine.run(req)
     probe_kind = engine.identification.probe_source(engine)
     with engine.store.match(req.prefix) as m:
