@@ -98,9 +98,10 @@ flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the c
                      "first layer (p; default 8).")
 flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
                      "period computes (sp; default 4, at most p).")
-flags.DEFINE_float("gqa_candidates", None, "spec_gqa: the candidate chunks, whose keys alone are read and scored, "
-                   "cover at least this many times the kept tokens (default 2, at least 1); 0 turns the candidate "
-                   "stage off (every position a candidate). Results keep the name spec_gqa and record the flag.")
+flags.DEFINE_float("gqa_candidates", None, "spec_gqa: a candidate stage; only the chunks whose key summaries "
+                   "bound the most attention, at least this many times the kept tokens (at least 1), are read and "
+                   "scored; results name the system spec_gqa-candidatesB. 0 or unset: none (every position is a "
+                   "candidate).")
 flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
                      "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
 flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "

@@ -157,9 +157,10 @@ def _layers(r) -> dict:
         return {}
     layers = {"retained": [float(x) for x in r.layers["retained"]],
               "fallback": [1.0 if f else 0.0 for f in r.layers["fallback"]]}
-    jaccard = np.asarray(r.layers["jaccard"], np.float64)
-    if not np.isnan(jaccard).any():  # measured only by systems that identify with probe heads
-        layers["jaccard"] = jaccard.tolist()
+    for key in ("jaccard", "head_share"):  # measured only by systems that identify with probe heads (spec_gqa's
+        values = np.asarray(r.layers.get(key, [np.nan]), np.float64)  # guard: grouped-query models)
+        if not np.isnan(values).any():
+            layers[key] = values.tolist()
     return layers
 
 

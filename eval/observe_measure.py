@@ -122,16 +122,24 @@ def kv_probe_heads(cfg) -> tuple[int, ...]:
 
 
 def kv_itf_selection(scores: np.ndarray, cfg, k: int, alpha: float) -> tuple[list, np.ndarray, np.ndarray]:
-    """spec_gqa's test on every layer of scores [L, H, m], every position a candidate (observe has the whole
-    prefix's scores, so there is no candidate stage): each probe KV head's query heads' scores normalised and
-    summed (`specjax.engine.state.kv_head_scores`), ITF's decision over those probes; agreeing, the top-k of their
-    summed scores for every head, else every head's own top-k. Returns (sets, probes' Jaccard, fell back)."""
+    """spec_gqa's test on every layer of scores [L, H, m], every position a candidate (spec_gqa's default; observe
+    has the whole prefix's scores): each probe KV head's query heads' scores normalised and summed
+    (`specjax.engine.state.kv_head_scores`), ITF's decision over those probes and, with several query heads per KV
+    head, its guard (the shared set keeps `min_head_share` of every head's own top-k attention,
+    `kernels.itf.head_share`); both holding, the top-k of their summed scores for every head, else every head's own
+    top-k. Returns (sets, probes' Jaccard, fell back)."""
     group, probes = cfg.q_per_kv, kv_probe_heads(cfg)
     rows = [h for g in probes for h in range(g * group, (g + 1) * group)]
     m = scores.shape[-1]
     per_kv = np.stack([np.asarray(st.kv_head_scores(jnp.asarray(layer[rows]), m, groups=len(probes)))
                        for layer in scores])
-    return _decided(identify_layers(per_kv, k, alpha), scores, k)
+    decision = identify_layers(per_kv, k, alpha)
+    min_share = make_system("spec_gqa").min_head_share
+    if group > 1 and min_share is not None:
+        shares = np.asarray(jax.vmap(lambda layer, shared: itf.head_share(layer, shared, k, k_cap=k))(
+            jnp.asarray(scores), jnp.asarray(decision.shared)))
+        decision = decision._replace(use_shared=decision.use_shared & (shares >= min_share))
+    return _decided(decision, scores, k)
 
 
 # ---------------------------------------------------------------- model passes (the engine's steps)

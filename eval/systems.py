@@ -66,7 +66,7 @@ class Outcome:
     breakdown_ms: dict[str, float]  # BREAKDOWN_KEYS; sums to about ttft_ms
     counters: dict[str, float] = dataclasses.field(default_factory=dict)  # COUNTER_KEYS
     # per-layer records, lists of num_layers floats: "retained" (kept / prefix tokens),
-    # "fallback" (1.0 if ITF fell back), "jaccard"; empty when the system has none
+    # "fallback" (1.0 if ITF fell back), "jaccard", "head_share" (spec_gqa's guard); empty when the system has none
     layers: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
@@ -115,7 +115,7 @@ class SystemSettings:
     blend_ratio: float | None = None
     blend_deviation: str | None = None
     blend_filter: str | None = None
-    # spec_gqa's candidate budget, x the kept tokens (None: the system's own; 0: no candidate stage)
+    # spec_gqa's candidate stage, x the kept tokens (None or 0: none, the system's default)
     gqa_candidates: float | None = None
     cake_chunk_tokens: int = EngineConfig.cake_chunk_tokens
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens

@@ -144,6 +144,20 @@ def test_kv_head_test_is_not_passed_by_heads_sharing_keys():
     assert A.kv_head_test([], dataclasses.replace(GqaCfg, num_kv_heads=9), 0.25, [0.6]) == {}
 
 
+def test_kv_head_test_is_not_passed_by_kv_heads_agreeing_while_their_query_heads_do_not():
+    # every KV head's first query head wants tokens 0-3, its other two tokens 10-13: the KV heads agree (Jaccard 1),
+    # the shared set is 10-13, and each first query head keeps almost none of its own attention: the guard fails
+    m, k = 30, 4
+    scores = np.full((1, 9, m), 0.01, np.float32)
+    for head in range(9):
+        scores[0, head, (0 if head % 3 == 0 else 10) + np.arange(4)] = [4.0, 3.0, 2.0, 1.0]
+    sets, jac, fell = M.kv_itf_selection(scores, GqaCfg, k, alpha=0.6)
+    assert jac[0] == 1.0 and fell.tolist() == [True] and sets[0].shape == (9, k)
+    scores[0, ::3] = scores[0, 1]  # now every query head agrees: shared
+    sets, jac, fell = M.kv_itf_selection(scores, GqaCfg, k, alpha=0.6)
+    assert fell.tolist() == [False] and sorted(sets[0].tolist()) == [10, 11, 12, 13]
+
+
 def test_reported_engine_probes_are_the_engines(tmp_path):
     rng = np.random.default_rng(0)
     records = [M.Record(i, i % 2, 0, rng.gamma(0.3, size=(3, 9, 64)).astype(np.float32)) for i in range(4)]

@@ -151,7 +151,7 @@ def test_only_candidate_chunks_are_read_and_selections_lie_in_them(model):
     (none: this handle wrote them), then only candidate chunks, at least 2k positions of whole chunks; every
     selected position lies in them."""
     req = _request(model, prefix_len=160, seed=3)
-    engine = _engine(model, make_system("spec_gqa"), 0.25)
+    engine = _engine(model, make_system("spec_gqa", candidates=2), 0.25)
     engine.warm(req.prefix)
     reads = _record_reads(engine)
     r = engine.run(req)
@@ -185,21 +185,25 @@ def test_a_candidate_budget_below_the_kept_tokens_is_refused():
         dataclasses.replace(make_system("spec_gqa"), candidates=0.5)
 
 
-def test_the_candidate_budget_is_a_setting_and_zero_turns_the_stage_off():
-    """make_system / the eval's --gqa_candidates: a multiple replaces the default 2, 0 drops the candidate stage
-    (the engine's System then says so in its name) and every chunk's probe keys are read; other systems ignore it."""
+def test_the_candidate_stage_is_a_setting_and_off_by_default():
+    """make_system / the eval's --gqa_candidates: B turns the candidate stage on with budget B x k (the System's
+    name says so), 0 or nothing leaves spec_gqa as it is, without one, and every chunk's probe keys are read; other
+    systems ignore it."""
     from specjax.eval.engine_systems import EngineSystem
     from specjax.eval.systems import SystemSettings
 
-    assert make_system("spec_gqa").candidates == 2.0
+    assert make_system("spec_gqa").candidates is None
+    assert make_system("spec_gqa", candidates=0) == make_system("spec_gqa")
     wide = make_system("spec_gqa", candidates=3)
-    assert (wide.name, wide.candidates) == ("spec_gqa", 3.0)
+    assert (wide.name, wide.candidates) == ("spec_gqa-candidates3", 3.0)
     with pytest.raises(SpecjaxError, match="candidates must be at least 1"):
         make_system("spec_gqa", candidates=0.5)
-    assert make_system("spec", candidates=0) == make_system("spec")
+    assert make_system("spec", candidates=2) == make_system("spec")
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    off = EngineSystem("spec_gqa", model, SystemSettings(gqa_candidates=0)).system
-    assert (off.name, off.candidates) == ("spec_gqa-no_candidates", None)
+    on = EngineSystem("spec_gqa", model, SystemSettings(gqa_candidates=2)).system
+    assert (on.name, on.candidates) == ("spec_gqa-candidates2", 2.0)
+    off = EngineSystem("spec_gqa", model, SystemSettings()).system
+    assert (off.name, off.candidates) == ("spec_gqa", None)
 
     req = _request(model, prefix_len=160, seed=3)
     engine = _engine(model, off, 0.25)
@@ -224,9 +228,56 @@ def test_kv_head_scores_give_every_query_head_one_vote():
     np.testing.assert_array_equal(np.asarray(st.kv_head_scores(jnp.asarray(scores), 3, groups=4)), scores)
 
 
+def test_head_share_is_the_worst_heads_share_of_its_own_top_k_attention():
+    from specjax.kernels import itf
+
+    rng = np.random.default_rng(0)
+    H, m, m_pad, k, k_cap = 5, 13, 16, 4, 8
+    scores = rng.random((H, m_pad)).astype(np.float32)
+    scores[:, m:] = 100.0  # padding: never anyone's top-k
+    shared = np.array([3, 7, 0, 12, 9, 1, 15, 14], np.int32)  # entries past k do not count
+    own = np.sort(scores[:, :m], axis=1)[:, ::-1][:, :k].sum(1)
+    want = (scores[:, shared[:k]].sum(1) / own).min()
+    got = float(itf.head_share(jnp.asarray(scores), jnp.asarray(shared), k, m, k_cap=k_cap))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    best = np.argsort(-scores[0, :m])[:k_cap].astype(np.int32)  # every head scoring alike: its own set keeps all
+    same = np.broadcast_to(scores[:1], (H, m_pad))
+    assert float(itf.head_share(jnp.asarray(same), jnp.asarray(best), k, m, k_cap=k_cap)) == pytest.approx(1.0)
+
+
+def test_on_a_grouped_query_model_a_shared_set_must_keep_every_heads_share():
+    """tiny-gqa (2 query heads per KV head): every layer records the shared set's least head share, and shares its
+    set exactly when the probes' Jaccard passes and that share reaches min_head_share; a threshold above layer 0's
+    share sends layer 0 to per-head sets. A threshold nothing fails is SPEC's test alone; on an MHA model there is no
+    guard (its share is not measured)."""
+    model = specjax.load_model("tiny-gqa", init="random", seed=1)
+    assert model.config.q_per_kv > 1
+    req = _request(model, prefix_len=160, seed=3)
+
+    def run(min_share, m=model):
+        system = dataclasses.replace(make_system("spec_gqa"), min_head_share=min_share, alpha=2.0)  # Jaccard passes
+        return _run(_engine(m, system, 0.25), req if m is model else _request(m, prefix_len=160, seed=3))
+
+    plain, loose = run(None), run(1e-6)
+    share = np.asarray(loose.layers["head_share"])
+    assert np.all((share > 0) & (share <= 1)) and np.isnan(plain.layers["head_share"]).all()
+    assert not any(loose.layers["fallback"]) and loose.layers["fallback"] == plain.layers["fallback"]
+    np.testing.assert_array_equal(loose.first_token_logits, plain.first_token_logits)
+    strict = run(float(share[0]) + 1e-3)
+    assert strict.layers["jaccard"][0] >= strict.layers["threshold"][0]  # layer 0 as in `loose`: the guard decides
+    assert strict.layers["fallback"][0] and np.shape(strict.selections[0])[0] == model.config.num_heads
+    s, fell = np.asarray(strict.layers["head_share"]), np.asarray(strict.layers["fallback"])
+    jaccard_fails = np.asarray(strict.layers["jaccard"]) < np.asarray(strict.layers["threshold"])
+    np.testing.assert_array_equal(fell, jaccard_fails | (s < float(share[0]) + 1e-3))
+    for layer in np.flatnonzero(~fell):
+        assert np.shape(strict.selections[layer])[0] == 1  # one set for every head
+    mha = run(0.99, specjax.load_model("tiny-opt", init="random", seed=1))
+    assert np.isnan(mha.layers["head_share"]).all()
+
+
 def test_the_host_tier_gives_the_key_summaries_their_bytes():
-    """Summaries live in host memory: spec_gqa's host cache budget is --cpu_cache less their bytes (1/16 of K at
-    16-token chunks); other systems keep the whole budget."""
+    """Summaries live in host memory: with its candidate stage spec_gqa's host cache budget is --cpu_cache less
+    their bytes (1/16 of K at 16-token chunks); other systems keep the whole budget."""
     from specjax.stores.caches import HOST
 
     model = specjax.load_model("tiny-llama", init="random", seed=1)
@@ -237,12 +288,13 @@ def test_the_host_tier_gives_the_key_summaries_their_bytes():
     lay = store.layout
     assert store.summary_bytes == 10 * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * 4  # 10 chunks
     config = EngineConfig(cpu_cache_bytes=1 << 20)
-    assert Engine(model, make_system("spec_gqa"), store, config).cache.tiers[HOST].budget_bytes == \
+    assert Engine(model, make_system("spec_gqa", candidates=2), store, config).cache.tiers[HOST].budget_bytes == \
         (1 << 20) - store.summary_bytes
-    assert Engine(model, make_system("spec"), store, config).cache.tiers[HOST].budget_bytes == 1 << 20
+    for other in ("spec", "spec_gqa"):  # spec_gqa without its candidate stage reads no summary
+        assert Engine(model, make_system(other), store, config).cache.tiers[HOST].budget_bytes == 1 << 20
 
 
 def test_retention_is_reported_of_the_whole_prefix_not_of_the_candidates():
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    r = _run(_engine(model, make_system("spec_gqa"), 0.25), _request(model, prefix_len=160, seed=3))
+    r = _run(_engine(model, make_system("spec_gqa", candidates=2), 0.25), _request(model, prefix_len=160, seed=3))
     np.testing.assert_allclose(r.layers["retained"], math.ceil(0.25 * 160) / 160, rtol=1e-6)

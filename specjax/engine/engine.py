@@ -324,6 +324,7 @@ def _layer_report(state: st.ImportanceState, m: int) -> dict:
         "fallback": np.asarray(state.fallback).tolist(),
         "jaccard": np.asarray(state.jaccard).tolist(),
         "threshold": np.asarray(state.threshold).tolist(),
+        "head_share": np.asarray(state.head_share).tolist(),
         "loaded_tokens": np.asarray(state.count).tolist(),
         "prefix_tokens": m,
     }

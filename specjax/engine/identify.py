@@ -148,13 +148,17 @@ class GroupedITF:
 
     Each probe KV head (the first `num_probe_heads` KV heads, one per group) scores the prefix with all of its query
     heads, their H2O scores normalised and summed; the probes' mean pairwise Jaccard is tested against t = j ** alpha
-    as in ITF. Probes never share keys, so agreement is not free. Agreeing: every head takes the top-k of the probes'
-    summed scores. Else each query head keeps its own top-k (per-head H2O).
+    as in ITF. Probes never share keys, so agreement is not free. On a grouped-query model a guard follows
+    (`System.min_head_share`): the shared set, the top-k of the probes' summed scores, must keep that share of
+    every query head's own top-k attention (`kernels.itf.head_share`), since KV heads can agree while query heads
+    inside a group do not. Both holding: every head takes the shared set. Else each query head keeps its own top-k
+    (per-head H2O).
 
-    Only candidate positions are scored (`System.candidates` = B): the chunks whose key summaries (`stores.summaries`,
-    host memory) bound the most attention (`kernels.quest.chunk_mass`), at least B x k positions; their keys are read
-    and the rest of the prefix is never read. With B None, or B x k covering the prefix, every position is a
-    candidate, and on a model with one query head per KV head this selects exactly what `ITF` selects.
+    A candidate stage is optional (`System.candidates` = B): only the chunks whose key summaries (`stores.summaries`,
+    host memory) bound the most attention (`kernels.quest.chunk_mass`), at least B x k positions, are scored and
+    read; the rest of the prefix is never read. With B None (spec_gqa's default), or B x k covering the prefix,
+    every position is a candidate, and on a model with one query head per KV head (no guard) this selects exactly
+    what `ITF` selects.
 
     Probe keys come from the store's probe kind when its heads are these probe KV heads (one query head per KV
     head), else from K (grouped-query models: the candidates' keys of every KV head come with the chunk files)."""
@@ -219,6 +223,12 @@ class GroupedITF:
         # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
         state, shared, use_shared = io.clock.timed(
             "identify", st.itf_select, state, layer, probes, k, c, engine.system.alpha, k_cap=k_cap, kept_of=m)
+        if group > 1 and engine.system.min_head_share is not None:  # the guard: every query head's scores
+            if every is None:
+                keys = io.take(layer, K, cand, c_pad)
+                every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+            state, use_shared = io.clock.timed("identify", st.guard_shared, state, layer, every, shared, k, c,
+                                               use_shared, engine.system.min_head_share, k_cap=k_cap)
         if bool(use_shared):
             chosen = cand[np.asarray(shared)[:k]]
             state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)

@@ -21,14 +21,16 @@ class ImportanceState:
 
     selected / count: the token set the layer used when all heads share one (ITF), else the union of the
         per-head sets; -1 pads. jaccard / threshold: probe heads' mean pairwise Jaccard and SPEC's t = j^alpha
-        (NaN where not measured). fallback: the layer loaded all keys and used per-head sets. retained: kept
-        fraction of the reused prefix.
+        (NaN where not measured). head_share: the least share of a head's own top-k attention the shared set
+        keeps (spec_gqa on grouped-query models; NaN where not measured). fallback: the layer loaded all keys and
+        used per-head sets. retained: kept fraction of the reused prefix.
     """
 
     selected: jax.Array
     count: jax.Array
     jaccard: jax.Array
     threshold: jax.Array
+    head_share: jax.Array
     fallback: jax.Array
     retained: jax.Array
 
@@ -40,6 +42,7 @@ class ImportanceState:
             count=jnp.zeros((num_layers,), jnp.int32),
             jaccard=nan,
             threshold=nan,
+            head_share=nan,
             fallback=jnp.zeros((num_layers,), bool),
             retained=nan,
         )
@@ -72,6 +75,18 @@ def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha
         retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len if kept_of is None else kept_of, 1)),
     )
     return state, shared, use_shared
+
+
+@functools.partial(jax.jit, static_argnames=("k_cap",))
+def guard_shared(state: ImportanceState, layer, head_scores, shared, k, prefix_len, use_shared, min_share, *,
+                 k_cap: int):
+    """spec_gqa's guard on a shared set (`itf_select`'s): every query head's scores f32 [H, m_pad] must keep at
+    least `min_share` of their own top-k's attention under it (`kernels.itf.head_share`, recorded). Returns
+    (state, use_shared and the guard holds)."""
+    share = itf.head_share(head_scores, shared, k, prefix_len, k_cap=k_cap)
+    use_shared = use_shared & (share >= min_share)
+    return state.replace(head_share=state.head_share.at[layer].set(share),
+                         fallback=state.fallback.at[layer].set(~use_shared)), use_shared
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))

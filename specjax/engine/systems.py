@@ -45,6 +45,9 @@ class System:
     # spec_gqa: only the chunks whose key summaries bound the most attention, at least this many times the kept
     # tokens, are scored and read (None: every position)
     candidates: float | None = None
+    # spec_gqa on grouped-query models: a shared set must keep at least this share of every query head's own
+    # top-k attention, else the layer falls back (None: SPEC's test alone)
+    min_head_share: float | None = None
 
     def __post_init__(self):
         for field, value, known in (("identify", self.identify, IDENTIFY), ("prefetch", self.prefetch, PREFETCH),
@@ -58,6 +61,8 @@ class System:
         if self.candidates is not None and not self.candidates >= 1.0:
             raise SpecjaxError(f"system {self.name!r}: candidates must be at least 1 (x the kept tokens), got "
                                f"{self.candidates}")
+        if self.min_head_share is not None and not 0.0 < self.min_head_share <= 1.0:
+            raise SpecjaxError(f"system {self.name!r}: min_head_share must be in (0, 1], got {self.min_head_share}")
         if (self.prefetch == "periods") != (self.identify == "chunks"):
             raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
 
@@ -80,10 +85,11 @@ SYSTEMS: dict[str, System] = {
         System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu"),
         System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
-        # grouped-query-aware identification (issue 22): probes are KV heads, candidates from key summaries of
-        # 16-token chunks (Quest's pages; its own store)
+        # grouped-query-aware identification (issue 22): probes are KV heads, every query head keeps 90% of its
+        # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
+        # pages; its own store) only when asked for (`candidates`)
         System("spec_gqa", identify="gqa_itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
-               candidates=2.0, chunk_tokens=16),
+               min_head_share=0.9, chunk_tokens=16),
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
         System("cake", identify="none", cache_policy="lru", schedule="cake"),
@@ -105,8 +111,8 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
                 blend_filter: str | None = None, candidates: float | None = None) -> System:
     """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, ContiguousKV's
     chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio (`blend_ratio`), deviation
-    and filtering (`blend_deviation`, `blend_filter`), and spec_gqa's candidate budget (`candidates` x the kept
-    tokens; 0: no candidate stage, every position a candidate, named `spec_gqa-no_candidates`)."""
+    and filtering (`blend_deviation`, `blend_filter`), and spec_gqa's candidate stage (`candidates` x the kept
+    tokens, named `spec_gqa-candidatesB`; 0: none, every position a candidate, as by default)."""
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
     system = SYSTEMS[name]
@@ -132,10 +138,8 @@ def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no
             changes["alpha"] = alpha
     if system.identify == "chunks":
         return _with_chunk_sizes(system, chunk_tokens, period_layers, subperiod_layers)
-    if system.identify == "gqa_itf" and candidates is not None:
-        if candidates == 0:
-            return dataclasses.replace(system, candidates=None, name=name + "-no_candidates")
-        return dataclasses.replace(system, candidates=float(candidates))  # checked by System; results record it
+    if system.identify == "gqa_itf" and candidates:
+        return dataclasses.replace(system, candidates=float(candidates), name=f"{name}-candidates{candidates:g}")
     if changes:
         suffix = "".join(f"-no_{flag}" for flag, on in
                          (("itf", no_itf), ("reorder", no_reorder), ("score_cache", no_score_cache),
