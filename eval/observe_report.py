@@ -131,9 +131,11 @@ def kv_head_section(res: dict, cfg) -> str:
     main, acc, tests = res["main_retention"], res["accuracy"], res["kv_heads"]
     L = [f"### spec_gqa's test: KV-head probes (issue 22), retention {main:.0%}, oracle scores\n",
          "spec_gqa's probes are the first KV heads (one per group; `GroupedITF`), each scoring with all of its query "
-         "heads (normalised, summed); ITF's test across them; passing, every head takes the top-k of their summed "
-         "scores, else its own top-k (`observe_measure.kv_itf_selection`). Every position is a candidate here "
-         "(observe has the whole prefix's scores; the engine's candidate stage is not modelled). The engine's ITF "
+         "heads (normalised, summed); ITF's test across them and, with several query heads per KV head, the guard "
+         "(the shared set keeps spec_gqa's min_head_share of every query head's own top-k attention); passing, every "
+         "head takes the top-k of their summed scores, else its own top-k (`observe_measure.kv_itf_selection`). "
+         "Every position is a candidate, as by default in the engine (its optional candidate stage is not "
+         "modelled). The engine's ITF "
          f"probes are query heads {res['probes']['engine']['probes']}. \"kept\" is the mean over query heads of the "
          "share of the head's own top-k that the shared set holds, on layers that pass (a fallback layer keeps all of "
          "it). Accuracy: per-head H2O is every head's own top-k on every layer.\n",
