@@ -8,8 +8,8 @@ exact H2O scores of every query head (`steps.scores`, all keys) stand in for wha
   given, over the same sum for its own top-k of the whole prefix (exact per-head H2O keeps 1.0), averaged over heads,
   layers and requests; with the share of layers that pass the test. Identifications:
   `spec` (SPEC's test on its probe query heads), `kv_jaccard` (spec_gqa's KV-head probes, ITF's test alone, as
-  before its guard), `kv_guard` (with spec_gqa's guard, `System.min_head_share`, as built), and both again with the
-  candidate stage of `--candidates` (`*_candidates`: test and fallback over the candidates only).
+  before its guard), `kv_guard` (with spec_gqa's guard at `--min_head_share`, by default the System's), and both
+  with the candidate stage of `--candidates` (`*_candidates`: test and fallback over the candidates only).
 - **candidate recall**: of each head's own top-k, the share of positions and of attention the candidate chunks
   hold, for the engine's rule (`kernels.quest.chunk_mass` summed over heads), the best chunks by exact scores (what
   any chunk rule can reach at the budget) and random chunks.
@@ -51,6 +51,7 @@ flags.DEFINE_integer("limit", 40, "Requests (the task's first items, as the eval
 flags.DEFINE_float("retention", 0.25, "Kept share of the prefix.")
 flags.DEFINE_float("candidates", 2.0, "Candidate budget, x the kept tokens, for the *_candidates rows.")
 flags.DEFINE_integer("chunk_tokens", 16, "Chunk of the candidate stage (spec_gqa's store chunk).")
+flags.DEFINE_float("min_head_share", None, "The guard's threshold for the kv_guard rows (default: spec_gqa's).")
 flags.DEFINE_string("json", None, "Write the results here.")
 FLAGS = flags.FLAGS
 
@@ -102,6 +103,7 @@ def measure(model, requests, progress=print) -> dict:
     H, G, group, ct = cfg.num_heads, cfg.num_kv_heads, cfg.q_per_kv, FLAGS.chunk_tokens
     kv_of_head = tuple(h // group for h in range(H))
     gqa = make_system("spec_gqa")
+    min_share = gqa.min_head_share if FLAGS.min_head_share is None else FLAGS.min_head_share
     spec_probes = list(engine_lib.probe_query_heads(cfg))
     kept: dict[str, list] = {}
     recall: dict[str, list] = {}
@@ -135,7 +137,7 @@ def measure(model, requests, progress=print) -> dict:
             rules = {"quest (the engine's)": _cover(np.argsort(-mass.sum(0), kind="stable"), sizes, need),
                      "best chunks by exact scores": _cover(np.argsort(-exact.sum(0), kind="stable"), sizes, need),
                      "random chunks": _cover(rng.permutation(C), sizes, need)}
-            L = Layer(S, k, group, kv_probe_heads(cfg), gqa.alpha, gqa.min_head_share)
+            L = Layer(S, k, group, kv_probe_heads(cfg), gqa.alpha, min_share)
             for name, chunks in rules.items():
                 inside = np.isin(chunk_of, chunks)
                 recall.setdefault(name, []).append(
@@ -169,12 +171,14 @@ def measure(model, requests, progress=print) -> dict:
 
 
 def report(out: dict, label: str) -> str:
-    L = [label, "", "| identification | kept of exact per-head H2O | test passes | worst layers (kept) |", "|---|---|---|---|"]
+    L = [label, "", "| identification | kept of exact per-head H2O | test passes | worst layers (kept) |",
+         "|---|---|---|---|"]
     for name, r in out["kept"].items():
         worst = np.argsort(r["kept_per_layer"])[:4]
         L.append(f"| {name} | {r['kept']:.3f} | {r['pass']:.1%} | "
                  + ", ".join(f"{w}: {r['kept_per_layer'][w]:.2f}" for w in worst) + " |")
-    L += ["", "| candidate chunks | top-k positions held | top-k attention held | share of prefix |", "|---|---|---|---|"]
+    L += ["", "| candidate chunks | top-k positions held | top-k attention held | share of prefix |",
+          "|---|---|---|---|"]
     for name, r in out["candidate_recall"].items():
         L.append(f"| {name} | {r['positions']:.3f} | {r['attention']:.3f} | {r['share_of_prefix']:.3f} |")
     return "\n".join(L)
@@ -191,8 +195,8 @@ def main(argv):
     requests = ordered_by_prefix(wl.requests)
     out = measure(model, requests)
     label = (f"{FLAGS.model}, {FLAGS.task}, {len(requests)} requests, retention {FLAGS.retention}, candidates "
-             f"{FLAGS.candidates:g} x k in {FLAGS.chunk_tokens}-token chunks, spec_gqa's min_head_share "
-             f"{make_system('spec_gqa').min_head_share}")
+             f"{FLAGS.candidates:g} x k in {FLAGS.chunk_tokens}-token chunks, the guard's min_head_share "
+             f"{make_system('spec_gqa').min_head_share if FLAGS.min_head_share is None else FLAGS.min_head_share}")
     print(report(out, label))
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:

@@ -67,8 +67,10 @@ def summary(rows: dict[str, dict[int, dict]], reference: str) -> dict:
 
 
 def layer_rates(directory: pathlib.Path) -> dict[str, dict[str, list[float]]]:
-    """Run -> {"pass": per-layer share of requests whose ITF test passed, "jaccard": per-layer mean probe Jaccard},
-    pooled over DIR/<task>/results.json with each task weighted by its requests; runs without ITF are left out."""
+    """Run -> {"pass": per-layer share of requests whose ITF test passed, "jaccard": per-layer mean probe Jaccard,
+    and where every task has it "head_share": spec_gqa's guard, the per-layer mean of the shared set's least share of
+    a head's own top-k attention}, pooled over DIR/<task>/results.json with each task weighted by its requests; runs
+    without ITF are left out."""
     sums: dict = {}
     for path in sorted(directory.glob("*/results.json")) or sorted(directory.glob("results.json")):
         for key, entry in json.loads(path.read_text())["systems"].items():
@@ -76,15 +78,20 @@ def layer_rates(directory: pathlib.Path) -> dict[str, dict[str, list[float]]]:
             if "jaccard" not in layers:  # no ITF test (as_h2o_lfu reports fallback 0 on every layer)
                 continue
             n = entry["accuracy"]["n"]
-            acc = sums.setdefault(key, {"n": 0, "fallback": 0.0, "jaccard": 0.0})
+            acc = sums.setdefault(key, {"n": 0, "fallback": 0.0, "jaccard": 0.0, "head_share": 0.0})
             if acc["n"] and len(acc["fallback"]) != len(layers["fallback"]):
                 raise SystemExit(f"{path}: {key} has {len(layers['fallback'])} layers, other tasks "
                                  f"{len(acc['fallback'])}")
             acc["n"] += n
             acc["fallback"] = acc["fallback"] + n * np.asarray(layers["fallback"], dtype=np.float64)
             acc["jaccard"] = acc["jaccard"] + n * np.asarray(layers["jaccard"], dtype=np.float64)
-    return {key: {"pass": (1.0 - a["fallback"] / a["n"]).tolist(), "jaccard": (a["jaccard"] / a["n"]).tolist()}
-            for key, a in sums.items()}
+            acc["head_share"] = acc["head_share"] + n * np.asarray(layers.get("head_share", np.nan), dtype=np.float64)
+    out = {}
+    for key, a in sums.items():
+        out[key] = {"pass": (1.0 - a["fallback"] / a["n"]).tolist(), "jaccard": (a["jaccard"] / a["n"]).tolist()}
+        if not np.isnan(a["head_share"]).any():
+            out[key]["head_share"] = (a["head_share"] / a["n"]).tolist()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,11 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     layers = layer_rates(args.directory)
     if layers:
         runs = sorted(layers)
-        print("\nITF pass rate (mean probe Jaccard) per layer, pooled over tasks")
-        print(f"{'layer':<7}" + "".join(f"{run:>24}" for run in runs))
+        print("\nITF pass rate (mean probe Jaccard) [mean head share, spec_gqa's guard] per layer, pooled over tasks")
+        print(f"{'layer':<7}" + "".join(f"{run:>31}" for run in runs))
         for i in range(len(layers[runs[0]]["pass"])):
-            print(f"{i:<7}" + "".join(f"{layers[run]['pass'][i]:>17.2f} ({layers[run]['jaccard'][i]:.2f})"
-                                      for run in runs))
+            print(f"{i:<7}" + "".join(f"{layers[run]['pass'][i]:>17.2f} ({layers[run]['jaccard'][i]:.2f})" +
+                                      (f" [{layers[run]['head_share'][i]:.2f}]" if "head_share" in layers[run]
+                                       else " " * 7) for run in runs))
     if args.json:
         args.json.write_text(json.dumps({**results, "layers": layers}, indent=1))
 

@@ -1,5 +1,5 @@
 """benchmarks/pooled_accuracy.py on a hand-written two-task run: pairing per task and pooled, bytes, per-layer
-ITF pass rates weighted by each task's requests."""
+ITF pass rates (and spec_gqa's head shares) weighted by each task's requests."""
 
 import importlib.util
 import json
@@ -39,10 +39,12 @@ def test_pairs_per_task_and_pooled_and_weights_layers_by_requests(tmp_path, caps
         _row("ref", 0, True, 100), _row("new", 0, True, 10, 2, 1),
         _row("ref", 1, False, 100), _row("new", 1, True, 30, 2, 0),
     ], {"ref": {"accuracy": {"n": 2}, "layers": {"retained": [1.0, 1.0], "fallback": [0.0, 0.0]}},
-        "new": {"accuracy": {"n": 2}, "layers": {"fallback": [0.5, 0.0], "jaccard": [0.2, 0.9]}}})
+        "new": {"accuracy": {"n": 2}, "layers": {"fallback": [0.5, 0.0], "jaccard": [0.2, 0.9],
+                                                 "head_share": [0.6, 1.0]}}})
     _task(tmp_path, "b", [_row("ref", 0, True, 200), _row("new", 0, False, 0, 2, 2)],
           {"ref": {"accuracy": {"n": 1}}, "new": {"accuracy": {"n": 1},
-                                                  "layers": {"fallback": [1.0, 1.0], "jaccard": [0.5, 0.3]}}})
+                                                  "layers": {"fallback": [1.0, 1.0], "jaccard": [0.5, 0.3],
+                                                             "head_share": [0.9, 0.3]}}})
     out = tmp_path / "pooled.json"
     pooled.main([str(tmp_path), "--reference", "ref", "--json", str(out)])
     r = json.loads(out.read_text())
@@ -58,6 +60,7 @@ def test_pairs_per_task_and_pooled_and_weights_layers_by_requests(tmp_path, caps
     assert set(r["layers"]) == {"new"}
     assert r["layers"]["new"]["pass"] == pytest.approx([1 - (2 * 0.5 + 1.0) / 3, 1 - 1.0 / 3])
     assert r["layers"]["new"]["jaccard"] == pytest.approx([(2 * 0.2 + 0.5) / 3, (2 * 0.9 + 0.3) / 3])
+    assert r["layers"]["new"]["head_share"] == pytest.approx([(2 * 0.6 + 0.9) / 3, (2 * 1.0 + 0.3) / 3])
     assert "ITF pass rate" in capsys.readouterr().out
 
 
