@@ -148,7 +148,7 @@ KNOWN_SYSTEMS = {s.name: s for s in (
     SystemInfo("as_h2o_lfu", "AS + H2O: all keys, important values, LFU", True),
     SystemInfo("impress", "IMPRESS: probe-head keys, important KV, score cache", True),
     SystemInfo("spec", "SPEC: IMPRESS + layer-aware speculative prefetch", True),
-    SystemInfo("spec_gqa", "SPEC with KV-head probes and key-summary candidates (grouped-query models)", True),
+    SystemInfo("spec_gqa", "SPEC with KV-head probes and a per-query-head guard (grouped-query models)", True),
     SystemInfo("contiguous_kv", "ContiguousKV: 16-token chunks, periods, I x F cache", True),
     SystemInfo("cake", "Cake: compute from the front, load from the back", False),
     SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)", False),
