@@ -180,9 +180,13 @@ def test_full_retention_equals_recompute(model):
                                [c for c, _ in base.continuation_logprobs], atol=1e-5, rtol=0)
 
 
-def test_a_candidate_budget_below_the_kept_tokens_is_refused():
+def test_a_candidate_budget_below_the_kept_tokens_or_a_head_share_outside_0_1_is_refused():
     with pytest.raises(SpecjaxError, match="candidates must be at least 1"):
         dataclasses.replace(make_system("spec_gqa"), candidates=0.5)
+    for bad in (0.0, 1.5):
+        with pytest.raises(SpecjaxError, match="min_head_share must be in"):
+            dataclasses.replace(make_system("spec_gqa"), min_head_share=bad)
+    assert dataclasses.replace(make_system("spec_gqa"), min_head_share=1.0).min_head_share == 1.0
 
 
 def test_the_candidate_stage_is_a_setting_and_off_by_default():
