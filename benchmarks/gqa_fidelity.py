@@ -35,11 +35,12 @@ from absl import app, flags
 import specjax
 from specjax.engine import make_system, steps
 from specjax.engine import engine as engine_lib
-from specjax.engine import state as st
 from specjax.eval import tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
-from specjax.eval.observe_measure import keep_count, kv_probe_heads, ordered_by_prefix, prefix_kv
-from specjax.kernels import PerHeadIndices, itf, quest
+from specjax.engine.identify import covering, ranked_chunks
+from specjax.eval.observe_measure import (itf_selection, keep_count, kv_itf_selection, ordered_by_prefix, prefix_kv,
+                                         top_k)
+from specjax.kernels import PerHeadIndices, quest
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
 from specjax.stores.summaries import summarise
@@ -56,46 +57,11 @@ flags.DEFINE_string("json", None, "Write the results here.")
 FLAGS = flags.FLAGS
 
 
-def _top(scores: np.ndarray, k: int) -> np.ndarray:
-    return np.argsort(-scores, kind="stable")[:k]
-
-
-def _cover(order: np.ndarray, sizes: np.ndarray, need: int) -> np.ndarray:
-    """Chunks in `order` until they hold `need` positions (the engine's rule, `GroupedITF.candidates`)."""
-    return order[: int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1]
-
-
-class Layer:
-    """One layer's exact scores S [H, m] and what the rules need of them."""
-
-    def __init__(self, scores: np.ndarray, k: int, group: int, probes: tuple, alpha: float, min_share: float):
-        self.S, self.k, self.group, self.alpha, self.min_share = scores, k, group, alpha, min_share
-        self.rows = [h for g in probes for h in range(g * group, (g + 1) * group)]
-        self.groups = len(probes)
-        self.own = [_top(row, k) for row in scores]
-        self.own_mass = np.array([row[o].sum() for row, o in zip(scores, self.own)])
-
-    def kept(self, sets) -> float:
-        """Mean over heads of what `sets` (positions shared by every head, or a list of each head's) keeps of the
-        head's own top-k."""
-        return float(np.mean([self.S[h, sets[h] if isinstance(sets, list) else sets].sum() / self.own_mass[h]
-                              for h in range(len(self.S))]))
-
-    def decide(self, probe_rows: list, pool: np.ndarray, *, kv_probes: bool, guard: bool):
-        """(passes, selection) of ITF over the probes' scores on `pool` (positions): KV-head probes (each the
-        normalised sum of its query heads, `state.kv_head_scores`) or query heads; with spec_gqa's guard if asked.
-        Failing, each head's own top-k of the pool. Scores are padded to buckets, so compilations are shared."""
-        c, k = len(pool), self.k
-        x = np.zeros((len(self.S), bucket(c)), np.float32)
-        x[:, :c] = self.S[:, pool]
-        probes = jnp.asarray(x[probe_rows])
-        probes = (st.kv_head_scores(probes, c, groups=self.groups) if kv_probes else itf.normalised(probes, c))
-        d = itf.identify(probes, k, c, self.alpha, k_cap=bucket(k))
-        shared = np.asarray(d.shared)
-        ok = bool(d.use_shared)
-        if ok and guard:
-            ok = float(itf.head_share(jnp.asarray(x), jnp.asarray(shared), k, c, k_cap=bucket(k))) >= self.min_share
-        return ok, (pool[shared[:k]] if ok else [pool[_top(row, k)] for row in x[:, :c]])
+def _kept(scores: np.ndarray, own: np.ndarray, sets: np.ndarray) -> float:
+    """Mean over heads of what `sets` (positions [k] for every head, or [H, k] each head's) keeps of the head's own
+    top-k `own` [H, k], by each head's scores [H, m]."""
+    sets = np.broadcast_to(sets, own.shape)
+    return float(np.mean(np.take_along_axis(scores, sets, 1).sum(1) / np.take_along_axis(scores, own, 1).sum(1)))
 
 
 def measure(model, requests, progress=print) -> dict:
@@ -134,25 +100,25 @@ def measure(model, requests, progress=print) -> dict:
             mass = np.asarray(quest.chunk_mass(q, jnp.asarray(summaries), n, C, kv_of_head=kv_of_head))[:, :C]
             share = S / S.sum(1, keepdims=True)
             exact = np.stack([np.bincount(chunk_of, weights=row, minlength=C) for row in share])
-            rules = {"quest (the engine's)": _cover(np.argsort(-mass.sum(0), kind="stable"), sizes, need),
-                     "best chunks by exact scores": _cover(np.argsort(-exact.sum(0), kind="stable"), sizes, need),
-                     "random chunks": _cover(rng.permutation(C), sizes, need)}
-            L = Layer(S, k, group, kv_probe_heads(cfg), gqa.alpha, min_share)
+            rules = {"quest (the engine's)": covering(ranked_chunks(mass), sizes, need),
+                     "best chunks by exact scores": covering(ranked_chunks(exact), sizes, need),
+                     "random chunks": covering(rng.permutation(C), sizes, need)}
+            own = top_k(S, k)
             for name, chunks in rules.items():
                 inside = np.isin(chunk_of, chunks)
                 recall.setdefault(name, []).append(
-                    (layer, np.mean([inside[o].mean() for o in L.own]),
-                     np.mean([share[hh, o[inside[o]]].sum() / share[hh, o].sum() for hh, o in enumerate(L.own)]),
+                    (layer, np.mean([inside[o].mean() for o in own]),
+                     np.mean([share[hh, o[inside[o]]].sum() / share[hh, o].sum() for hh, o in enumerate(own)]),
                      inside.mean()))
             everything = np.arange(m)
             cand = np.flatnonzero(np.isin(chunk_of, rules["quest (the engine's)"]))
-            for name, probes, pool, guard in (("spec", spec_probes, everything, False),
-                                              ("kv_jaccard", L.rows, everything, False),
-                                              ("kv_guard", L.rows, everything, True),
-                                              ("kv_jaccard_candidates", L.rows, cand, False),
-                                              ("kv_guard_candidates", L.rows, cand, True)):
-                ok, sel = L.decide(probes, pool, kv_probes=name != "spec", guard=guard)
-                kept.setdefault(name, []).append((layer, L.kept(sel), float(ok)))
+            for name, pool, guard in (("spec", everything, None), ("kv_jaccard", everything, 0.0),
+                                      ("kv_guard", everything, min_share), ("kv_jaccard_candidates", cand, 0.0),
+                                      ("kv_guard_candidates", cand, min_share)):
+                x = S[None, :, pool]  # the engine's decision on the pool's scores (observe's, exactly)
+                sets, _, fell = (itf_selection(x, k, spec_probes, gqa.alpha) if guard is None else
+                                 kv_itf_selection(x, cfg, k, gqa.alpha, min_share=guard))
+                kept.setdefault(name, []).append((layer, _kept(S, own, pool[sets[0]]), float(not fell[0])))
             h = steps.finish(cfg, lp, h, q, own_k, own_v, kv.k[layer], kv.v[layer], whole, n, impl="auto")
         if (i + 1) % 10 == 0:
             progress(f"{i + 1}/{len(requests)} requests, {time.time() - started:.0f} s")

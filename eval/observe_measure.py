@@ -121,23 +121,28 @@ def kv_probe_heads(cfg) -> tuple[int, ...]:
     return tuple(range(min(make_system("spec_gqa").num_probe_heads, cfg.num_kv_heads)))
 
 
-def kv_itf_selection(scores: np.ndarray, cfg, k: int, alpha: float) -> tuple[list, np.ndarray, np.ndarray]:
+def kv_itf_selection(scores: np.ndarray, cfg, k: int, alpha: float,
+                     min_share: float | None = None) -> tuple[list, np.ndarray, np.ndarray]:
     """spec_gqa's test on every layer of scores [L, H, m], every position a candidate (spec_gqa's default; observe
     has the whole prefix's scores): each probe KV head's query heads' scores normalised and summed
     (`specjax.engine.state.kv_head_scores`), ITF's decision over those probes and, with several query heads per KV
-    head, its guard (the shared set keeps `min_head_share` of every head's own top-k attention,
-    `kernels.itf.head_share`); both holding, the top-k of their summed scores for every head, else every head's own
-    top-k. Returns (sets, probes' Jaccard, fell back)."""
+    head, its guard (the shared set keeps `min_share`, by default spec_gqa's `min_head_share`, of every head's own
+    top-k attention, `kernels.itf.head_share`; 0 turns it off); both holding, the top-k of their summed scores for
+    every head, else every head's own top-k. Returns (sets, probes' Jaccard, fell back)."""
     group, probes = cfg.q_per_kv, kv_probe_heads(cfg)
     rows = [h for g in probes for h in range(g * group, (g + 1) * group)]
     m = scores.shape[-1]
     per_kv = np.stack([np.asarray(st.kv_head_scores(jnp.asarray(layer[rows]), m, groups=len(probes)))
                        for layer in scores])
     decision = identify_layers(per_kv, k, alpha)
-    min_share = make_system("spec_gqa").min_head_share
-    if group > 1 and min_share is not None:
-        shares = np.asarray(jax.vmap(lambda layer, shared: itf.head_share(layer, shared, k, k_cap=k))(
-            jnp.asarray(scores), jnp.asarray(decision.shared)))
+    min_share = make_system("spec_gqa").min_head_share if min_share is None else min_share
+    if group > 1 and min_share:
+        padded = np.zeros(scores.shape[:-1] + (bucket(m),), np.float32)  # as identify_layers: shared compilations
+        padded[..., :m] = scores
+        shared = np.zeros((len(scores), bucket(k)), np.int32)
+        shared[:, :k] = decision.shared
+        shares = np.asarray(jax.vmap(lambda layer, sh: itf.head_share(layer, sh, k, m, k_cap=bucket(k)))(
+            jnp.asarray(padded), jnp.asarray(shared)))
         decision = decision._replace(use_shared=decision.use_shared & (shares >= min_share))
     return _decided(decision, scores, k)
 

@@ -193,9 +193,8 @@ class GroupedITF:
         summaries[: len(chunks)] = got.array
         mass = io.clock.timed("identify", quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
                               kv_of_head=engine.kv_of_head)
-        order = np.argsort(-np.asarray(mass)[:, : len(chunks)].sum(0), kind="stable")
-        covered = np.cumsum(np.bincount(slot_of, minlength=len(chunks))[order])
-        keep = order[: int(np.searchsorted(covered, math.ceil(budget * k))) + 1]
+        keep = covering(ranked_chunks(np.asarray(mass)[:, : len(chunks)]), np.bincount(slot_of),
+                        math.ceil(budget * k))
         return io.all_positions[np.isin(slot_of, keep)]
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
@@ -223,10 +222,11 @@ class GroupedITF:
         # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
         state, shared, use_shared = io.clock.timed(
             "identify", st.itf_select, state, layer, probes, k, c, engine.system.alpha, k_cap=k_cap, kept_of=m)
-        if group > 1 and engine.system.min_head_share is not None:  # the guard: every query head's scores
-            if every is None:
-                keys = io.take(layer, K, cand, c_pad)
-                every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+        guarded = group > 1 and engine.system.min_head_share is not None
+        if every is None and (guarded or not bool(use_shared)):  # the guard and the fallback score every head
+            keys = io.take(layer, K, cand, c_pad)
+            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+        if guarded:
             state, use_shared = io.clock.timed("identify", st.guard_shared, state, layer, every, shared, k, c,
                                                use_shared, engine.system.min_head_share, k_cap=k_cap)
         if bool(use_shared):
@@ -240,15 +240,23 @@ class GroupedITF:
             selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
             return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
                     chosen[None])
-        if every is None:
-            keys = io.take(layer, K, cand, c_pad)
-            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
                                          kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np]
+
+
+def ranked_chunks(mass: np.ndarray) -> np.ndarray:
+    """Chunks best first by their attention mass [H, C] summed over heads (each head's normalised: one vote)."""
+    return np.argsort(-mass.sum(0), kind="stable")
+
+
+def covering(order: np.ndarray, sizes: np.ndarray, need: int) -> np.ndarray:
+    """The first chunks of `order` that together hold at least `need` positions (`sizes`: positions per chunk);
+    spec_gqa's candidates."""
+    return order[: int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1]
 
 
 def _union_values(io: LayerIO, state, layer, keys, union, positions_of):
