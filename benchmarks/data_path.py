@@ -1,22 +1,19 @@
-"""Data path: the engine's achieved KV read rate against raw O_DIRECT reads of the very same chunk files.
+"""Data path: each system's TTFT against the disk's own O_DIRECT rate, measured in the same run.
 
-    python benchmarks/data_path.py --task needle --limit 16 --output /tmp/data_path.json
+    python benchmarks/data_path.py --model timing-qwen2.5-7b --init random --dtype bfloat16 --task needle \
+        --prefix_tokens 4096 --limit 4 --systems as_full,as_h2o_lfu,spec --output /tmp/data_path.json
 
-One run, one store. The engine side is `as_full` with both caches off and O_DIRECT reads (`--gpu_cache 0
---cpu_cache 0 --direct_io` in `python -m specjax.eval` terms), driven by the evaluation's own runner
-(`runner.run_all`: base store written once, a private copy opened, the warm-up and compile passes run untimed, so
-no timed request pays for a first JIT compile). Its rate is sum(disk_bytes) / sum(probe_io + kv_io_stall) over the
-timed requests, from each request's `io` and `breakdown_ms`.
+One run, one store filesystem, both cache tiers off, O_DIRECT reads (`--gpu_cache 0 --cpu_cache 0 --direct_io` in
+`python -m specjax.eval` terms), the systems driven by the evaluation's own runner (base store written once, a
+private copy per system, warm-up and compile passes untimed).
 
-The raw side reads, for each request, exactly the chunks the engine read (logged by wrapping the store's
-`read_chunks`: layer, kind, chunk, in the order the engine asked for them) with a plain thread pool of as many
-threads as TensorStore's `file_io_concurrency`: open with O_DIRECT, one `os.preadv` into a page-aligned buffer,
-close (`specjax.stores.bench.read_direct`). Its rate is bytes / wall time of those reads.
-
-Both sides bypass the page cache with O_DIRECT (the page cache is not dropped; that would need root and would not
-stop a VM host's cache either). The two alternate: on every other request the raw reads come first (with the
-chunks the previous request on the same prefix read, checked against what the engine then reads), so neither
-side systematically profits from the other warming the disk.
+The limit is the disk, not our layout: before the systems run, a scratch file on the store's filesystem is read with
+large reads all issued at once, with O_DIRECT, twice (the engine's timed requests re-read what its warm-up read, and
+this VM's disk has a cache below the guest: compare second reads with second reads); the first (cold) and second
+rates are both reported, by two readers: `os.preadv` on a thread pool and TensorStore's file kvstore (the engine's
+reader). The disk's rate is the best second-read rate. For each system: mean TTFT, disk bytes per request, those
+bytes' time at the disk's rate, TTFT / that time, the device-side identification time, and the host time per request
+that no disk read or device wait overlapped (`host_exposed_ms`, an upper bound: see `layer_io.Clock`).
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
+import mmap
 import os
 import pathlib
 import shlex
@@ -34,33 +31,35 @@ import tempfile
 import time
 
 import numpy as np
+import tensorstore as ts
 
 from specjax.eval import __main__ as eval_main
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import code_version
-from specjax.stores import Layout, bench
-from specjax.stores.bench import chunk_path, read_direct
+from specjax.stores import Layout
 
-IO_KEYS = ("disk_bytes", "chunks_read", "read_requests", "host_to_device_transfers", "host_to_device_bytes")
-PAGE_CACHE = (f"{bench.PAGE_CACHE}, on both sides; the page cache is not dropped (needs root); a VM host may still "
-              "cache the virtual disk")
+ALIGN = 4096
+PAGE_CACHE = ("bypassed with O_DIRECT on both sides (TensorStore file_io_mode=direct; os.O_DIRECT for preadv); the "
+              "page cache is not dropped (needs root); a VM host may still cache the virtual disk")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python benchmarks/data_path.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m", help="registered model name or converted directory")
-    p.add_argument("--init", default="pretrained", choices=["pretrained", "random"])
-    p.add_argument("--dtype", default=None, help="model dtype (default: the model's own)")
+    p.add_argument("--model", default="timing-qwen2.5-7b", help="registered model name or converted directory")
+    p.add_argument("--init", default="random", choices=["pretrained", "random"])
+    p.add_argument("--dtype", default="bfloat16", help="model dtype")
     p.add_argument("--task", default="needle")
     p.add_argument("--data_dir", default=None, help="task files laid out like ../shared/data")
-    p.add_argument("--limit", type=int, default=16, help="timed requests (the first N task items)")
-    p.add_argument("--prefix_tokens", type=int, default=None, help="extend every prefix to this many tokens")
+    p.add_argument("--limit", type=int, default=4, help="timed requests (the first N task items)")
+    p.add_argument("--prefix_tokens", type=int, default=4096, help="extend every prefix to this many tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--system", default="as_full", help="engine system (as_full reads every prefix chunk)")
+    p.add_argument("--systems", default="as_full,as_h2o_lfu,spec")
+    p.add_argument("--retention", type=float, default=0.25)
     p.add_argument("--chunk_tokens", type=int, default=Layout.chunk_tokens)
-    p.add_argument("--threads", type=int, default=32,
-                   help="raw reader threads (= file_io_concurrency of specjax.stores.kvarray.make_context)")
+    p.add_argument("--disk_mb", type=int, default=256, help="size of the scratch file the disk's rate is read from")
+    p.add_argument("--read_mb", type=int, default=4, help="size of one read of the disk measurement")
+    p.add_argument("--threads", type=int, default=32, help="preadv threads of the disk measurement")
     p.add_argument("--store", default=None, help="scratch directory for the stores (default: a temporary one)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -73,114 +72,100 @@ def build_workload(model, args) -> workload_lib.Workload:
     return workload_lib.build_workload(task, tokenizer_for(model)[0], spec)
 
 
-@dataclasses.dataclass
-class RawRead:
-    seconds: float
-    nbytes: int
-    files: int
+# -- the disk's own rate --------------------------------------------------------------------------------------
 
 
-class MeasuredSystem:
-    """An eval system whose every request is followed (or preceded) by raw reads of the chunks it read."""
+def _write_scratch(path: pathlib.Path, nbytes: int) -> None:
+    chunk = np.random.default_rng(0).integers(0, 255, 8 << 20, np.uint8).tobytes()
+    with open(path, "wb") as f:
+        for _ in range(-(-nbytes // len(chunk))):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
 
-    def __init__(self, inner, pool: concurrent.futures.Executor):
-        self.inner, self.pool = inner, pool
-        self.records: list[dict] = []  # one per run() call: warm-up passes excluded, compile pass included
-        self.patterns: dict[tuple, list] = {}  # prefix -> (layer, kind, chunk) its last engine request read
-        self._log: list = []
-        self._last = None  # (engine result, chunks read) of the last engine request
 
-    def __getattr__(self, name):  # populate, warm, close, needs_store, store_key, ...
-        return getattr(self.inner, name)
+def _preadv_all(path: pathlib.Path, nbytes: int, read_bytes: int, threads: int) -> float:
+    """Seconds to read the file with O_DIRECT `preadv`s of `read_bytes`, all queued at once on `threads`."""
+    offsets = range(0, nbytes, read_bytes)
 
-    def open(self, store_path: str) -> None:
-        self.inner.open(store_path)
-        self.store_path = store_path
-        store, engine = self.inner.store, self.inner.engine
-        read_chunks, engine_run = store.read_chunks, engine.run
+    def read(offset: int) -> int:
+        buf = mmap.mmap(-1, read_bytes)  # page-aligned, as O_DIRECT requires
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [buf], offset)
+        finally:
+            os.close(fd)
+            buf.close()
 
-        def logged_read_chunks(layer, kind, chunks, **kwargs):
-            reads = read_chunks(layer, kind, chunks, **kwargs)
-            self._log.extend(reads)
-            return reads
-
-        def logged_run(request):
-            self._log = []
-            result = engine_run(request)
-            chunks = landed(self._log)
-            self.patterns[tuple(request.prefix)] = chunks
-            self._last = result, chunks
-            return result
-
-        store.read_chunks, engine.run = logged_read_chunks, logged_run  # this run's instances only
-
-    def read_raw(self, chunks: list) -> RawRead:
-        lay = self.inner.store.layout
-        paths = [chunk_path(self.store_path, chunk, layer, kind) for layer, kind, chunk in chunks]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         start = time.perf_counter()
-        nbytes = read_direct(self.pool, paths, max(lay.chunk_nbytes(k) for k in lay.kinds()))
-        return RawRead(time.perf_counter() - start, nbytes, len(paths))
-
-    def run(self, request):
-        planned = self.patterns.get(tuple(request.prefix_ids))
-        raw_first = len(self.records) % 2 == 1 and planned is not None
-        raw = self.read_raw(planned) if raw_first else None
-        outcome = self.inner.run(request)
-        result, chunks = self._last
-        if not raw_first or chunks != planned:
-            raw, raw_first = self.read_raw(chunks), False
-        self.records.append(request_record(request, result, raw, raw_first,
-                                           self.inner.store.scheduler.rate_bytes_per_s()))
-        return outcome
+        got = sum(pool.map(read, offsets))
+        elapsed = time.perf_counter() - start
+    if got != nbytes:
+        raise RuntimeError(f"preadv read {got} bytes of {nbytes}")
+    return elapsed
 
 
-def landed(reads) -> list[tuple[int, int, int]]:
-    """(layer, kind, chunk) of every chunk read whose disk read delivered (what disk_bytes counts), in order."""
-    concurrent.futures.wait([r.run.read.future for r in reads])
-    return [(r.layer, r.kind, r.chunk) for r in reads
-            if not r.run.read.future.cancelled() and r.run.read.future.exception() is None]
+def _tensorstore_all(path: pathlib.Path, nbytes: int, read_bytes: int) -> float:
+    """Seconds for TensorStore's file kvstore (O_DIRECT, the engine's context) to read the file in byte ranges of
+    `read_bytes`, all issued at once."""
+    from specjax.stores.kvarray import make_context
+
+    kvs = ts.KvStore.open({"driver": "file", "path": str(path.parent) + "/"},
+                          context=make_context(direct_io=True)).result()
+    key = path.name.encode()
+    start = time.perf_counter()
+    reads = [kvs.read(key, byte_range=slice(o, min(o + read_bytes, nbytes))) for o in range(0, nbytes, read_bytes)]
+    got = sum(len(r.result().value) for r in reads)
+    elapsed = time.perf_counter() - start
+    if got != nbytes:
+        raise RuntimeError(f"TensorStore read {got} bytes of {nbytes}")
+    return elapsed
 
 
-def request_record(request, result, raw: RawRead, raw_first: bool, scheduler_rate) -> dict:
-    io_ms = result.breakdown_ms["probe_io"] + result.breakdown_ms["kv_io_stall"]
-    disk_bytes = result.io["disk_bytes"]
-    return {"request_id": request.request_id, "prefix_tokens": len(request.prefix_ids),
-            **{k: result.io[k] for k in IO_KEYS},
-            "ttft_ms": result.ttft_ms, **{f"{k}_ms": v for k, v in result.breakdown_ms.items()},
-            "engine_io_ms": io_ms, "engine_MBps": disk_bytes / io_ms / 1e3 if io_ms else None,
-            "scheduler_MBps": scheduler_rate / 1e6 if scheduler_rate else None,
-            "raw_bytes": raw.nbytes, "raw_files": raw.files, "raw_ms": raw.seconds * 1e3,
-            "raw_MBps": raw.nbytes / raw.seconds / 1e6, "raw_first": raw_first}
+def disk_rate(directory: pathlib.Path, args) -> dict:
+    """The disk's O_DIRECT read rate with large reads issued at once, cold and second reads, by both readers."""
+    nbytes = args.disk_mb << 20
+    read_bytes = args.read_mb << 20
+    out = {"file_bytes": nbytes, "read_bytes": read_bytes, "preadv_threads": args.threads}
+    for reader, fn in (("preadv", lambda p: _preadv_all(p, nbytes, read_bytes, args.threads)),
+                       ("tensorstore", lambda p: _tensorstore_all(p, nbytes, read_bytes))):
+        path = directory / f"disk-rate-{reader}.bin"  # a file of its own: each reader's first read is cold
+        _write_scratch(path, nbytes)
+        try:
+            seconds = [fn(path) for _ in range(3)]
+        finally:
+            path.unlink()
+        out[reader] = {"cold_GBps": nbytes / seconds[0] / 1e9,
+                       "second_GBps": [nbytes / s / 1e9 for s in seconds[1:]]}
+    out["disk_GBps"] = max(r for reader in ("preadv", "tensorstore") for r in out[reader]["second_GBps"])
+    return out
 
 
-@contextlib.contextmanager
-def measured_systems(pool, made: list):
-    """The runner's systems come wrapped in MeasuredSystem (appended to `made`) while this is open."""
-    make = systems_lib.make_system
-
-    def make_measured(name, model, settings):
-        made.append(MeasuredSystem(make(name, model, settings), pool))
-        return made[-1]
-
-    systems_lib.make_system = make_measured
-    try:
-        yield
-    finally:
-        systems_lib.make_system = make
+# -- the systems ----------------------------------------------------------------------------------------------
 
 
-def summarize(records: list[dict]) -> dict:
-    disk = sum(r["disk_bytes"] for r in records)
-    io_s = sum(r["engine_io_ms"] for r in records) / 1e3
-    raw_bytes = sum(r["raw_bytes"] for r in records)
-    raw_s = sum(r["raw_ms"] for r in records) / 1e3
-    engine, raw = disk / io_s / 1e6, raw_bytes / raw_s / 1e6
-    keys = [k for k in records[0] if k not in ("request_id", "raw_first") and records[0][k] is not None]
-    medians = {k: float(np.median([r[k] for r in records if r[k] is not None])) for k in keys}
-    return {"engine_MBps": engine, "raw_MBps": raw, "ratio_engine_over_raw": engine / raw,
-            "engine_bytes": disk, "engine_io_s": io_s, "raw_bytes": raw_bytes, "raw_s": raw_s,
-            "requests": len(records), "raw_first_requests": sum(r["raw_first"] for r in records),
-            "medians": medians}
+def system_record(run, disk_Bps: float) -> dict:
+    outs = run.outcomes
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0  # noqa: E731
+    disk_bytes = mean([o.counters.get("disk_bytes", 0.0) for o in outs])
+    ttft = mean([o.ttft_ms for o in outs])
+    bytes_ms = disk_bytes / disk_Bps * 1e3
+    identify = mean([o.breakdown_ms.get("identify", 0.0) for o in outs])
+    exposed = [o.counters["host_exposed_ms"] for o in outs if "host_exposed_ms" in o.counters]
+    return {
+        "ttft_ms": ttft, "ttft_ms_per_request": [o.ttft_ms for o in outs],
+        "breakdown_ms": {k: mean([o.breakdown_ms.get(k, 0.0) for o in outs])
+                         for k in ("probe_io", "identify", "kv_io_stall", "compute")},
+        "disk_bytes": disk_bytes, "reads": mean([o.counters.get("read_requests", 0.0) for o in outs]),
+        "host_to_device_transfers": mean([o.counters.get("host_to_device_transfers", 0.0) for o in outs]),
+        "bytes_ms": bytes_ms, "ttft_over_bytes_ms": ttft / bytes_ms if bytes_ms else None,
+        "device_identify_ms": identify,
+        "ttft_over_bytes_plus_identify_ms": ttft / (bytes_ms + identify) if bytes_ms else None,
+        "host_exposed_ms": mean(exposed) if exposed else None,
+        "host_exposed_share_of_ttft": mean(exposed) / ttft if exposed and ttft else None,
+        "compilations_timed": int(sum(o.counters.get("compilations", 0) for o in outs)),
+    }
 
 
 def cpu_description() -> str:
@@ -202,38 +187,31 @@ def filesystem_of(path: str) -> str:
     return f"{best[0]} on {best[1]} ({best[2]})"
 
 
-def measure(model, workload, args, store_dir: pathlib.Path) -> tuple[list[dict], runner.Run]:
-    """The runner's as_full run with every request's raw reads beside it; the timed requests' records."""
-    settings = systems_lib.SystemSettings(chunk_tokens=args.chunk_tokens, gpu_cache_bytes=0, cpu_cache_bytes=0,
-                                          direct_io=True, seed=args.seed)
-    made: list[MeasuredSystem] = []
-    with concurrent.futures.ThreadPoolExecutor(args.threads) as pool, measured_systems(pool, made):
-        (run,) = runner.run_all(model, workload, runner.plan([args.system], [settings.retention]), settings,
-                                store_dir)
-    records = made[0].records[-len(workload.requests):]  # before them: the untimed compile pass
-    assert [r["request_id"] for r in records] == [r.request_id for r in workload.requests]
-    return records, run
-
-
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     model = eval_main.load_model(args.model, args.dtype, args.init, args.seed)
     workload = build_workload(model, args)
+    names = [s for s in args.systems.split(",") if s]
+    settings = systems_lib.SystemSettings(chunk_tokens=args.chunk_tokens, gpu_cache_bytes=0, cpu_cache_bytes=0,
+                                          direct_io=True, seed=args.seed, retention=args.retention)
     if args.store:
         pathlib.Path(args.store).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="data-path-", dir=args.store) as tmp:
         store_fs = filesystem_of(tmp)
-        records, run = measure(model, workload, args, pathlib.Path(tmp))
+        disk = disk_rate(pathlib.Path(tmp), args)
+        print(f"disk: {disk['disk_GBps']:.2f} GB/s (O_DIRECT second reads of {args.read_mb} MiB, all at once)",
+              flush=True)
+        runs = runner.run_all(model, workload, runner.plan(names, [args.retention]), settings, pathlib.Path(tmp))
     results = {
-        **summarize(records),
-        "compilations_timed": int(sum(o.counters.get("compilations", 0) for o in run.outcomes)),
-        "system": args.system, "caches": "gpu 0, cpu 0", "direct_io": True, "threads": args.threads,
+        "disk": disk,
+        "systems": {run.key: system_record(run, disk["disk_GBps"] * 1e9) for run in runs},
+        "caches": "gpu 0, cpu 0", "direct_io": True, "retention": args.retention,
         "model": model.name, "weights": model.weights, "dtype": str(np.dtype(model.dtype)), "task": args.task,
+        "timing_shape": _timing_shape(model.name),
         "workload": workload.summary(), "device": eval_main.device_description(), "cpu": cpu_description(),
         "store_filesystem": store_fs, "page_cache": PAGE_CACHE,
         "command": shlex.join(["python", "benchmarks/data_path.py", *argv]), "code": code_version(),
-        "per_request": records,
     }
     print_summary(results)
     if args.output:
@@ -242,19 +220,30 @@ def main(argv=None) -> dict:
     return results
 
 
+def _timing_shape(name: str) -> str | None:
+    from specjax.configs.models import TIMING_SHAPES
+
+    real = TIMING_SHAPES.get(name)
+    return f"{name}: {real}'s KV geometry with almost no compute (random weights)" if real else None
+
+
 def print_summary(r: dict) -> None:
-    m = r["medians"]
-    print(f"{r['system']} on {r['model']} ({r['weights']}), {r['task']}: {r['requests']} timed requests, "
-          f"{r['compilations_timed']} compiles in them; {r['device']}; {r['cpu']}; store on {r['store_filesystem']}")
-    print(f"engine: {r['engine_bytes'] / 1e6:.1f} MB in {r['engine_io_s'] * 1e3:.1f} ms of probe_io + kv_io_stall "
-          f"= {r['engine_MBps']:.1f} MB/s (per request median {m['engine_MBps']:.1f})")
-    print(f"raw:    {r['raw_bytes'] / 1e6:.1f} MB in {r['raw_s'] * 1e3:.1f} ms, {r['threads']} threads "
-          f"= {r['raw_MBps']:.1f} MB/s (per request median {m['raw_MBps']:.1f})")
-    if "scheduler_MBps" in m:
-        print(f"(the engine's read scheduler measured {m['scheduler_MBps']:.1f} MB/s per request median: bytes over "
-              f"time with reads in flight, not over stalls)")
-    print(f"engine / raw = {r['ratio_engine_over_raw']:.3f}; per request median: {m['disk_bytes'] / 1e6:.2f} MB, "
-          f"{m['chunks_read']:.0f} chunks" + "".join(f", {m[k]:.0f} {k}" for k in IO_KEYS[2:4]))
+    d = r["disk"]
+    print(f"{r['model']} ({r['weights']}, {r['dtype']}), {r['task']}; {r['device']}; {r['cpu']}; "
+          f"store on {r['store_filesystem']}")
+    if r["timing_shape"]:
+        print(f"timing shape: {r['timing_shape']}")
+    for reader in ("preadv", "tensorstore"):
+        print(f"disk, {reader}: cold {d[reader]['cold_GBps']:.2f} GB/s, second reads "
+              + ", ".join(f"{x:.2f}" for x in d[reader]["second_GBps"]) + " GB/s")
+    print(f"disk rate used: {d['disk_GBps']:.2f} GB/s")
+    print(f"{'system':<16}{'TTFT ms':>10}{'MB/req':>9}{'bytes ms':>10}{'TTFT/bytes':>11}{'identify':>10}"
+          f"{'host exp.':>11}{'reads':>8}{'h2d':>6}")
+    for key, s in r["systems"].items():
+        exposed = "-" if s["host_exposed_ms"] is None else f"{s['host_exposed_ms']:.1f}"
+        ratio = "-" if s["ttft_over_bytes_ms"] is None else f"{s['ttft_over_bytes_ms']:.2f}"
+        print(f"{key:<16}{s['ttft_ms']:>10.1f}{s['disk_bytes'] / 1e6:>9.1f}{s['bytes_ms']:>10.1f}{ratio:>11}"
+              f"{s['device_identify_ms']:>10.1f}{exposed:>11}{s['reads']:>8.0f}{s['host_to_device_transfers']:>6.0f}")
     print(r["page_cache"])
 
 

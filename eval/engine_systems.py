@@ -144,6 +144,7 @@ def _counters(r, prefix_tokens: int) -> dict:
         # tensor parallel: what each device's reader read of its own heads
         **{f"device{i}_disk_bytes": n for i, n in enumerate(r.disk_bytes_by_device)},
         **_split_counters(r),
+        **({} if r.host_exposed_ms is None else {"host_exposed_ms": r.host_exposed_ms}),
     }
 
 

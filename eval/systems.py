@@ -45,7 +45,7 @@ COUNTER_KEYS = (
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
-    "computed_prefix_tokens", "compilations",
+    "computed_prefix_tokens", "compilations", "host_exposed_ms",
 )
 DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh
 

@@ -81,12 +81,12 @@ def _check_structure(store: KVStore, report: FsckReport) -> None:
 def _check_chunks(store: KVStore, report: FsckReport) -> None:
     before = store.metrics.bad_chunks
     for seg in [s for s in store._segments.values() if s.refs > 0]:
-        futures = [store.read_chunk(layer, kind, c)
-                   for layer in range(store.layout.num_layers) for kind in store.layout.kinds()
-                   for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)]
-        for f in futures:
-            f.result()
-        report.chunks_checked += len(futures)
+        chunks = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
+        reads = [r for layer in range(store.layout.num_layers) for kind in store.layout.kinds()
+                 for r in store.read_chunks(layer, kind, chunks)]
+        for r in reads:
+            r.future.result()
+        report.chunks_checked += len(reads)
     report.bad_chunks = store.metrics.bad_chunks - before
     if report.bad_chunks:
         report.problems.append(f"{report.bad_chunks} chunks fail their checksum or cannot be read")
@@ -98,7 +98,7 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
     with KVStore.open(location, None, read_only=True, create=False, context=context, gc_orphans=False) as store:
         _check_structure(store, report)
         _check_chunks(store, report)
-        listed = store._arrays.stored_chunk_ids(store._cat.io.kvs)
+        listed = store._arrays.stored_chunk_ids()
         owned = set()
         for seg in store._segments.values():
             owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))

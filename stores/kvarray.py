@@ -1,11 +1,13 @@
-"""The on-disk KV and probe-key arrays (TensorStore zarr3), reads of chunk runs through one read scheduler, O_DIRECT.
+"""The on-disk KV (TensorStore kvstore): one extent per stored segment, layer and kind; reads of chunk runs as byte
+ranges of those extents through one read scheduler; O_DIRECT.
 
-Layout: `kv[layer, kv(2), kv_head, slot, head_dim]` and `probe[layer, probe_head, slot, head_dim]`, one storage
-chunk per `chunk_tokens` slots, so a read of (layer, K|V|probe, chunk) touches exactly one file.
-
-Writes go through the zarr arrays. Reads fetch the chunk files themselves from the same TensorStore kvstore: with the
-`bytes` codec a chunk file holds exactly the chunk's little-endian elements, so the hot path skips the array
-driver's per-read indexing and decoding.
+Layout (store format 3): a segment of n chunks writes, for each layer and kind (K, V, probe keys), one file
+`kv/<first chunk, 12 digits>+<n>/<layer>/<k|v|probe>` holding its chunks one after another, each chunk its heads one
+after another (`[n, heads, chunk_tokens, head_dim]`, little-endian). A segment's layer is then one contiguous extent:
+loading all of it is one multi-MiB read, a run of adjacent chunks one byte range, and one device of a
+tensor-parallel mesh reads its own heads' byte range of each chunk. The chunk stays the unit of selection, checksum
+and caching; the extent is the unit of the disk read. (Format 2 kept one file per 64-token chunk: an open and a
+small read per 64 KiB, which held a GPU-sized request to a fraction of the disk's rate.)
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
 KIND_NAMES = ("k", "v", "probe")
-MAX_CHUNKS = 2**31  # slot axis length in chunks; zarr stores only chunks that exist
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     num_layers: int
@@ -95,6 +94,18 @@ class Throttle:
             time.sleep(delay)
 
 
+ALIGN = 4096  # host buffers reads land in: page-aligned (a CPU device then aliases them instead of copying)
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on an ALIGN boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def _under(kvstore: dict, path: str) -> dict:
     """The kvstore spec of folder `path` inside `kvstore`."""
     store = dict(kvstore)
@@ -102,20 +113,23 @@ def _under(kvstore: dict, path: str) -> dict:
     return store
 
 
-def _array_spec(kvstore: dict, path: str, shape: list, chunk: list, dtype: str) -> dict:
-    store = _under(kvstore, path)
-    return {
-        "driver": "zarr3",
-        "kvstore": store,
-        "metadata": {
-            "shape": shape,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-            "chunk_key_encoding": {"name": "default"},
-            "data_type": dtype,
-            "fill_value": 0,
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-        },
-    }
+def segment_prefix(first_chunk: int) -> str:
+    """The start of the keys of the segment whose first chunk is `first_chunk` (sorted by it)."""
+    return f"{first_chunk:012d}+"
+
+
+def extent_key(first_chunk: int, n_chunks: int, layer: int, kind: int) -> str:
+    """The file (relative to `kv/`) holding a segment's chunks of one layer and kind."""
+    return f"{segment_prefix(first_chunk)}{n_chunks}/{layer}/{KIND_NAMES[kind]}"
+
+
+def parse_extent_key(key: str) -> tuple[int, int] | None:
+    """(first chunk, n chunks) of a segment's file key (relative to `kv/`); None for any other key."""
+    head = key.split("/", 1)[0]
+    first, sep, n = head.partition("+")
+    if not sep or not first.isdigit() or not n.isdigit():
+        return None
+    return int(first), int(n)
 
 
 def make_context(direct_io: bool = False, context: ts.Context | None = None) -> ts.Context:
@@ -130,96 +144,88 @@ def make_context(direct_io: bool = False, context: ts.Context | None = None) -> 
 
 
 class KVArrays:
-    """The two TensorStore arrays of a store; reads of chunk runs go through its disk's `ReadScheduler`."""
+    """The extents of a store's segments (module docstring); reads of chunk runs go through its disk's
+    `ReadScheduler`."""
 
-    def __init__(self, kvstore: dict, layout: Layout, context: ts.Context, *, create: bool,
-                 disk_bandwidth: float | None = None, max_inflight_bytes: int | None = None):
+    def __init__(self, kvstore: dict, layout: Layout, context: ts.Context, *, disk_bandwidth: float | None = None,
+                 max_inflight_bytes: int | None = None):
         self.layout = layout
         self.context = context
-        c, lay = layout.chunk_tokens, layout
-        slots = MAX_CHUNKS * c
-        mode = {"create": True, "open": True} if create else {"open": True}
-        kv_spec = _array_spec(kvstore, "kv", [lay.num_layers, 2, lay.kv_heads, slots, lay.head_dim],
-                              [1, 1, lay.kv_heads, c, lay.head_dim], lay.dtype)
-        kv_future = ts.open(kv_spec, context=context, **mode)
-        probe_future = None
-        if lay.probe_heads:
-            probe_spec = _array_spec(kvstore, "probe", [lay.num_layers, lay.probe_heads, slots, lay.head_dim],
-                                     [1, lay.probe_heads, c, lay.head_dim], lay.dtype)
-            probe_future = ts.open(probe_spec, context=context, **mode)
-        self._kv = kv_future.result()
-        self._probe = probe_future.result() if probe_future is not None else None
-        # the chunk files of both arrays, read raw (zarr3's default key encoding: "<array>/c/<i>/<j>/...")
-        self._files = {kind: ts.KvStore.open(_under(kvstore, "probe" if kind == PROBE else "kv"),
-                                             context=context).result() for kind in layout.kinds()}
+        self._kvs = ts.KvStore.open(_under(kvstore, "kv"), context=context).result()
         self.scheduler = ReadScheduler(max_inflight_bytes=max_inflight_bytes, bytes_per_s=disk_bandwidth)
 
-    def _view(self, layer: int, kind: int, first_slot: int, last_slot: int):
-        if kind == PROBE:
-            return self._probe[layer, :, first_slot:last_slot]
-        return self._kv[layer, kind, :, first_slot:last_slot]
+    def extent_of(self, layer: int, kind: int, seg_first: int, seg_chunks: int, chunk: int) -> tuple[str, int]:
+        """(file key under `kv/`, byte offset) of a chunk of the segment starting at chunk `seg_first`."""
+        return extent_key(seg_first, seg_chunks, layer, kind), (chunk - seg_first) * self.layout.chunk_nbytes(kind)
 
-    def _chunk_key(self, layer: int, kind: int, chunk: int) -> bytes:
-        return (f"c/{layer}/0/{chunk}/0" if kind == PROBE else f"c/{layer}/{kind}/0/{chunk}/0").encode()
+    def read_run(self, layer: int, kind: int, seg_first: int, seg_chunks: int, first_chunk: int, n_chunks: int, *,
+                 speculative: bool = False, background: bool = False, head_parts: int = 1,
+                 into: np.ndarray | None = None) -> Read:
+        """Queue one read of `n_chunks` adjacent chunks of one segment (at the scheduler's priority `speculative` /
+        `background`): one byte range of the segment's extent. Its future resolves with `[n_chunks, heads,
+        chunk_tokens, head_dim]` (a view of the bytes read) once the scheduler has issued it and (on an emulated disk)
+        its bytes have crossed the link; it fails if the extent is missing or too short.
 
-    def read_run(self, layer: int, kind: int, first_chunk: int, n_chunks: int, *, speculative: bool = False,
-                 background: bool = False, head_parts: int = 1) -> Read:
-        """Queue one read of `n_chunks` adjacent chunks (at the scheduler's priority `speculative` / `background`);
-        its future resolves with their arrays, each `[heads, chunk_tokens, head_dim]`, once the scheduler has issued
-        it and (on an emulated disk) its bytes have crossed the link. It fails if a chunk file has the wrong size; a
-        missing file reads as zeros (zarr's fill value).
+        `head_parts` > 1: each chunk is read as that many byte ranges of equal head counts, one per device of a
+        tensor-parallel mesh (a chunk holds its heads one after another), as each device's reader would read its own
+        heads; the parts are joined in head order.
 
-        `head_parts` > 1: each chunk file is read as that many byte ranges of equal head counts, one per device of a
-        tensor-parallel mesh (a chunk file holds its heads one after another), as each device's reader would read
-        its own heads; the parts are joined in head order."""
-        files = self._files[kind]
-        keys = [self._chunk_key(layer, kind, first_chunk + j) for j in range(n_chunks)]
-        part = self.layout.heads(kind) // head_parts * self.layout.head_chunk_nbytes()
-        ranges = [None] if head_parts == 1 else [slice(i * part, (i + 1) * part) for i in range(head_parts)]
+        `into`: `[n_chunks, heads, chunk_tokens, head_dim]` (a slice of a preallocated, aligned host buffer) that the
+        bytes are copied into on the I/O thread that landed them; the future then resolves with it."""
+        lay = self.layout
+        key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
+        key = key.encode()
+        chunk_bytes = lay.chunk_nbytes(kind)
+        if head_parts == 1:
+            ranges = [slice(offset, offset + n_chunks * chunk_bytes)]
+        else:
+            part = chunk_bytes // head_parts
+            ranges = [slice(offset + j * chunk_bytes + p * part, offset + j * chunk_bytes + (p + 1) * part)
+                      for j in range(n_chunks) for p in range(head_parts)]
 
         def issue() -> concurrent.futures.Future:
-            reads = [files.read(key, byte_range=r) for key in keys for r in ranges]
-            return when_all(reads, lambda results: [
-                self._decode(kind, key, results[j * len(ranges):(j + 1) * len(ranges)], ranges)
-                for j, key in enumerate(keys)])
+            reads = [self._kvs.read(key, byte_range=r) for r in ranges]
+            return when_all(reads, lambda results: self._decode(kind, key, n_chunks, results, ranges, into))
 
-        return self.scheduler.submit(Read(issue, n_chunks * self.layout.chunk_nbytes(kind), speculative, background))
+        return self.scheduler.submit(Read(issue, n_chunks * chunk_bytes, speculative, background))
 
-    def _decode(self, kind: int, key: bytes, results: list, ranges: list) -> np.ndarray:
-        """A chunk `[heads, chunk_tokens, head_dim]` from the reads of its file's byte `ranges` (None: whole)."""
+    def _decode(self, kind: int, key: bytes, n_chunks: int, results: list, ranges: list,
+                into: np.ndarray | None = None) -> np.ndarray:
+        """`[n_chunks, heads, chunk_tokens, head_dim]` from the reads of the extent's byte `ranges` (copied into
+        `into` if given)."""
         lay = self.layout
-        shape = (lay.heads(kind), lay.chunk_tokens, lay.head_dim)
-        if all(r.state == "missing" for r in results):
-            return np.zeros(shape, lay.np_dtype)
+        shape = (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
         for result, byte_range in zip(results, ranges):
-            want = lay.chunk_nbytes(kind) if byte_range is None else byte_range.stop - byte_range.start
-            if len(result.value) != want:
-                where = "" if byte_range is None else f" at bytes {byte_range.start}..{byte_range.stop}"
-                raise ValueError(f"chunk file {KIND_NAMES[kind]}/{key.decode()} holds {len(result.value)} bytes"
-                                 f"{where}, expected {want}")
+            if result.state == "missing":
+                raise ValueError(f"extent kv/{key.decode()} is missing")
+            if len(result.value) != byte_range.stop - byte_range.start:
+                raise ValueError(f"extent kv/{key.decode()} holds {len(result.value)} bytes at "
+                                 f"{byte_range.start}..{byte_range.stop}, expected {byte_range.stop - byte_range.start}")
+        if into is not None and len(results) == 1:
+            into.reshape(-1).view(np.uint8)[:] = np.frombuffer(results[0].value, np.uint8)
+            return into
         data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
         return np.frombuffer(data, lay.np_dtype).reshape(shape)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
-        """Write `[heads, n_chunks * chunk_tokens, head_dim]` at `first_chunk`; the future resolves when durable."""
-        start = first_chunk * self.layout.chunk_tokens
-        return self._view(layer, kind, start, start + data.shape[1]).write(data)
+        """Write a whole segment's `[heads, n_chunks * chunk_tokens, head_dim]` of one layer and kind as its extent;
+        the future resolves when it is durable."""
+        c = self.layout.chunk_tokens
+        heads, tokens, d = data.shape
+        n = tokens // c
+        chunks = np.ascontiguousarray(np.asarray(data).reshape(heads, n, c, d).transpose(1, 0, 2, 3))
+        return self._kvs.write(extent_key(first_chunk, n, layer, kind).encode(), chunks.tobytes())
 
     def delete_range(self, first_chunk: int, n_chunks: int) -> None:
-        """Drop the chunk files of a slot range in every layer (writing the fill value removes them)."""
-        c = self.layout.chunk_tokens
-        start, stop = first_chunk * c, (first_chunk + n_chunks) * c
-        futures = [self._kv[:, :, :, start:stop].write(0)]
-        if self._probe is not None:
-            futures.append(self._probe[:, :, start:stop].write(0))
-        for f in futures:
-            f.result()
+        """Delete the extents of every segment whose first chunk lies in [first_chunk, first_chunk + n_chunks)."""
+        self._kvs.delete_range(ts.KvStore.KeyRange(segment_prefix(first_chunk).encode(),
+                                                   segment_prefix(first_chunk + n_chunks).encode())).result()
 
-    def stored_chunk_ids(self, kvstore: ts.KvStore) -> set[int]:
-        """Chunk indices that have any file under `kv/c/` (used to find orphans of crashed inserts)."""
+    def stored_chunk_ids(self) -> set[int]:
+        """Chunk ids of every segment that has any extent on disk (used to find orphans of crashed inserts)."""
         ids = set()
-        for key in kvstore.list(ts.KvStore.KeyRange(b"kv/c/", b"kv/c0")).result():
-            parts = key.decode().split("/")
-            if len(parts) == 7:  # kv/c/layer/kv/head/chunk/dim
-                ids.add(int(parts[5]))
+        for key in self._kvs.list().result():
+            parsed = parse_extent_key(key.decode())
+            if parsed is not None:
+                ids.update(range(parsed[0], parsed[0] + parsed[1]))
         return ids

@@ -39,6 +39,15 @@ def _write(pages, slots, data):
 
 
 @jax.jit
+def _gather_pages(pages, table):
+    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
+    zeros."""
+    slots, offsets = table[0], table[1]
+    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
+    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), pages.dtype))
+
+
+@jax.jit
 def _gather(pages, table, staged):
     """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
     staged[:, i]."""
@@ -162,6 +171,12 @@ class DevicePool:
         with self._device_lock:
             self._write_pending(pages)
             return _gather(pages.array, table, staged)
+
+    def gather_extent(self, kind: int, extent: np.ndarray, table: np.ndarray) -> jax.Array:
+        """`[heads, size, d]` on the device from a host buffer of whole chunks `[n, heads, chunk_tokens, d]` (pages:
+        one read's landing buffer): the buffer crosses in one copy (none on a CPU device, which aliases an aligned
+        buffer) and the device gathers row i from chunk table[0, i] at offset table[1, i] (zeros where < 0)."""
+        return _gather_pages(self._to_device(extent), table)
 
     def _write_pending(self, pages: _Pages) -> None:
         """Every page placed since the last take, in one host->device copy per MAX_WRITE_PAGES."""

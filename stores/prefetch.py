@@ -114,7 +114,7 @@ class Prefetcher:
                 self._buffered -= entry.nbytes
                 if entry.speculative:
                     self.store.withdraw(entry.read)
-                if not entry.taken and self.cache is not None:
+                if not entry.taken and self.caching:
                     entry.read.future.add_done_callback(functools.partial(self._keep_unused, key))
 
     def _keep_unused(self, key, future) -> None:
@@ -124,7 +124,7 @@ class Prefetcher:
             return
         array = future.result()
         if array is not None:
-            self.cache.admit(key, array)
+            self.cache.admit(key, array.copy())  # a copy: not a view that keeps its whole run's buffer alive
 
     def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
                 speculative: bool = False, background=()) -> Ticket:
@@ -136,7 +136,7 @@ class Prefetcher:
             raise ValueError("background reads are speculative")
         if chunks is None:
             chunks = self.store.locate(match, positions, layer).unique_chunks()
-        if self.cache is not None:
+        if self.caching:
             chunks = [c for c in chunks if self.cache.where((layer, kind, int(c))) is None]
             background = [c for c in background if self.cache.where((layer, kind, int(c))) is None]
         with self._lock:
@@ -180,8 +180,9 @@ class Prefetcher:
         For the layers that must arrive before computing (ContiguousKV's sub-period), and for a caller that may
         have to give up (Cake's loader, once the device has computed the chunk) and so waits in short slices."""
         with self._lock:
-            futures = [self._entries[key].read.future for t in tickets for key in t.keys if key in self._entries]
-        _, pending = concurrent.futures.wait(futures, timeout=timeout)
+            futures = {id(e.read.run): e.read.run.verified
+                       for t in tickets for e in (self._entries.get(key) for key in t.keys) if e is not None}
+        _, pending = concurrent.futures.wait(list(futures.values()), timeout=timeout)
         return not pending
 
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
@@ -193,6 +194,10 @@ class Prefetcher:
         of positions gives an array of that many tokens (zeros after the requested ones), so a caller that
         buckets its sizes compiles each device op once per bucket. `loc`: the positions' locations at `layer`,
         if the caller has them.
+
+        The host work is per disk read, not per chunk: the take waits for each run read (its chunks verified on the
+        I/O thread that landed it) and copies the rows it needs out of it in one indexing step; with both cache
+        tiers off no chunk is looked up or offered to them.
         """
         positions = np.asarray(positions, np.int64)
         size = len(positions) if pad_to is None else pad_to
@@ -200,61 +205,103 @@ class Prefetcher:
             raise ValueError(f"pad_to={pad_to} is smaller than the {len(positions)} positions asked for")
         if loc is None:
             loc = self.store.locate(match, positions, layer)
-        chunks, inverse = np.unique(loc.chunks, return_inverse=True)
+        chunks, inverse = loc.chunk_index
         lay = self.store.layout
         self.store.metrics.add(used_token_bytes=len(positions) * lay.token_nbytes(kind))
-        imp = None if importance is None else np.asarray(importance, np.float64)
-        rows_of = [np.flatnonzero(inverse == i) for i in range(len(chunks))]
-        sources, missing = [], []  # (key, chunk array, rows) | (key, rows) still to come from disk
+        cached = {}  # chunk index -> cached chunk array
+        if self.caching:
+            imp = None if importance is None else np.asarray(importance, np.float64)
+            counts = np.bincount(inverse, minlength=len(chunks))
+            importance_of = None if imp is None else np.bincount(inverse, weights=imp, minlength=len(chunks))
+            for i, c in enumerate(chunks):
+                array = self.cache.lookup((layer, kind, int(c)), int(counts[i]), chunk_tokens=lay.chunk_tokens,
+                                          importance=None if importance_of is None else importance_of[i])
+                if array is not None:
+                    cached[i] = array
+        else:
+            self.store.metrics.add(misses=len(chunks))
+        missing = [int(c) for i, c in enumerate(chunks) if i not in cached]
         with self._lock:
-            for c, rows in zip(chunks, rows_of):
-                key = (layer, kind, int(c))
-                if self.cache is not None:
-                    array = self.cache.lookup(key, len(rows), chunk_tokens=lay.chunk_tokens,
-                                              importance=None if imp is None else imp[rows].sum())
-                    if array is not None:
-                        sources.append((key, array, rows))
-                        continue
-                missing.append((key, rows))
-            demand_keys = self._hold(layer, kind, [key[2] for key, _ in missing], demand=True)
+            demand_keys = self._hold(layer, kind, missing, demand=True)
             for key in demand_keys:
                 self._entries[key].taken = True
-            futures = [self._entries[key].read.future for key, _ in missing]
+            runs = {}  # the run reads holding the missing chunks
+            for c in missing:
+                run = self._entries[(layer, kind, c)].read.run
+                runs[id(run)] = run
         start = time.perf_counter()
-        concurrent.futures.wait(futures)
+        concurrent.futures.wait([run.verified for run in runs.values()])
         waited_ms = (time.perf_counter() - start) * 1e3
-        ok = np.ones(len(positions), bool)
-        for (key, rows), future in zip(missing, futures):
-            array = future.result()
-            if array is None:
-                ok[rows] = False
-                continue
-            if self.cache is not None:
-                self.cache.admit(key, array)
-            sources.append((key, array, rows))
-        with self._lock:
-            self._release_keys(demand_keys)
-            for ticket in list(self._tickets.get((layer, kind), [])):
-                self._cancel_locked(ticket)
-        return Taken(self._gather(kind, sources, loc.offsets, size), ok, waited_ms, len(missing))
+        try:
+            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, list(runs.values()))
+        finally:
+            with self._lock:
+                self._release_keys(demand_keys)
+                for ticket in list(self._tickets.get((layer, kind), [])):
+                    self._cancel_locked(ticket)
+        return Taken(array, ok, waited_ms, len(missing))
 
-    def _gather(self, kind: int, sources, offsets: np.ndarray, size: int) -> jax.Array:
-        """`[heads, size, d]` on the device, each source's rows from its chunk: from the chunk's page where the
-        device tier keeps it, else from one host buffer of those rows (zeros after the requested ones)."""
+    @property
+    def caching(self) -> bool:
+        """Does either cache tier have room? (With both off, takes skip every per-chunk cache step.)"""
+        return self.cache is not None and any(t.budget_bytes > 0 for t in self.cache.tiers.values())
+
+    def _assemble(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, offsets: np.ndarray,
+                  size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray]:
+        """The take's `[heads, size, d]` on the device and its `ok` rows. Rows of chunks the device tier keeps come
+        from their pages (block table). When every other row lies in one segment's landing buffer of whole chunks,
+        that buffer crosses as it is and the device gathers the rows, provided the take needs at least half of its
+        tokens (whole pages then cost at most twice the link bytes of the needed vectors, and save the host a copy
+        of every row: a layer's certain reads need all of them); else only the needed rows are copied into one host
+        buffer (per run read one indexing step) that crosses in one copy."""
         lay = self.store.layout
+        c = lay.chunk_tokens
+        n = len(inverse)
+        ok = np.ones(n, bool)
         slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: from the host buffer
+        row_chunks = chunks[inverse]
         staged, pinned = None, []
         try:
-            for key, array, rows in sources:
-                slot = self.pool.pin(key)
+            parts = []  # (run, its chunks, its rows of this take, their chunk index in the run) still to serve
+            for run in runs:
+                arrays, good = run.verified.result()
+                rows = np.flatnonzero((row_chunks >= run.first_chunk) & (row_chunks < run.first_chunk + run.n_chunks))
+                index = row_chunks[rows] - run.first_chunk
+                bad = ~good[index]
+                if bad.any():
+                    ok[rows[bad]] = False
+                    rows, index = rows[~bad], index[~bad]
+                if self.caching:  # a chunk the device tier now keeps is served from its page, as a hit would be
+                    for j in np.unique(index):
+                        key = (layer, kind, run.first_chunk + int(j))
+                        self.cache.admit(key, arrays[j].copy())
+                        slot = self.pool.pin(key)
+                        if slot is not None:
+                            pinned.append(slot)
+                            slots[rows[index == j]] = slot
+                    keep = slots[rows] < 0
+                    rows, index = rows[keep], index[keep]
+                parts.append((arrays, rows, index))
+            for i, array in cached.items():
+                rows = np.flatnonzero(inverse == i)
+                slot = self.pool.pin((layer, kind, int(chunks[i])))
                 if slot is not None:
                     pinned.append(slot)
                     slots[rows] = slot
-                    continue
-                if staged is None:
-                    staged = np.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
-                staged[:, rows] = array[:, offsets[rows]]
-            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged)
+                else:
+                    parts.append((array[None], rows, np.zeros(len(rows), np.int64)))
+            extent = _one_whole_extent(runs)
+            if extent is not None and not cached and not pinned and ok.all() and 2 * n >= extent.array.shape[0] * c:
+                table = np.full((2, size), -1, np.int32)
+                table[0, :n] = row_chunks - extent.first_chunk
+                table[1, :n] = offsets
+                return self.pool.gather_extent(kind, extent.array, table), ok
+            for arrays, rows, index in parts:
+                if len(rows):
+                    if staged is None:
+                        staged = np.zeros((lay.heads(kind), size, lay.head_dim), lay.np_dtype)
+                    staged[:, rows] = arrays[index, :, offsets[rows]].swapaxes(0, 1)
+            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged), ok
         finally:
             self.pool.unpin(kind, pinned)
 
@@ -267,3 +314,12 @@ class Prefetcher:
             for tickets in list(self._tickets.values()):
                 for t in list(tickets):
                     self._cancel_locked(t)
+
+
+def _one_whole_extent(runs):
+    """The one buffer every run landed in, if it spans its whole segment (`stores.reads.Extent`); else None."""
+    extents = {id(run.extent): run.extent for run in runs}
+    if len(extents) != 1:
+        return None
+    (extent,) = extents.values()
+    return extent if extent is not None and extent.whole else None

@@ -1,5 +1,6 @@
-"""The disk read path of a store: chunk reads coalesced into runs through the disk's read scheduler, each
-chunk checked against its heads' checksums before it is served; gathering token positions from the chunks read.
+"""The disk read path of a store: chunk reads coalesced into runs (byte ranges of one segment's extent) through the
+disk's read scheduler, each run's chunks checked against their heads' checksums on the I/O thread that landed it,
+before any is served; gathering token positions from the chunks read.
 
 Under tensor parallelism (`ChunkReads.split_reads`) a kind whose heads the mesh splits is read as each device's
 own heads' byte ranges of every chunk file, and each device's bytes are counted (`StoreMetrics.device_bytes`)."""
@@ -14,7 +15,7 @@ import logging
 import numpy as np
 
 from specjax.stores import kvarray
-from specjax.stores.manifest import head_checksums
+from specjax.stores.manifest import chunk_checksums
 from specjax.stores.scheduler import when_all
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,13 @@ class Locations:
     chunks: np.ndarray
     offsets: np.ndarray
 
+    @functools.cached_property
+    def chunk_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct chunks, sorted; each position's index among them), computed once per Locations."""
+        return np.unique(self.chunks, return_inverse=True)
+
     def unique_chunks(self) -> np.ndarray:
-        return np.unique(self.chunks)
+        return self.chunk_index[0]
 
 
 @dataclasses.dataclass
@@ -38,21 +44,60 @@ class Gathered:
 
 
 @dataclasses.dataclass(eq=False)
+class Extent:
+    """A preallocated, page-aligned host buffer `[n, heads, chunk_tokens, head_dim]` for chunks `first_chunk ..
+    first_chunk + n - 1` of one segment (layer and kind), which the runs of one read call land in; `whole` when it
+    spans its whole segment, as a layer's certain reads do (a take of it can cross to the device as it is)."""
+    array: np.ndarray
+    first_chunk: int
+    whole: bool
+
+
+@dataclasses.dataclass(eq=False)
 class _Run:
-    """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted."""
+    """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted. `verified`
+    resolves with `(chunks [n, heads, chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the
+    run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread."""
     read: object
+    first_chunk: int
     n_chunks: int
     unwanted: int = 0
+    verified: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    # the aligned host buffer the run's bytes land in, shared by the runs of one read call inside one segment
+    # (`Extent`); None where they stay in the read's own bytes (split reads)
+    extent: "Extent | None" = None
+
+    def chunk_future(self, chunk: int) -> concurrent.futures.Future:
+        """A future of one of the run's chunks: the verified chunk, None if bad; cancelled with the run."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(verified):
+            if verified.cancelled():
+                out.cancel()
+                return
+            arrays, ok = verified.result()
+            j = chunk - self.first_chunk
+            out.set_result(arrays[j] if ok[j] else None)
+
+        self.verified.add_done_callback(done)
+        return out
 
 
 @dataclasses.dataclass(eq=False)
 class ChunkRead:
-    """One chunk's share of a run read: `future` resolves with the verified chunk (None if bad)."""
+    """One chunk's share of a run read: `future` resolves with the verified chunk (None if bad). The future is made
+    when first asked for, so a caller that works on whole runs (`run.verified`) pays nothing per chunk."""
     layer: int
     kind: int
     chunk: int
     run: _Run
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    _future: concurrent.futures.Future | None = None
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        if self._future is None:
+            self._future = self.run.chunk_future(self.chunk)
+        return self._future
 
 
 def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
@@ -96,59 +141,88 @@ class ChunkReads:
 
     def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False,
                     background: bool = False) -> list[ChunkRead]:
-        """Read chunks of one layer and kind: runs of adjacent ids go to the disk as one read (at most
-        `max_read_bytes`, by default as large as the disk's scheduler allows), at the scheduler's priority
-        `speculative` / `background` (stores.scheduler). Each `ChunkRead.future` resolves with its verified chunk
-        `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its read was
-        withdrawn unread."""
+        """Read chunks of one layer and kind: runs of adjacent ids inside one segment go to the disk as one byte
+        range of its extent (at most `max_read_bytes`, by default as large as the disk's scheduler allows), at the
+        scheduler's priority `speculative` / `background` (stores.scheduler). Each `ChunkRead.future` resolves with
+        its verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its
+        read was withdrawn unread; `ChunkRead.run.verified` gives the whole run at once."""
         chunks = [int(c) for c in chunks]
-        expected = {c: self._expected_checksums(layer, kind, c) for c in chunks}
-        for c, e in expected.items():
-            if e is None:
-                raise KeyError(f"chunk {c} belongs to no segment of the store")
         self._reads_started = True
         reads = []
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
+        max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
         head_parts = self._parts(kind)
-        for first, n in _runs(chunks, max(1, max_bytes // self.layout.chunk_nbytes(kind))):
-            run = _Run(self._arrays.read_run(layer, kind, first, n, speculative=speculative, background=background,
-                                             head_parts=head_parts), n)
-            parts = [ChunkRead(layer, kind, first + j, run) for j in range(n)]
-            run.read.future.add_done_callback(functools.partial(self._verify, parts, expected))
-            reads += parts
+        runs = self._segment_runs(chunks, max_chunks)
+        extents = self._extents(kind, runs) if head_parts == 1 else {}
+        for seg, first, n in runs:
+            expected = seg.checksums[layer, kind, first - seg.first_chunk:first - seg.first_chunk + n,
+                                     :self.layout.heads(kind)]
+            extent = extents.get(seg.seg_id)
+            into = None if extent is None else extent.array[first - extent.first_chunk:first - extent.first_chunk + n]
+            run = _Run(self._arrays.read_run(layer, kind, seg.first_chunk, seg.n_chunks, first, n,
+                                             speculative=speculative, background=background, head_parts=head_parts,
+                                             into=into),
+                       first, n, extent=extent)
+            run.read.future.add_done_callback(functools.partial(self._verify, run, layer, kind, expected.copy()))
+            reads += [ChunkRead(layer, kind, first + j, run) for j in range(n)]
         order = {r.chunk: r for r in reads}
         return [order[c] for c in chunks]
 
-    def _verify(self, parts: list, expected: dict, f) -> None:
-        """Check each chunk of a landed run against its heads' checksums before it is served."""
+    def _extents(self, kind: int, runs: list[tuple]) -> dict:
+        """Per segment read, one aligned buffer spanning the chunks its runs read (`Extent`)."""
+        lay = self.layout
+        spans: dict = {}
+        for seg, first, n in runs:
+            lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
+            spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
+        return {seg_id: Extent(kvarray.aligned_empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim),
+                                                     lay.np_dtype), lo,
+                               lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
+                for seg_id, (seg, lo, hi) in spans.items()}
+
+    def _segment_runs(self, chunks: list[int], max_chunks: int) -> list[tuple]:
+        """(segment, first chunk, count): runs of adjacent chunk ids, each inside one segment and at most
+        `max_chunks` long; KeyError for a chunk no segment holds."""
+        out = []
+        with self._lock:
+            for first, n in _runs(chunks, 1 << 62):
+                while n:
+                    seg = self._cat.segment_of(first)
+                    if seg is None:
+                        raise KeyError(f"chunk {first} belongs to no segment of the store")
+                    count = min(n, seg.first_chunk + seg.n_chunks - first, max_chunks)
+                    out.append((seg, first, count))
+                    first, n = first + count, n - count
+        return out
+
+    def _verify(self, run: _Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
+        """Check each chunk of a landed run against its heads' checksums before any is served (on the thread that
+        landed it)."""
         if f.cancelled():  # withdrawn before it was read: nothing was read
-            for part in parts:
-                part.future.cancel()
+            run.verified.cancel()
             return
-        first = parts[0]
+        last = run.first_chunk + run.n_chunks - 1
         try:
             arrays = f.result()
         except Exception as e:  # noqa: BLE001 -- unreadable chunks: misses, never an exception to serve
-            log.warning("chunks %d..%d layer %d %s unreadable: %s", first.chunk, parts[-1].chunk, first.layer,
-                        kvarray.KIND_NAMES[first.kind], e)
-            self.metrics.add(bad_chunks=len(parts))
-            for part in parts:
-                part.future.set_result(None)
+            log.warning("chunks %d..%d layer %d %s unreadable: %s", run.first_chunk, last, layer,
+                        kvarray.KIND_NAMES[kind], e)
+            self.metrics.add(bad_chunks=run.n_chunks)
+            run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
             return
-        nbytes = sum(a.nbytes for a in arrays)
-        self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if first.kind == kvarray.PROBE else 0,
-                         chunks_read=len(parts), read_requests=1)
-        devices = self._parts(first.kind)
-        if devices > 1:  # each device read its own heads' byte range of every chunk file
+        nbytes = arrays.nbytes
+        self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if kind == kvarray.PROBE else 0,
+                         chunks_read=run.n_chunks, read_requests=1)
+        devices = self._parts(kind)
+        if devices > 1:  # each device read its own heads' byte range of every chunk
             self.metrics.add_device_bytes([nbytes // devices] * devices)
-        for part, chunk in zip(parts, arrays):
-            if head_checksums(chunk) != expected[part.chunk]:
-                log.warning("chunk %d layer %d %s fails its checksum", part.chunk, part.layer,
-                            kvarray.KIND_NAMES[part.kind])
-                self.metrics.add(bad_chunks=1)
-                part.future.set_result(None)
-            else:
-                part.future.set_result(chunk)
+        ok = (chunk_checksums(arrays) == expected).all(axis=1)
+        if not ok.all():
+            for j in np.flatnonzero(~ok):
+                log.warning("chunk %d layer %d %s fails its checksum", run.first_chunk + j, layer,
+                            kvarray.KIND_NAMES[kind])
+            self.metrics.add(bad_chunks=int((~ok).sum()))
+        run.verified.set_result((arrays, ok))
 
     def read_chunk(self, layer: int, kind: int, chunk: int, *, speculative: bool = False) -> concurrent.futures.Future:
         """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted)."""

@@ -21,9 +21,10 @@ import time
 from typing import Callable
 
 QUEUED, ISSUED, DONE, WITHDRAWN = "queued", "issued", "done", "withdrawn"
-DEFAULT_INFLIGHT_BYTES = 4 << 20  # a real disk: enough reads in flight for an NVMe queue, little to withdraw
-MAX_READ_BYTES = 1 << 20  # one read of adjacent chunks is at most this large...
-MAX_READ_S = 0.002  # ...and holds the disk at most this long at its rate, so a demand read never waits long
+MIN_INFLIGHT_BYTES = 32 << 20  # a real disk: at least this much in flight (large reads at a deep queue)...
+INFLIGHT_S = 0.05  # ...or as much as the disk delivers in this long at its measured rate, if more
+MAX_READ_BYTES = 8 << 20  # one read of adjacent chunks is at most this large (a segment's layer: a few MiB)...
+MAX_READ_S = 0.002  # ...and on an emulated link, which moves one read at a time, holds it at most this long
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,9 +51,10 @@ class ReadScheduler:
         if max_inflight_bytes is not None and max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
         # An emulated link moves one read at a time by default, so queued reads keep their order and stay
-        # withdrawable until the link takes them, as a host-side submission queue in front of a slow disk.
-        default = 0 if bytes_per_s else DEFAULT_INFLIGHT_BYTES
-        self.max_inflight_bytes = default if max_inflight_bytes is None else int(max_inflight_bytes)
+        # withdrawable until the link takes them, as a host-side submission queue in front of a slow disk. A real
+        # disk keeps max(MIN_INFLIGHT_BYTES, INFLIGHT_S at its measured rate) in flight (`inflight_limit`).
+        self._fixed_inflight = int(max_inflight_bytes) if max_inflight_bytes is not None else (0 if bytes_per_s else None)
+        self.max_inflight_bytes = self._fixed_inflight if self._fixed_inflight is not None else MIN_INFLIGHT_BYTES
         self.bytes_per_s = bytes_per_s
         self._demand: collections.deque = collections.deque()
         self._speculative: collections.deque = collections.deque()
@@ -63,6 +65,7 @@ class ReadScheduler:
         self._link_free_at = 0.0
         self._busy_since: float | None = None  # rate: delivered bytes over the time reads were in flight
         self._busy_s = 0.0
+        self._busy_log: collections.deque = collections.deque(maxlen=4096)  # recent (start, end) with reads in flight
         self._delivered_bytes = 0
         self._timer = _Timer() if bytes_per_s else None
 
@@ -157,10 +160,14 @@ class ReadScheduler:
             self._inflight_bytes -= read.nbytes
             self._delivered_bytes += read.nbytes
             if self._inflight == 0:
-                self._busy_s += time.monotonic() - self._busy_since
+                now = time.monotonic()
+                self._busy_s += now - self._busy_since
+                self._busy_log.append((self._busy_since, now))
                 self._busy_since = None
                 if self._busy_s > 2.0:  # a window of about the last few seconds of reading
                     self._busy_s, self._delivered_bytes = self._busy_s / 2, self._delivered_bytes // 2
+                if self._fixed_inflight is None:
+                    self.max_inflight_bytes = self._inflight_limit()
             ready = self._take_ready()
         self._issue(ready)
         try:
@@ -178,11 +185,28 @@ class ReadScheduler:
                 return None
             return self._delivered_bytes / busy
 
+    def _inflight_limit(self) -> int:
+        """A real disk's bound on bytes in flight: MIN_INFLIGHT_BYTES, or INFLIGHT_S of its measured rate if more
+        (called with the lock held, when nothing is in flight)."""
+        if self._delivered_bytes == 0 or self._busy_s <= 0:
+            return MIN_INFLIGHT_BYTES
+        return int(max(MIN_INFLIGHT_BYTES, self._delivered_bytes / self._busy_s * INFLIGHT_S))
+
+    def busy_intervals(self, since: float) -> list[tuple[float, float]]:
+        """The (start, end) monotonic intervals since `since` during which reads were in flight (the current one
+        ends now)."""
+        with self._lock:
+            out = [(max(a, since), b) for a, b in self._busy_log if b > since]
+            if self._busy_since is not None:
+                out.append((max(self._busy_since, since), time.monotonic()))
+        return out
+
     def max_read_bytes(self) -> int:
-        """How large one read may be: MAX_READ_BYTES, or less where the disk (emulated, or at its measured rate)
-        would spend more than MAX_READ_S on it (callers still read at least one chunk)."""
-        rate = self.bytes_per_s or self.rate_bytes_per_s()
-        return MAX_READ_BYTES if rate is None else int(min(MAX_READ_BYTES, rate * MAX_READ_S))
+        """How large one read may be: MAX_READ_BYTES; on an emulated link, which moves one read at a time, less where
+        it would spend more than MAX_READ_S on it (callers still read at least one chunk)."""
+        if self.bytes_per_s:
+            return int(min(MAX_READ_BYTES, self.bytes_per_s * MAX_READ_S))
+        return MAX_READ_BYTES
 
     def queued_bytes(self) -> int:
         """Bytes of demand and speculative reads waiting: what a new speculative read queues behind."""

@@ -140,7 +140,7 @@ class KVStore(ChunkReads):
             if fingerprint is None or not create or read_only:
                 raise StoreError(f"no KV store at {self.where}; open it with a model fingerprint to create one")
             layout = layout_from_fingerprint(fingerprint)
-            self._arrays = arrays(layout, create=True)  # before a manifest names them
+            self._arrays = arrays(layout)  # before a manifest names them
             body, stamp = io.create(Catalog.initial_body(self._full_fingerprint(fingerprint),
                                                          dataclasses.asdict(layout)))
         self.layout = Layout(**body["layout"])
@@ -149,7 +149,7 @@ class KVStore(ChunkReads):
             check_fingerprint(self.fingerprint, self._full_fingerprint(fingerprint, self.layout), self.where)
         self._cat.adopt(body, stamp)
         if self._arrays is None:
-            self._arrays = arrays(self.layout, create=False)
+            self._arrays = arrays(self.layout)
         self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
         if gc_orphans and not read_only:
             self.collect_orphans()
@@ -281,7 +281,7 @@ class KVStore(ChunkReads):
     def collect_orphans(self) -> int:
         """Delete chunk files that no committed segment owns and no live writer can still commit (left by
         writers that died, or by removals whose deletion was cut short); returns how many."""
-        listed = self._arrays.stored_chunk_ids(self._cat.io.kvs)  # before the manifest the decision reads
+        listed = self._arrays.stored_chunk_ids()  # before the manifest the decision reads
         orphans = self._cat.collect_orphans(listed)
         for first, n in _runs(orphans, 1 << 20):
             self._arrays.delete_range(first, n)
@@ -403,6 +403,16 @@ class KVStore(ChunkReads):
                 chunks[sel] = seg.first_chunk + stored // c
                 offsets[sel] = stored % c
         return Locations(chunks, offsets)
+
+    def extent_of(self, layer: int, kind: int, chunk: int) -> tuple[str, int]:
+        """(key under the store's kvstore, byte offset) of a chunk: its segment's extent of that layer and kind
+        (stores.kvarray); fsck and tests locate bytes on disk with it."""
+        with self._lock:
+            seg = self._cat.segment_of(chunk)
+            if seg is None:
+                raise KeyError(f"chunk {chunk} belongs to no segment of the store")
+            key, offset = self._arrays.extent_of(layer, kind, seg.first_chunk, seg.n_chunks, chunk)
+        return "kv/" + key, offset
 
     def _expected_checksums(self, layer: int, kind: int, chunk: int) -> tuple[int, ...] | None:
         """The chunk's per-head checksums (as `manifest.head_checksums` gives them); None if no segment holds it."""

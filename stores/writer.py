@@ -12,7 +12,7 @@ from specjax.stores import kvarray
 from specjax.stores.catalog import Segment
 from specjax.stores.errors import DiskFullError, StoreError, is_disk_full
 from specjax.stores.kvarray import K, PROBE, V
-from specjax.stores.manifest import head_checksums
+from specjax.stores.manifest import chunk_checksums
 
 if typing.TYPE_CHECKING:
     from specjax.stores.store import KVStore, Match
@@ -59,12 +59,12 @@ class SegmentWriter:
             for kind, a in arrays.items():
                 data = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
                 data[:, :seg.n_tokens] = np.asarray(a)
-                for j in range(seg.n_chunks):
-                    chunk = data[:, j * lay.chunk_tokens:(j + 1) * lay.chunk_tokens]
-                    checksums = head_checksums(chunk)
-                    seg.checksums[layer, kind, j, :lay.heads(kind)] = checksums
-                    if kind == K:  # the chunk's key summary, while its keys are at hand
-                        self.store.summaries.put(layer, seg.first_chunk + j, checksums, chunk)
+                chunks = data.reshape(lay.heads(kind), seg.n_chunks, lay.chunk_tokens, lay.head_dim).swapaxes(0, 1)
+                checksums = chunk_checksums(chunks)
+                seg.checksums[layer, kind, :, :lay.heads(kind)] = checksums
+                if kind == K:  # the chunks' key summaries, while their keys are at hand
+                    for j in range(seg.n_chunks):
+                        self.store.summaries.put(layer, seg.first_chunk + j, tuple(checksums[j].tolist()), chunks[j])
                 pending.append(self.store._arrays.write_range(layer, kind, seg.first_chunk, data))
             for w in pending:
                 w.result()  # resolves once the chunk files are written and synced

@@ -1,4 +1,4 @@
-"""benchmarks/data_path.py on a tiny random model: both rates measured over the very same bytes."""
+"""benchmarks/data_path.py on a tiny random model: the disk's rate and each system's TTFT, bytes and host time."""
 
 import importlib.util
 import json
@@ -18,19 +18,25 @@ def _load_script():
     return module
 
 
-def test_engine_and_raw_rates_over_the_same_chunk_files(tmp_path):
+def test_systems_are_measured_against_the_disks_own_rate_in_the_same_run(tmp_path):
     data_path = _load_script()
     out = tmp_path / "data_path.json"
-    data_path.main(["--model", "tiny-llama", "--init", "random", "--limit", "4", "--store", str(tmp_path),
+    data_path.main(["--model", "tiny-llama", "--dtype", "float32", "--prefix_tokens", "256", "--limit", "3",
+                    "--systems", "as_full,spec", "--disk_mb", "8", "--read_mb", "1", "--store", str(tmp_path),
                     "--output", str(out)])
     r = json.loads(out.read_text())
-    assert r["engine_MBps"] > 0 and r["raw_MBps"] > 0
-    assert r["ratio_engine_over_raw"] == pytest.approx(r["engine_MBps"] / r["raw_MBps"])
-    assert r["requests"] == len(r["per_request"]) == 4
-    assert r["raw_bytes"] == r["engine_bytes"] > 0
-    for q in r["per_request"]:
-        assert q["raw_bytes"] == q["disk_bytes"] and q["raw_files"] == q["chunks_read"] > 0
-    assert r["raw_first_requests"] > 0  # the two sides alternate
-    assert r["compilations_timed"] == 0
-    assert r["code"]["source_sha256"] and "tiny-llama" in r["command"]
-    assert not list(tmp_path.glob("data-path-*"))  # the scratch stores are removed
+    disk = r["disk"]
+    seconds = [x for reader in ("preadv", "tensorstore") for x in disk[reader]["second_GBps"]]
+    assert disk["disk_GBps"] == max(seconds) > 0 and len(seconds) == 4
+    assert disk["preadv"]["cold_GBps"] > 0 and disk["tensorstore"]["cold_GBps"] > 0
+    assert set(r["systems"]) == {"as_full", "spec"}
+    for s in r["systems"].values():
+        assert s["disk_bytes"] > 0 and len(s["ttft_ms_per_request"]) == 3
+        assert s["bytes_ms"] == pytest.approx(s["disk_bytes"] / (disk["disk_GBps"] * 1e9) * 1e3)
+        assert s["ttft_over_bytes_ms"] == pytest.approx(s["ttft_ms"] / s["bytes_ms"])
+        assert 0 <= s["host_exposed_ms"] <= max(s["ttft_ms_per_request"])
+        assert s["compilations_timed"] == 0
+    # as_full reads each layer's K and V as one extent: 2 reads per layer (tiny-llama: 2 layers, one segment)
+    assert r["systems"]["as_full"]["reads"] == 2 * 2
+    assert r["code"]["source_sha256"] and "tiny-llama" in r["command"] and r["timing_shape"] is None
+    assert not list(tmp_path.glob("data-path-*"))  # the scratch stores and files are removed

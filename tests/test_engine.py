@@ -310,9 +310,9 @@ def test_prefetch_counts_as_read_ahead_only_what_was_on_its_way_when_the_layer_t
 
 
 @pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,))])
-def test_certain_reads_are_issued_a_layer_early_at_speculative_priority(model, name, certain):
-    """Each layer's reads that do not depend on its selection are requested speculatively while the layer two
-    before it is computed, and on demand one layer later; nothing is read ahead past the last layer."""
+def test_every_layers_certain_reads_are_planned_at_the_request_start(model, name, certain):
+    """The reads each layer needs whatever it selects are all requested on demand, in layer order, before anything
+    else (the request's read plan); no layer's certain reads are requested again; nothing past the last layer."""
     req = _request(model, prefix_len=64, seed=3)
     engine = _engine(model, name, retention=0.25)
     engine.warm(req.prefix)
@@ -326,10 +326,9 @@ def test_certain_reads_are_issued_a_layer_early_at_speculative_priority(model, n
     engine.prefetcher.request = recording
     engine.run(req)
     num_layers = model.config.num_layers
-    for kind in certain:
-        for layer in range(1, num_layers):
-            early, demand = calls.index((layer, kind, True)), calls.index((layer, kind, False))
-            assert early < demand, (layer, kind)
+    plan = [(layer, kind, False) for layer in range(num_layers) for kind in certain]
+    assert calls[:len(plan)] == plan
+    assert not [c for c in calls[len(plan):] if c[1] in certain and not c[2]]  # never asked on demand again
     assert max(layer for layer, _, _ in calls) == num_layers - 1
 
 

@@ -26,7 +26,9 @@ def store_folder(tmp_path):
     return tmp_path
 
 
-def _flip_byte(path, offset=100):
+def _flip_byte(where, offset=100):
+    path, base = where
+    offset += base
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)

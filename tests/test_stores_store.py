@@ -200,7 +200,10 @@ def test_reorder_persists(tmp_path):
 
 
 def _chunk_file(root, layer, kind, chunk):
-    return os.path.join(root, "kv", "c", str(layer), str(kind), "0", str(chunk), "0")
+    """(path, byte offset) of a chunk on disk: inside its segment's extent of that layer and kind."""
+    with KVStore.open(root, None, read_only=True, create=False, gc_orphans=False) as store:
+        key, offset = store.extent_of(layer, kind, chunk)
+    return os.path.join(root, key), offset
 
 
 def _stored_prefix(tmp_path, seed):
@@ -215,7 +218,10 @@ def _stored_prefix(tmp_path, seed):
     return root, fp, tokens, kv
 
 
-def _flip_bit(path, offset, bit):
+def _flip_bit(where, offset, bit):
+    """Flip `bit` of the byte `offset` bytes into a chunk (`where`: `_chunk_file`'s (path, chunk offset))."""
+    path, base = where
+    offset += base
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -268,8 +274,10 @@ def test_each_devices_reader_reads_and_checks_its_own_heads(tmp_path, direct_io)
         np.testing.assert_array_equal(got.array[:, 16:], kv[2][K][:, 16:])
 
 
-def test_a_store_of_the_older_format_is_refused_clearly(tmp_path):
-    """Format 1 kept one checksum per chunk; a reader of some heads cannot check it."""
+@pytest.mark.parametrize("older", ["specjax-kvstore/1", "specjax-kvstore/2"])
+def test_a_store_of_an_older_format_is_refused_clearly(tmp_path, older):
+    """Format 1 kept one checksum per chunk (a reader of some heads cannot check it), format 2 a file per chunk
+    with crc32 checksums: neither is read as this format's extents."""
     import json
     import zlib
 
@@ -280,10 +288,11 @@ def test_a_store_of_the_older_format_is_refused_clearly(tmp_path):
     with KVStore.open(str(root), FP) as store:
         store.insert(rng.integers(0, 1000, 20), random_kv(rng, 20))
     doc = json.loads((root / "manifest.json").read_text())
-    doc["body"]["format"] = "specjax-kvstore/1"
+    doc["body"]["format"] = older
     doc["crc32"] = zlib.crc32(canonical(doc["body"]).encode())
     (root / "manifest.json").write_text(json.dumps(doc))
-    with pytest.raises(StoreError, match="has format 'specjax-kvstore/1', expected 'specjax-kvstore/2'"):
+    with pytest.raises(StoreError, match=f"has format '{older}' \\(an older specjax's layout: .*\\), "
+                                         "expected 'specjax-kvstore/3'; delete it"):
         KVStore.open(str(root), FP)
 
 

@@ -203,8 +203,7 @@ class BlendEngine(Engine):
                 parts.append(self._match_or_store(key))
             match = self.store.join(parts)
             io = LayerIO(self, match, m, size, clock, positions=read)
-            if any(loads):
-                io.prefetch_first(loads.index(True))
+            io.plan_reads([layer for layer, load in enumerate(loads) if load])
             tokens = np.asarray(prefix + query, np.int32)
             recomputed = np.arange(counts[0]) if counts[0] == m else np.zeros(0, np.int64)
             rows = np.concatenate([recomputed, np.arange(m, total)])
@@ -218,8 +217,6 @@ class BlendEngine(Engine):
                 traced.append(recomputed)
                 if loads[layer]:
                     reused_k, reused_v = io.take_all(layer, K), io.take_all(layer, V)
-                    if layer + 1 < cfg.num_layers and loads[layer + 1]:
-                        io.prefetch_first(layer + 1)  # read layer i+1 while layer i computes
                 else:
                     reused_k = reused_v = zeros
                 h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,

@@ -193,6 +193,8 @@ class Engine:
                     io, m, n, k, k_cap, state, tokens, writer, new_prefix)
                 own_tokens = n
             ttft, breakdown = clock.finish()
+            exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
+                                            if self.store is not None else [])
             # After the first token: importance feedback for reordering, then the write-behind commit.
             if importance:
                 self.store.record_importance(match, np.stack(importance))
@@ -211,7 +213,7 @@ class Engine:
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n, io={}, layers=_layer_report(state, m), prefetch=io.prefetch_report(),
-            selections=traced if self.config.trace else None)
+            selections=traced if self.config.trace else None, host_exposed_ms=exposed)
 
     def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix):
         """The n new tokens as one block over the (selected) reused prefix, layer by layer:
@@ -219,8 +221,7 @@ class Engine:
         cfg, params = self.cfg, self.model.params
         n_pad = bucket(n)
         if m:
-            io.prefetch_first()
-            io.read_ahead(1)
+            io.plan_reads(range(cfg.num_layers))
         ids = np.zeros(n_pad, np.int32)
         ids[:n] = tokens[m:]
         positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
@@ -247,7 +248,7 @@ class Engine:
             if writer is not None:
                 writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
                                    own_k[self.probe_kv, :new_prefix])
-        logits = S.head_row(cfg, params, h, n - 1).block_until_ready()
+        logits = io.clock.device_wait(S.head_row(cfg, params, h, n - 1))
         return logits, layers_kv, state, importance, traced
 
     # -- chunked prefill (nothing reused) ----------------------------------------------------------------

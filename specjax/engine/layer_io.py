@@ -25,26 +25,52 @@ class Clock:
 
     probe_io / kv_io_stall: the host waiting for bytes (the prefetcher's take). identify: the device choosing a set,
     measured from when its inputs are ready until its result is: device work queued before it (the previous
-    layers' compute) is waited for first and left to `compute`, which is the rest of the time to first token."""
+    layers' compute) is waited for first and left to `compute`, which is the rest of the time to first token.
+
+    It also keeps the intervals the host spent blocked on the device (`device_wait`), so that `exposed_host_ms`
+    can tell the host time that neither a disk read nor device work overlapped."""
 
     def __init__(self):
         self.start = time.perf_counter()
+        self.start_monotonic = time.monotonic()
         self.ms = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0}
+        self._device_waits: list[tuple[float, float]] = []  # monotonic (start, end) blocked on the device
 
     def timed(self, phase: str, fn, *args, **kwargs):
         device = phase == "identify"
         if device:
-            jax.block_until_ready(args)
+            self.device_wait(args)
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         if device:
-            jax.block_until_ready(out)
+            self.device_wait(out)
         self.ms[phase] += (time.perf_counter() - t) * 1e3
         return out
 
+    def device_wait(self, tree):
+        """Block until `tree`'s device work is done, recording the wait; returns `tree`."""
+        t = time.monotonic()
+        jax.block_until_ready(tree)
+        self._device_waits.append((t, time.monotonic()))
+        return tree
+
     def finish(self) -> tuple[float, dict]:
+        self.end_monotonic = time.monotonic()
         ttft = (time.perf_counter() - self.start) * 1e3
         return ttft, dict(self.ms, compute=max(0.0, ttft - sum(self.ms.values())))
+
+    def exposed_host_ms(self, io_busy: list[tuple[float, float]]) -> float:
+        """Time from the request's start to its first token during which no disk read was in flight (`io_busy`,
+        the read scheduler's intervals) and the host was not blocked on the device: host work nothing overlapped.
+        An upper bound: device work the host did not wait for (dispatched asynchronously) is not subtracted."""
+        start, end = self.start_monotonic, self.end_monotonic
+        covered = sorted((max(a, start), min(b, end)) for a, b in io_busy + self._device_waits if b > start and a < end)
+        total, reach = 0.0, start
+        for a, b in covered:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return max(0.0, (end - start) - total) * 1e3
 
 
 class LayerIO:
@@ -77,39 +103,30 @@ class LayerIO:
         chunks = self.locate(layer, positions).unique_chunks()
         return self.engine.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
 
-    # what the system reads for a layer before it is needed
-    def _request_ahead(self, layer: int, previous: np.ndarray | None) -> None:
-        kind = self.engine.system.prefetch
-        if layer >= self.engine.cfg.num_layers or kind == "none":
-            return
-        if kind == "periods":
-            if previous is None:  # the first period's keys; plan_period reads ahead for every later layer
-                self._request(layer, K, self.all_positions)
-            return
-        self._request_certain(layer, speculative=False)
-
-    def _request_certain(self, layer: int, *, speculative: bool) -> None:
-        """Request what `layer` reads whatever it selects (the identification's certain reads), for systems that
-        prefetch them."""
+    def _request_certain(self, layer: int) -> None:
+        """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
+        that prefetch them."""
         if self.engine.system.prefetch in ("none", "periods"):
             return
         for kind in self.engine.system.certain_reads:
-            self._request(layer, kind, self.all_positions, speculative=speculative)
+            self._request(layer, kind, self.all_positions)
 
     def _chunks_of_all(self, layer: int) -> np.ndarray:
         """The chunk of each of the request's positions at `layer`."""
         return self.locate(layer, self.all_positions).chunks
 
-    def prefetch_first(self, layer: int = 0) -> None:
-        self._request_ahead(layer, None)
-
-    def read_ahead(self, layer: int) -> None:
-        """Issue, at speculative priority, the reads `layer` needs whatever it selects, one layer before they are
-        asked for on demand: an emulated disk then moves them whenever no demand read waits, rather than idling
-        while the host works, and the demand request later expedites them. Every system with such reads gets
-        this alike; selections themselves are never read this far ahead."""
-        if layer < self.engine.cfg.num_layers:
-            self._request_certain(layer, speculative=True)
+    def plan_reads(self, layers) -> None:
+        """The request's read plan, issued at its start: what each of `layers` reads whatever it selects (as_full: all
+        K and V; H2O: all keys; SPEC: probe keys), at demand priority in layer order, so the disk works through them
+        at its queue depth while the layers compute; selective reads are issued as each layer's set is known.
+        ContiguousKV reads its first period's keys here and plans every later read itself (`plan_period`); a system
+        that does not prefetch (`prefetch="none"`) reads each layer when it takes it."""
+        layers = list(layers)
+        if self.engine.system.prefetch == "periods" and layers:
+            self._request(layers[0], K, self.all_positions)
+            return
+        for layer in layers:
+            self._request_certain(layer)
 
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
         """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
@@ -147,9 +164,8 @@ class LayerIO:
 
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
         """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
-        which chunks it needed, then queue the next layer's reads while this one computes: its certain reads on
-        demand, and, off this thread (`_read_ahead_of`), the guess of its selection (spec) and the certain reads of
-        the layer after it."""
+        which chunks it needed, then, off this thread (`_read_ahead_of`), queue the guess of the next layer's
+        selection (spec) while this one computes. (Certain reads were all planned at the request's start.)"""
         self._join_ahead()
         if self.engine.speculator is not None:
             self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
@@ -163,21 +179,18 @@ class LayerIO:
             self.stats["needed"] += len(chosen)
             self.stats["used"] += len(np.intersect1d(ahead, chosen))
             self.stats["guess_hits"] += len(np.intersect1d(guess, chosen))
-        self._request_ahead(layer + 1, chosen)
         self._read_ahead_of(layer, chosen)
 
     def _read_ahead_of(self, layer: int, chosen: np.ndarray) -> None:
-        """The guess of layer + 1's selection and layer + 2's certain reads, issued by the engine's I/O worker while
-        this thread goes on to the next layer: the host work of choosing and queueing them stays off the path to
-        the first token. Joined before the next layer's K/V are taken (`_join_ahead`)."""
-        def ahead():
-            self._speculate(layer + 1, chosen)
-            self.read_ahead(layer + 2)
-
+        """The guess of layer + 1's selection, issued by the engine's I/O worker while this thread goes on to the next
+        layer: the host work of choosing and queueing it stays off the path to the first token. Joined before the
+        next layer's K/V are taken (`_join_ahead`)."""
+        if self.engine.speculator is None:
+            return
         if self.engine.io_worker is None:
-            ahead()
+            self._speculate(layer + 1, chosen)
         else:
-            self._ahead = self.engine.io_worker.submit(ahead)
+            self._ahead = self.engine.io_worker.submit(self._speculate, layer + 1, chosen)
 
     def _join_ahead(self) -> None:
         """Wait until the reads queued by the last `after_selection` are issued (re-raising what they raised)."""

@@ -50,6 +50,9 @@ class RequestResult:
     disk_bytes_by_device: list[int] = dataclasses.field(default_factory=list)
     selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
     split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
+    # the request's host time that no disk read or device wait overlapped (layer_io.Clock.exposed_host_ms); None
+    # where the engine does not measure it
+    host_exposed_ms: float | None = None
 
 
 @dataclasses.dataclass
