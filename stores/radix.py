@@ -126,6 +126,18 @@ class RadixTree:
         del self.nodes[node.parent].children[int(node.tokens[0])]
         return self.nodes.pop(node_id)
 
+    def remove_subtree(self, node_id: int) -> int:
+        """Remove a node and every node below it; returns how many were removed."""
+        node = self.nodes[node_id]
+        if node_id == self.ROOT:
+            raise ValueError("the root cannot be removed")
+        del self.nodes[node.parent].children[int(node.tokens[0])]
+        below, removed = [node_id], 0
+        while below:
+            below.extend(self.nodes.pop(below.pop()).children.values())
+            removed += 1
+        return removed
+
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes.values() if not n.children and n.node_id != self.ROOT]
 
