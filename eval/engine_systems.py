@@ -41,7 +41,7 @@ class EngineSystem:
     def store_key(self) -> str:
         """Systems with the same key share one base store (the runner writes it once); the weights' short
         digest keeps the stores of other weights under one --store folder apart."""
-        return f"prefixes-chunk{self.chunk_tokens}-w{self.model.weights_digest[:12]}"
+        return f"prefixes-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
@@ -95,7 +95,7 @@ class BlendSystem(EngineSystem):
 
     @property
     def store_key(self) -> str:
-        return f"text_chunks-sink-chunk{self.chunk_tokens}-w{self.model.weights_digest[:12]}"
+        return f"text_chunks-sink-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens), **kwargs)

@@ -233,8 +233,8 @@ def store_notes(runs: Sequence) -> list[str]:
         repaired = (getattr(run, "store", None) or {}).get("prefixes_repaired", 0)
         if recomputed or repaired:
             notes.append(f"{run.key}: {recomputed} of {len(run.outcomes)} requests recomputed because of bad chunks "
-                         f"(stored KV failing its checksum, never served); {repaired} stored prefixes were found "
-                         f"damaged and stored anew")
+                         f"(stored KV failing its checksum is never served); {repaired} damaged stored prefixes "
+                         f"(met in the warm-up or these requests) were stored anew")
     return notes
 
 

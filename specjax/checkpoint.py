@@ -78,6 +78,7 @@ def save_model_dir(
     end, so an interrupted conversion never leaves a directory that looks finished (loading needs the manifest,
     written last). The temp dir's name holds the process id, so two processes converting at once do not share it."""
     out = pathlib.Path(out).expanduser().resolve()
+    replaces_model(out)  # refuses a folder of other files before anything is written
     check_params(cfg, params, source)
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process that had this id
@@ -89,6 +90,22 @@ def save_model_dir(
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replaces_model(out: pathlib.Path) -> bool:
+    """Whether writing a model into `out` replaces a converted model there. Only a missing or empty folder or a
+    converted model (its manifest) may be written: a folder of anything else is refused, nothing deleted."""
+    out = pathlib.Path(out).expanduser()
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise CheckpointError(f"{out} is a file, not a folder; give the converted model a new folder")
+    if (out / MANIFEST).is_file():
+        return True
+    if any(out.iterdir()):
+        raise CheckpointError(f"{out} holds files and is not a converted specjax model; nothing was written or "
+                              f"deleted: give the converted model a new or empty folder")
+    return False
 
 
 def _write_model_files(tmp: pathlib.Path, cfg: ModelConfig, params: Params, tokenizer_json: str | None,

@@ -461,20 +461,25 @@ class KVStore(ChunkReads):
                 failing.append(step.node_id)
         return failing
 
-    def drop_nodes(self, node_ids) -> int:
+    def drop_nodes(self, node_ids) -> list[np.ndarray]:
         """Remove these nodes and everything stored below them (their KV is damaged); their chunks are deleted
-        once no open match reads them. Returns how many nodes were removed."""
+        once no open match reads them. Returns the token sequences that were stored through them (each removed
+        leaf's whole prefix), for the caller to store anew."""
         node_ids = list(node_ids)
 
         def drop():
-            gone = sum(self._tree.remove_subtree(n) for n in node_ids if n in self._tree.nodes)
-            return Change(gone, publish=gone > 0)
+            lost = []
+            for n in node_ids:
+                if n in self._tree.nodes:
+                    lost += [self._tree.prefix_tokens(leaf) for leaf in self._tree.leaves_below(n)]
+                    self._tree.remove_subtree(n)
+            return Change(lost, publish=bool(lost))
 
         if not node_ids:
-            return 0
-        gone = self._cat.transact(drop)
+            return []
+        lost = self._cat.transact(drop)
         self.collect_garbage()
-        return gone
+        return lost
 
     # -- importance feedback and reordering ----------------------------------------------------
 

@@ -65,15 +65,16 @@ def _randomize(model, seed):
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
 
 
-def write_hf_checkpoint(name, hf_dir, dtype="float32", randomize=True):
+def write_hf_checkpoint(name, hf_dir, dtype="float32", randomize=True, seed=0):
     """Write case `name` into hf_dir with its weights in `dtype`; returns the transformers model (in `dtype`).
 
-    randomize=False keeps transformers' default init (zero biases, unit norms, weights of std 0.02)."""
+    randomize=False keeps transformers' default init (zero biases, unit norms, weights of std 0.02). Another `seed`
+    gives other weights of the same shapes (a fine-tuned model beside its base)."""
     factory, save_kwargs = CASES[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf_model = transformers.AutoModelForCausalLM.from_config(factory(), attn_implementation="eager").float().eval()
     if randomize:
-        _randomize(hf_model, 1)
+        _randomize(hf_model, 1 + seed)
     hf_model = hf_model.to(getattr(torch, dtype))
     if save_kwargs.get("bin"):  # transformers 5 writes only safetensors; a .bin as older checkpoints have
         hf_model.config.save_pretrained(hf_dir)

@@ -182,14 +182,17 @@ class Engine:
 
     def repair(self, keys) -> int:
         """Stored KV of `keys` failed its checksum (the request was recomputed, never served from it): drop the
-        stored prefixes holding a failing chunk, with what is stored below them, and store `keys` anew from the
-        plain forward, so that later requests find them whole. Returns how many stored prefixes were dropped."""
+        stored prefixes holding a failing chunk, with what is stored below them, and store all of those anew from
+        the plain forward, so that later requests find them whole and nothing good is lost. Returns how many
+        stored sequences were dropped."""
         dropped = 0
         for key in keys:
             with self.store.match(key) as match:
                 failing = self.store.failing_nodes(match)
-            dropped += self.store.drop_nodes(failing)
-            self.warm(key)
+            lost = self.store.drop_nodes(failing)
+            for sequence in [key, *lost]:
+                self.warm(sequence)
+            dropped += len(lost)
             self.repaired.append(tuple(key))
         return dropped
 
