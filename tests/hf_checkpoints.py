@@ -128,3 +128,18 @@ def write_gguf(path, tensor_type="F16", vocab=16, hidden=32, ffn=64):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def convert_two_llamas(root):
+    """Two Llama checkpoints of one shape and (no) tokenizer but other weights, as a fine-tuned model beside its
+    base, converted: ([hf dir, hf dir], [converted dir, converted dir])."""
+    from specjax.convert import convert_hf_dir
+
+    hf, converted = [], []
+    for seed in (0, 1):
+        hf.append(root / f"hf{seed}")
+        hf[-1].mkdir()
+        write_hf_checkpoint("llama_tied", hf[-1], seed=seed)
+        converted.append(root / f"model{seed}")
+        convert_hf_dir(hf[-1], converted[-1])
+    return hf, converted

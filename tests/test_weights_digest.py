@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
-from hf_checkpoints import write_hf_checkpoint  # noqa: E402
+from hf_checkpoints import convert_two_llamas  # noqa: E402
 from specjax import api, checkpoint  # noqa: E402
 from specjax.checkpoint import MANIFEST, load_model_dir  # noqa: E402
 from specjax.convert import convert_hf_dir  # noqa: E402
@@ -27,15 +27,7 @@ from specjax.errors import CheckpointError  # noqa: E402
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two Llama checkpoints of one shape, other weights (a base model and a fine-tune): (hf dirs, converted dirs)."""
-    root = tmp_path_factory.mktemp("two_llamas")
-    hf, converted = [], []
-    for seed in (0, 1):
-        hf.append(root / f"hf{seed}")
-        hf[-1].mkdir()
-        write_hf_checkpoint("llama_tied", hf[-1], seed=seed)
-        converted.append(root / f"model{seed}")
-        convert_hf_dir(hf[-1], converted[-1])
-    return hf, converted
+    return convert_two_llamas(tmp_path_factory.mktemp("two_llamas"))
 
 
 def _manifest(model_dir):
