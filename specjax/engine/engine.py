@@ -9,6 +9,7 @@ prefix tokens' KV behind. A `System` decides what each layer loads; the loop is 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 
 import jax
@@ -27,9 +28,11 @@ from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket, log_softmax
-from specjax.stores import KVStore
+from specjax.stores import KVStore, StoreError
 from specjax.stores.caches import TieredCache
 from specjax.stores.prefetch import Prefetcher
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(model, chunk_tokens: int) -> dict:
@@ -169,8 +172,8 @@ class Engine:
             after_devices = self.store.metrics.device_bytes()
             before_devices += [0] * (len(after_devices) - len(before_devices))
             result.disk_bytes_by_device = [a - b for a, b in zip(after_devices, before_devices)]
-        if result.recomputed_bad_chunks:
-            self.repair(self.stored_keys(request))
+        if result.recomputed_bad_chunks and not self.store.read_only:
+            self._try_repair(request)
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
             self.reorder()
@@ -179,6 +182,12 @@ class Engine:
     def stored_keys(self, request: Request) -> list[list[int]]:
         """The token sequences the store holds a request's reused KV under: its prefix."""
         return [[int(t) for t in request.prefix]] if len(request.prefix) else []
+
+    def _try_repair(self, request: Request) -> None:
+        try:
+            self.repair(self.stored_keys(request))
+        except StoreError as e:  # the answer stands (it was recomputed); the damage stays for fsck to report
+            log.warning("could not store anew the damaged KV of a request's prefix: %s", e)
 
     def repair(self, keys) -> int:
         """Stored KV of `keys` failed its checksum (the request was recomputed, never served from it): drop the
