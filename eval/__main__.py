@@ -291,9 +291,9 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
         "sharding": sharding.describe(model.config, getattr(model, "mesh", None)),
         "same_store_contents": "base store written once from every unique prefix (prefixes a --store kept from "
-                               "an earlier run are reused: see `stores`); each run opens its own copy; caches warmed with each unique prefix once, in first-arrival order, "
-                               "then one untimed request per unseen shape (compiles left in timed requests: "
-                               "compilations_timed)",
+                               "an earlier run are reused: see `stores`); each run opens its own copy; caches "
+                               "warmed with each unique prefix once, in first-arrival order, then one untimed "
+                               "request per unseen shape (compiles left in timed requests: compilations_timed)",
         "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
     }
     results = report.build_results(
@@ -301,8 +301,9 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.pcie_bandwidth,
                    "direct_io": settings.direct_io},
         config=config, runs=done, requests=workload.requests,
-        extras={"workload": summary, "notes": notes, "stores": report.store_summary(done), "command": shlex.join(sys.argv), "code": code,
-                "resumed": partial.loaded, "wall_s": time.time() - started,
+        extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
+                "command": shlex.join(sys.argv), "code": code, "resumed": partial.loaded,
+                "wall_s": time.time() - started,
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     written = report.write_all(results, output_dir)
     report.write_requests(done, workload.requests, output_dir / "requests.jsonl")

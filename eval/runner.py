@@ -46,7 +46,8 @@ class Run:
     warm_s: float
     run_s: float
     sweep: bool = False  # several retentions in this run: keys carry the retention
-    store: dict | None = None  # the base store it copied: {"base", "prefixes_written", "prefixes_reused"}
+    # the base store it copied: {"base", "prefixes_written", "prefixes_reused", "prefixes_repaired"}
+    store: dict | None = None
 
     @property
     def key(self) -> str:
@@ -185,8 +186,8 @@ class StoreFolder:
     def __exit__(self, *exc):
         if self.private is not None:
             shutil.rmtree(self.private, ignore_errors=True)
+            pathlib.Path(self._alive.name).unlink(missing_ok=True)  # while held: no one sees it free and stale
             self._alive.close()
-            pathlib.Path(self._alive.name).unlink(missing_ok=True)
 
     def base(self, system, warm) -> pathlib.Path:
         """The system's base store, populated with every prefix not stored yet (once per process)."""
