@@ -128,13 +128,13 @@ flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation fin
 flags.register_validator("retention", lambda v: _ok(parse_retentions, v), "must be fractions in (0, 1], "
                          "comma-separated, e.g. 0.25 or 0.05,0.1,0.25,0.5")
 flags.register_validator("num_fewshot", lambda v: _ok(parse_fewshot, v), "must be N or A-B with 0 <= A <= B")
-flags.register_validator("gpu_cache", lambda v: _ok(parse_size, v), "must be a size like 10GB, 512MiB or 15%")
-flags.register_validator("cpu_cache", lambda v: _ok(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
-flags.register_validator("disk_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
+flags.register_validator("gpu_cache", lambda v: _parses(parse_size, v), "must be a size like 10GB, 512MiB or 15%")
+flags.register_validator("cpu_cache", lambda v: _parses(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
+flags.register_validator("disk_bandwidth", lambda v: v is None or _parses(parse_bandwidth, v),
                          "must be a rate like 5GB/s or 800MB/s")
 flags.register_validator("inflight_bytes", lambda v: v is None or _ok(parse_bytes, v),
                          "must be a size like 4MiB or 512KB")
-flags.register_validator("pcie_bandwidth", lambda v: v is None or _ok(parse_bandwidth, v),
+flags.register_validator("pcie_bandwidth", lambda v: v is None or _parses(parse_bandwidth, v),
                          "must be a rate like 25GB/s")
 flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
 flags.register_validator("tensor_parallel", lambda v: v >= 1, "must be at least 1 (1: one device)")
@@ -170,6 +170,15 @@ def _ok(parse, value) -> bool:
         return False
 
 
+def _parses(parse, value) -> bool:
+    """As `_ok`, but a refusal carries the parser's own message (it says what to write instead)."""
+    try:
+        parse(value)
+        return True
+    except (ValueError, TypeError) as e:
+        raise flags.ValidationError(f"{e}") from None
+
+
 def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None,
                tensor_parallel: int = 1):
     import specjax
@@ -179,6 +188,13 @@ def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str
                                   tensor_parallel=tensor_parallel)
     except (ValueError, KeyError, FileNotFoundError, NotImplementedError) as e:
         raise EvalError(f"cannot load model '{name}': {e}") from None
+
+
+def check_folder(flag: str, path: pathlib.Path) -> None:
+    """A folder flag must name a folder or nothing yet (it is created): never a file, nor a path through one."""
+    for part in [path, *path.parents]:
+        if part.exists() and not part.is_dir():
+            raise EvalError(f"{flag} {path}: {part} is a file, not a folder; give a folder (created if missing)")
 
 
 def device_description() -> str:
@@ -263,6 +279,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         notes.append(f"tokenizer: {tokenizer_source}")
     if settings.disk_bandwidth or settings.pcie_bandwidth:
         notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
+    notes += report.store_notes(done)
     if partial.loaded:
         notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
                      "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
@@ -273,10 +290,10 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         "tokenizer": tokenizer_source, "prompt_format": task.prompt_format, "data_source": task.source,
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
         "sharding": sharding.describe(model.config, getattr(model, "mesh", None)),
-        "same_store_contents": "base store written once from every unique prefix; each run opens its own "
-                               "copy; caches warmed with each unique prefix once, in first-arrival order, "
-                               "then one untimed request per unseen shape (compiles left in timed requests: "
-                               "compilations_timed)",
+        "same_store_contents": "base store written once from every unique prefix (prefixes a --store kept from "
+                               "an earlier run are reused: see `stores`); each run opens its own copy; caches "
+                               "warmed with each unique prefix once, in first-arrival order, then one untimed "
+                               "request per unseen shape (compiles left in timed requests: compilations_timed)",
         "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
     }
     results = report.build_results(
@@ -284,8 +301,9 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.pcie_bandwidth,
                    "direct_io": settings.direct_io},
         config=config, runs=done, requests=workload.requests,
-        extras={"workload": summary, "notes": notes, "command": shlex.join(sys.argv), "code": code,
-                "resumed": partial.loaded, "wall_s": time.time() - started,
+        extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
+                "command": shlex.join(sys.argv), "code": code, "resumed": partial.loaded,
+                "wall_s": time.time() - started,
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     written = report.write_all(results, output_dir)
     report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
@@ -329,10 +347,13 @@ def main(argv):
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
     systems_lib.resolve(values["systems"])  # fail on unknown systems before loading a model
-    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"],
-                       values["tensor_parallel"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
+    check_folder("--output_dir", base_dir)
+    if values["store"]:
+        check_folder("--store", pathlib.Path(values["store"]).expanduser())
+    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"],
+                       values["tensor_parallel"])
     for name in task_list:
         task_values = presets_lib.for_task(preset, values, name, present if preset else set())
         out = base_dir / name if len(task_list) > 1 else base_dir

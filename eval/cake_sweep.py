@@ -84,10 +84,17 @@ def plot(sweep: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _bandwidth(text: str) -> float:
+    try:
+        return parse_bandwidth(text)
+    except ValueError as e:
+        raise EvalError(f"--bandwidths: {e}") from None
+
+
 def main(argv):
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}")
-    bandwidths = [parse_bandwidth(b) for b in FLAGS.bandwidths]
+    bandwidths = [_bandwidth(b) for b in FLAGS.bandwidths]
     values = eval_cli._values()
     values["systems"] = ",".join(SYSTEMS)
     out = pathlib.Path(values["output_dir"] or f"results/cake-sweep-{pathlib.Path(values['model']).name}")

@@ -39,20 +39,36 @@ class EngineSystem:
 
     @property
     def store_key(self) -> str:
-        """Systems with the same key share one base store (the runner writes it once)."""
-        return f"prefixes-chunk{self.chunk_tokens}"
+        """Systems with the same key share one base store (the runner writes it once); the weights' short
+        digest keeps the stores of other weights under one --store folder apart."""
+        return f"prefixes-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
 
-    def populate(self, store_path: str, prefixes) -> None:
+    def populate(self, store_path: str, prefixes) -> dict:
+        """Store every prefix not stored yet; {"written": n, "reused": n} (a store kept from an earlier run
+        already holds some or all)."""
         store = self._open_store(store_path)
         try:
             writer = make_engine(self.model, self.system, store, self.config)
-            for prefix in prefixes:
-                writer.warm(prefix)
+            written = sum(writer.warm(prefix) for prefix in prefixes)
         finally:
             store.close()
+        return {"written": written, "reused": len(prefixes) - written}
+
+    def repair(self, store_path: str, sequences) -> int:
+        """Drop what of `sequences` fails its checksum in the store at `store_path` and store it anew."""
+        store = self._open_store(store_path)
+        try:
+            return make_engine(self.model, self.system, store, self.config).repair(sequences)
+        finally:
+            store.close()
+
+    @property
+    def repaired(self) -> list:
+        """The stored sequences this system's store had to repair (their chunks failed their checksum)."""
+        return [] if self.engine is None else list(dict.fromkeys(self.engine.repaired))
 
     def open(self, store_path: str) -> None:
         self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
@@ -79,7 +95,7 @@ class BlendSystem(EngineSystem):
 
     @property
     def store_key(self) -> str:
-        return f"text_chunks-sink-chunk{self.chunk_tokens}"
+        return f"text_chunks-sink-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens), **kwargs)

@@ -138,6 +138,7 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
         "itf": None,
         "prefetch": None,
         "compilations_timed": int(get("compilations")),
+        "requests_recomputed_bad_chunks": sum(1 for o in outs if o.counters.get("bad_chunks")),
         # extras beyond the contract
         # mean per request: host time no disk read or device wait overlapped (None where not measured)
         "host_exposed_ms": _ratio(get("host_exposed_ms"), len(outs)) if "host_exposed_ms" in totals else None,
@@ -205,6 +206,38 @@ def build_results(*, model: str, task: str, weights: str, device: str, emulation
                "config": config, "systems": systems}
     results.update(extras or {})
     return results
+
+
+def store_summary(runs: Sequence) -> dict:
+    """results.json `stores`: per base store, the prefixes populating it wrote and found stored already (a --store
+    kept from an earlier run), the ones runs found damaged and stored anew, and the runs that copied it."""
+    stores: dict[str, dict] = {}
+    for run in runs:
+        if not getattr(run, "store", None):
+            continue
+        entry = stores.setdefault(run.store["base"], {"prefixes_written": run.store["prefixes_written"],
+                                                      "prefixes_reused": run.store["prefixes_reused"],
+                                                      "prefixes_repaired": 0, "runs": []})
+        entry["prefixes_repaired"] += run.store.get("prefixes_repaired", 0)
+        entry["runs"].append(run.key)
+    return stores
+
+
+def store_notes(runs: Sequence) -> list[str]:
+    """What results.md and the printed summary must say about the store: reuse across runs and damage met."""
+    notes = []
+    for base, s in store_summary(runs).items():
+        if s["prefixes_reused"]:
+            notes.append(f"store {base}: {s['prefixes_reused']} prefixes reused from an earlier run on this --store, "
+                         f"{s['prefixes_written']} written")
+    for run in runs:
+        recomputed = sum(1 for o in run.outcomes if o.counters.get("bad_chunks"))
+        repaired = (getattr(run, "store", None) or {}).get("prefixes_repaired", 0)
+        if recomputed or repaired:
+            notes.append(f"{run.key}: {recomputed} of {len(run.outcomes)} requests recomputed because of bad chunks "
+                         f"(stored KV failing its checksum is never served); {repaired} damaged stored prefixes "
+                         f"(met in the warm-up or these requests) were stored anew")
+    return notes
 
 
 def write_requests(runs: Sequence, requests: Sequence, path: pathlib.Path) -> None:

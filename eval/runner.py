@@ -2,9 +2,12 @@
 
 The base store is written once (by the first system that needs a store) from every unique
 prefix of the workload; systems that lay out their store differently (another chunk size, independently
-cached text chunks) name it with a `store_key` attribute and get a base store of their own. Each (system, retention) run then gets its own fresh copy of that
-directory, so write-behind, reordering or checksum repairs of one run cannot leak into
-another. Caches start empty and are warmed with the same warm-up passes (each unique prefix
+cached text chunks, other weights) name it with a `store_key` attribute and get a base store of their own. A base
+store outlives the run: a later evaluation on the same --store folder reuses the prefixes stored (results say how
+many were reused and written), and several processes may populate one at once (a lock file per base store). Each
+(system, retention) run then gets its own fresh copy of that directory, in a folder private to this process
+(`StoreFolder`), so write-behind, reordering or checksum repairs of one run cannot leak into another, nor one
+process's runs into another's. Caches start empty and are warmed with the same warm-up passes (each unique prefix
 once, in order of first arrival), then requests of shapes not seen yet run once untimed, so no
 timed request should include JIT compilation; the compiles that still happen in a timed request are counted in its
 `compilations` counter. Compiled programs are dropped after each system, so every system
@@ -14,8 +17,12 @@ memory mappings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import os
 import pathlib
+import secrets
 import shutil
 import time
 
@@ -24,9 +31,11 @@ import jax
 from specjax.engine import shape_key
 from specjax.eval import systems as systems_lib
 from specjax.eval.compiles import CompileCounter
+from specjax.eval.errors import EvalError
 from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
+from specjax.stores.errors import is_disk_full
 
 
 @dataclasses.dataclass
@@ -37,6 +46,8 @@ class Run:
     warm_s: float
     run_s: float
     sweep: bool = False  # several retentions in this run: keys carry the retention
+    # the base store it copied: {"base", "prefixes_written", "prefixes_reused", "prefixes_repaired"}
+    store: dict | None = None
 
     @property
     def key(self) -> str:
@@ -93,9 +104,13 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             store_dir: pathlib.Path, progress: Progress | None = None, partial: PartialRuns | None = None) -> list[Run]:
     """Every (system, retention) run in order; with `partial`, each finished run is saved as it ends and runs
     saved by an interrupted evaluation are loaded instead of run again."""
+    with StoreFolder(store_dir) as folder:
+        return _run_all(model, workload, runs, settings, folder, progress, partial)
+
+
+def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, partial) -> list[Run]:
     warm, compile_only = warmup_requests(workload), compile_requests(workload)
     sweep = len({r for _, r in runs if r is not None}) > 1
-    bases_ready: set[str] = set()
     results = []
     for name, retention in runs:
         label = name if retention is None else f"{name} r={retention:g}"
@@ -110,20 +125,11 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
         if progress:
             progress.set_label(label + " (warm)")
         t0 = time.perf_counter()
+        private = base = None
         if system.needs_store:
-            key = getattr(system, "store_key", "default")
-            base = store_dir / f"base-{key}"
-            if key not in bases_ready:
-                base.mkdir(parents=True, exist_ok=True)
-                system.populate(str(base), _stored_sequences(system, warm))
-                bases_ready.add(key)
-            private = store_dir / label.replace(" ", "_").replace("=", "")
-            if private.exists():
-                shutil.rmtree(private)
-            shutil.copytree(base, private)
+            base = folder.base(system, warm)
+            private = folder.private_copy(base, label.replace(" ", "_").replace("=", ""))
             system.open(str(private))
-        else:
-            private = None
         system.warm(warm)
         if progress:
             progress.update(len(warm))
@@ -151,10 +157,120 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
             # them; dropping one system's programs keeps a long run of several systems within that. The
             # next system compiles what it needs in its own untimed warm-up and compile passes.
             jax.clear_caches()
-        results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep))
+        repaired = list(getattr(system, "repaired", ()))
+        if repaired:
+            folder.repair(base, system, repaired)
+        results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep,
+                           folder.record(base, len(repaired))))
         if partial:
             partial.save(label, results[-1])
     return results
+
+
+class StoreFolder:
+    """An evaluation's --store folder: base stores `base-<store key>`, shared by every run and every process that
+    uses the folder, and this process's private copies under `runs/<id>/`, removed when it ends. A lock file per
+    base store (`base-<key>.lock`) makes populating it exclusive and copying it shared, so a copy never catches a
+    base store half written; `runs/<id>.lock` is held while the process lives, so a later process removes the
+    private copies of one that was killed."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = pathlib.Path(root)
+        self.bases: dict[pathlib.Path, dict] = {}  # populated by this process: what populating wrote and reused
+        self.private: pathlib.Path | None = None
+        self._alive = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            pathlib.Path(self._alive.name).unlink(missing_ok=True)  # while held: no one sees it free and stale
+            self._alive.close()
+
+    def base(self, system, warm) -> pathlib.Path:
+        """The system's base store, populated with every prefix not stored yet (once per process)."""
+        base = self.root / f"base-{getattr(system, 'store_key', 'default')}"
+        if base not in self.bases:
+            base.mkdir(parents=True, exist_ok=True)
+            with self._locked(base, fcntl.LOCK_EX):
+                counts = system.populate(str(base), _stored_sequences(system, warm))
+            self.bases[base] = {"base": base.name, **_populated(counts)}
+        return base
+
+    def record(self, base: pathlib.Path | None, repaired: int) -> dict | None:
+        """What a run's results say of its base store; `repaired`: its stored prefixes the run found damaged."""
+        return None if base is None else dict(self.bases[base], prefixes_repaired=repaired)
+
+    def private_copy(self, base: pathlib.Path, label: str) -> pathlib.Path:
+        """A fresh copy of `base` for one run, in this process's own folder."""
+        if self.private is None:
+            self._make_private()
+        copy = self.private / label
+        shutil.rmtree(copy, ignore_errors=True)
+        with self._locked(base, fcntl.LOCK_SH):
+            try:
+                shutil.copytree(base, copy)
+            except (shutil.Error, OSError) as e:
+                shutil.rmtree(copy, ignore_errors=True)
+                raise EvalError(_copy_failed(base, copy, e)) from None
+        return copy
+
+    def repair(self, base: pathlib.Path, system, sequences: list) -> None:
+        """A run met chunks failing their checksum in its copy (and repaired them there as it went): repair those
+        stored sequences in the base store too, so that later runs do not meet them again."""
+        with self._locked(base, fcntl.LOCK_EX):
+            system.repair(str(base), sequences)
+
+    @contextlib.contextmanager
+    def _locked(self, base: pathlib.Path, how: int):
+        with open(base.with_name(base.name + ".lock"), "a") as f:
+            fcntl.flock(f, how)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _make_private(self) -> None:
+        runs = self.root / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(runs)
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._alive = open(runs / f"{name}.lock", "a")
+        fcntl.flock(self._alive, fcntl.LOCK_EX)
+        self.private = runs / name
+        self.private.mkdir()
+
+
+def _remove_abandoned(runs: pathlib.Path) -> None:
+    """Private copies of processes that died without removing them: their lock file is no longer held."""
+    for lock in runs.glob("*.lock"):
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its process is alive
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+
+
+def _populated(counts) -> dict:
+    """What a system's populate reported ({"written": n, "reused": n}); unknown for systems that report nothing."""
+    counts = counts if isinstance(counts, dict) else {}
+    return {"prefixes_written": counts.get("written"), "prefixes_reused": counts.get("reused")}
+
+
+def _tree_bytes(path: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _copy_failed(base: pathlib.Path, copy: pathlib.Path, error: BaseException) -> str:
+    need, free = _tree_bytes(base), shutil.disk_usage(copy.parent).free
+    why = "the disk is full" if is_disk_full(error) else f"{type(error).__name__}: {str(error)[:200]}"
+    return (f"could not copy the base store {base} for a run ({why}; the partial copy was removed): a run needs "
+            f"{need / 1e6:.1f} MB free at {copy.parent}, {free / 1e6:.1f} MB are; free space or give --store "
+            f"a folder on a larger disk")
 
 
 def total_steps(workload: Workload, runs) -> int:

@@ -147,22 +147,49 @@ class UserFile:
         if not file.is_file():
             raise EvalError(f"--data_path {data_path}: no such file")
         docs = []
-        with open(file, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                    row = {"query": r["query"], "choices": list(r["choices"]), "gold": int(r["gold"])}
-                except (ValueError, KeyError, TypeError) as e:
-                    raise EvalError(f"{file}:{n}: expected {{\"query\",\"choices\",\"gold\"}}: {e}") from None
-                if not row["choices"] or not 0 <= row["gold"] < len(row["choices"]):
-                    raise EvalError(f"{file}:{n}: gold {row['gold']} is not an index into "
-                                    f"{len(row['choices'])} choices")
-                docs.append(spec.example(row))
+        for n, line in enumerate(_utf8_lines(file), 1):
+            if line.strip():
+                docs.append(spec.example(_mc_row(file, n, line)))
         if not docs:
             raise EvalError(f"{file}: no items")
         return docs, [], str(file)
+
+
+def _utf8_lines(file: pathlib.Path) -> list[str]:
+    try:
+        return file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = file.read_bytes()[:e.start].count(b"\n") + 1
+        raise EvalError(f"{file}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as UTF-8 "
+                        f"JSONL") from None
+
+
+def _mc_row(file: pathlib.Path, n: int, line: str) -> dict:
+    """One mc_jsonl line as a row, checked: a text query, a list of at least two text choices, an integer gold
+    index into them. Anything else is refused (one line naming the file and line), never coerced."""
+    def refuse(why: str) -> EvalError:
+        return EvalError(f"{file}:{n}: {why}; each line must be {{\"query\": text, \"choices\": [two or more "
+                         f"texts], \"gold\": index of the right choice}}")
+
+    try:
+        r = json.loads(line)
+    except ValueError as e:
+        raise refuse(f"not JSON ({e})") from None
+    if not isinstance(r, dict):
+        raise refuse(f"a JSON {type(r).__name__}, not an object")
+    missing = [k for k in ("query", "choices", "gold") if k not in r]
+    if missing:
+        raise refuse(f"no {', '.join(missing)}")
+    query, choices, gold = r["query"], r["choices"], r["gold"]
+    if not isinstance(query, str):
+        raise refuse(f"query is {json.dumps(query)}, not text")
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise refuse(f"choices is {json.dumps(choices)[:80]}, not a list of texts")
+    if len(choices) < 2:
+        raise refuse(f"{len(choices)} choices; a multiple-choice item needs at least two")
+    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+        raise refuse(f"gold {json.dumps(gold)} is not an index into {len(choices)} choices")
+    return {"query": query, "choices": choices, "gold": gold}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,7 +585,9 @@ def sample_fewshot(task: Task, count: int, rng: np.random.Generator, exclude: se
     """Indices into `task.fewshot_pool`: seeded, never in `exclude`, class-balanced when asked."""
     allowed = np.array([i for i in range(len(task.fewshot_pool)) if i not in exclude])
     if count > len(allowed):
-        raise EvalError(f"task {task.name}: {count} few-shot examples asked, only {len(allowed)} available")
+        shared = f" (the {len(exclude)} items asked after this prefix are never its examples)" if exclude else ""
+        raise EvalError(f"task {task.name}: {count} few-shot examples asked, only {len(allowed)} available{shared}; "
+                        f"pass --num_fewshot 0 for zero-shot prompts, or a smaller --num_fewshot")
     if not task.balanced_fewshot:
         return [int(i) for i in rng.choice(allowed, count, replace=False)]
     by_class: dict[str, list[int]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -20,7 +21,10 @@ def parse_size(text: str) -> tuple[float, bool]:
     m = _NUMBER_UNIT.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()], False
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be a size")
+    return value, False
 
 
 def parse_bytes(text: str) -> int:
@@ -32,10 +36,13 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_bandwidth(text: str) -> float:
-    """Bytes per second: "5GB/s" -> 5e9."""
+    """Bytes per second: "5GB/s" -> 5e9. A bare number is refused: 200 would be 200 B/s, which looks like a hang."""
     text = str(text).strip()
     if text.lower().endswith("/s"):
         text = text[:-2]
+    m = _NUMBER_UNIT.match(text)
+    if m and not m.group(2):
+        raise ValueError(f"{text!r} has no unit; give a rate with one, e.g. {m.group(1)}MB/s or {m.group(1)}GB/s")
     value, is_fraction = parse_size(text)
     if is_fraction or value <= 0:
         raise ValueError(f"not a bandwidth: {text!r}")

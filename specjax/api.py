@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import host_memory, paths
-from specjax.checkpoint import load_model_dir
+from specjax.checkpoint import load_model_dir, params_digest, text_digest
 from specjax.config import ModelConfig, from_hf_config, load_config
 from specjax.configs.models import MODEL_SHAPES
 from specjax.errors import SpecjaxError
@@ -31,11 +32,14 @@ class Model:
     specjax.sharding), tokenizer, and where weights came from.
 
     `weights` is "pretrained" or "random"; results computed with random weights carry that label,
-    and their accuracy means nothing.
+    and their accuracy means nothing. `weights_digest` names the weights themselves (a prefix-KV store is bound to
+    it): kept with a converted model, derived from seed and shapes for random weights, else computed from the
+    params on first use. `tokenizer_digest`: sha256 of the tokenizer file, None without one.
     """
 
     def __init__(self, name: str, config: ModelConfig, params: dict, weights: str,
-                 tokenizer: Tokenizer | None = None, path: pathlib.Path | None = None, mesh=None):
+                 tokenizer: Tokenizer | None = None, path: pathlib.Path | None = None, mesh=None,
+                 weights_digest: str | None = None, tokenizer_digest: str | None = None):
         self.name = name
         self.config = config
         self.params = params
@@ -43,6 +47,14 @@ class Model:
         self.path = path
         self.mesh = mesh  # jax.sharding.Mesh with a "tp" axis, or None (one device)
         self._tokenizer = tokenizer
+        self._weights_digest = weights_digest
+        self.tokenizer_digest = tokenizer_digest
+
+    @property
+    def weights_digest(self) -> str:
+        if self._weights_digest is None:  # built by hand: hash what it holds (once)
+            self._weights_digest = params_digest(self.params)
+        return self._weights_digest
 
     @property
     def dtype(self):
@@ -120,6 +132,13 @@ def _random_config(name_or_path: str) -> ModelConfig:
     )
 
 
+def random_weights_digest(cfg: ModelConfig, seed: int, dtype) -> str:
+    """Random weights are a function of the shapes, the seed and the dtype: their digest is one of those."""
+    described = {"init": "random", "seed": int(seed), "dtype": jnp.dtype(dtype).name,
+                 "config": dataclasses.asdict(cfg)}
+    return text_digest(json.dumps(described, sort_keys=True, default=str))
+
+
 def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pretrained", seed: int = 0,
                verify_checksums: bool = True, revision: str | None = None, *, mesh=None,
                tensor_parallel: int = 1) -> Model:
@@ -148,7 +167,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
         if dtype is None:
             dtype = jnp.float32 if _on_cpu() else jnp.bfloat16
         params = shard_params(cfg, init_params(cfg, seed=seed, dtype=dtype), mesh)
-        return Model(pathlib.Path(name_or_path).name, cfg, params, "random", mesh=mesh)
+        return Model(pathlib.Path(name_or_path).name, cfg, params, "random", mesh=mesh,
+                     weights_digest=random_weights_digest(cfg, seed, dtype))
     if init != "pretrained":
         raise SpecjaxError(f"unknown init {init!r}; use 'pretrained' or 'random'")
     model_dir = paths.resolve_model_dir(name_or_path, revision=revision)
@@ -162,4 +182,5 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
     path = pathlib.Path(name_or_path).expanduser()
     name = path.resolve().name if path.is_dir() else name_or_path  # a folder's own name, not its conversion's
     host_memory.release_free_memory()  # the loader's host copies (see specjax.host_memory)
-    return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir, mesh=mesh)
+    return Model(name, cfg, params, manifest.get("weights", "pretrained"), tokenizer, model_dir, mesh=mesh,
+                 weights_digest=manifest["weights_digest"], tokenizer_digest=manifest["tokenizer_digest"])

@@ -4,6 +4,9 @@ GGUF files into specjax model directories (orbax params + config + tokenizer).
     python -m specjax.convert --hf_dir /ckpt/opt-6.7b --out ~/.cache/specjax/models/opt-6.7b
     python -m specjax.convert --gguf model.gguf --out DIR [--dtype float32]
 
+--out must be a new or empty folder, or hold a converted model (replaced once the new one is written); a folder of
+other files is refused and left as it is.
+
 Weights are stored in the checkpoint's own dtype unless --dtype asks for another: for a Hugging Face checkpoint
 the torch_dtype (or dtype) its config.json declares, else the dtype most of its tensors have; for a GGUF file the
 type most of its weights have, F32, F16 and BF16 as they are and quantized types as float32 (their dequantized
@@ -357,7 +360,7 @@ def define_flags() -> None:
 
 
 def main(argv):
-    from specjax.checkpoint import read_manifest
+    from specjax.checkpoint import read_manifest, replaces_model
 
     del argv
     if not FLAGS.out:
@@ -365,6 +368,8 @@ def main(argv):
     if bool(FLAGS.hf_dir) == bool(FLAGS.gguf):
         raise SpecjaxError("give exactly one of --hf_dir DIR or --gguf FILE")
     out = pathlib.Path(FLAGS.out).expanduser()
+    if replaces_model(out):
+        print(f"note: {out} holds a converted model; it is replaced when this conversion has finished")
     if FLAGS.hf_dir:
         cfg = convert_hf_dir(pathlib.Path(FLAGS.hf_dir), out, FLAGS.dtype)
     else:

@@ -2,7 +2,10 @@
 
 DIR is one store, or a folder holding several (such as the base stores an evaluation's --store folder keeps):
 each store found under it is checked, its lines prefixed with its path, and a summary says how many were checked.
-Exits 0 when clean, 1 when any problem was found, 2 when a store (or any store at all) cannot be opened.
+Each store's lines say which weights, tokenizer and layout it belongs to (its fingerprint).
+Exits 0 when clean, 1 when any problem was found, 2 when a store (or any store at all) cannot be opened or read:
+whatever fails while one store is opened or read is reported for that store in one line, and the other stores of
+the folder are still checked.
 DIR may also be a kvstore URL or JSON spec. Orphan chunk files (left by an insert a crash interrupted) are
 reported but are not a problem: they were never committed, and the next writable open deletes them. Chunks
 that registered writers (other processes sharing the store) have written but not committed yet are counted
@@ -22,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 from specjax.stores.errors import StoreError
-from specjax.stores.manifest import MANIFEST_KEY
+from specjax.stores.manifest import MANIFEST_KEY, describe_weights
 from specjax.stores.store import KVStore
 
 
@@ -34,6 +37,7 @@ class FsckReport:
     bad_chunks: int = 0
     orphan_chunks: int = 0
     inflight_chunks: int = 0
+    belongs_to: str = ""  # the weights, tokenizer and layout the store was written for
     problems: list = dataclasses.field(default_factory=list)
 
     @property
@@ -78,6 +82,17 @@ def _check_structure(store: KVStore, report: FsckReport) -> None:
             report.problems.append(f"node {node.node_id}: token range outside segment {seg.seg_id}")
 
 
+def belongs_to(store: KVStore) -> str:
+    """The weights, tokenizer and layout a store's fingerprint names, in one line."""
+    fp, lay = store.fingerprint, store.layout
+    tokenizer = fp.get("tokenizer")
+    tokenizer = (f"tokenizer {tokenizer[:12]}" if tokenizer else "no tokenizer") if "tokenizer" in fp else \
+        "tokenizer not recorded"
+    return (f"{describe_weights(fp)}; {tokenizer}; layout {fp.get('arch', '?')}, {lay.num_layers} layers x "
+            f"{lay.kv_heads} KV heads x {lay.head_dim}, {lay.chunk_tokens}-token chunks, {lay.dtype}, "
+            f"{lay.probe_heads} probe heads")
+
+
 def _check_chunks(store: KVStore, report: FsckReport) -> None:
     before = store.metrics.bad_chunks
     for seg in [s for s in store._segments.values() if s.refs > 0]:
@@ -96,6 +111,7 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
     """Check a store; raises StoreError if its manifest cannot be read at all."""
     report = FsckReport()
     with KVStore.open(location, None, read_only=True, create=False, context=context, gc_orphans=False) as store:
+        report.belongs_to = belongs_to(store)
         _check_structure(store, report)
         _check_chunks(store, report)
         listed = store._arrays.stored_chunk_ids()
@@ -128,6 +144,11 @@ def _check(location, label: str = "") -> int:
     except StoreError as e:
         print(f"{prefix}error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 -- whatever breaks one store is reported; the others are still checked
+        print(f"{prefix}error: cannot open or read this store ({type(e).__name__}: {_one_line(e)}); its metadata "
+              f"or arrays are damaged: rebuild it, or delete it and let the next run write it anew", file=sys.stderr)
+        return 2
+    print(f"{prefix}belongs to {report.belongs_to}")
     print(f"{prefix}nodes {report.nodes}  segments {report.segments}  chunks checked {report.chunks_checked}  "
           f"bad chunks {report.bad_chunks}  orphan chunks {report.orphan_chunks} (uncommitted, harmless)  "
           f"in flight {report.inflight_chunks} (live writers)")
@@ -135,6 +156,11 @@ def _check(location, label: str = "") -> int:
         print(f"{prefix}problem: {problem}")
     print(f"{prefix}OK" if report.ok else f"{prefix}FAILED: {len(report.problems)} problem(s)")
     return 0 if report.ok else 1
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_folder(folder: pathlib.Path) -> int:

@@ -69,15 +69,44 @@ def canonical(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
+# Fingerprint keys that describe rather than identify (where the weights came from): kept, shown, never compared.
+DESCRIPTIVE_KEYS = ("weights_source",)
+
+
+def identity(fingerprint: dict) -> dict:
+    return {k: v for k, v in fingerprint.items() if k not in DESCRIPTIVE_KEYS}
+
+
+def describe_weights(fingerprint: dict) -> str:
+    """The weights a fingerprint names, for people: a short digest and where they came from."""
+    digest = fingerprint.get("weights")
+    if not digest:
+        return "unrecorded weights"
+    source = fingerprint.get("weights_source")
+    return f"weights {str(digest)[:12]}" + (f" of {source}" if source else "")
+
+
 def check_fingerprint(stored: dict, given: dict, where: str) -> None:
-    """Refuse a store written for another model or layout, naming the keys that differ."""
+    """Refuse a store written for other weights, another model or layout, naming what differs."""
+    stored, described = identity(stored), stored
+    given, asked = identity(given), given
     if canonical(stored) == canonical(given):
         return
+    if stored.get("weights") != given.get("weights"):
+        raise StoreMismatchError(_other_weights(described, asked, where))
     keys = sorted(set(stored) | set(given))
     diffs = [f"{k}: store={stored.get(k)!r} model={given.get(k)!r}" for k in keys if stored.get(k) != given.get(k)]
     raise StoreMismatchError(
         f"the KV store at {where} was written for another model or layout ({'; '.join(diffs)}); "
         f"use a different store directory or delete this one")
+
+
+def _other_weights(stored: dict, given: dict, where: str) -> str:
+    if not stored.get("weights"):
+        return (f"the KV store at {where} was written by an older specjax that did not record whose weights its KV "
+                f"is, so it is not served to {describe_weights(given)}; use a new store directory or delete this one")
+    return (f"the KV store at {where} holds the KV of {describe_weights(stored)}, not of this model's "
+            f"{describe_weights(given)}; load those weights to use it, or use another store directory")
 
 
 def _fsync_dir(path: str) -> None:

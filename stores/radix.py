@@ -126,6 +126,26 @@ class RadixTree:
         del self.nodes[node.parent].children[int(node.tokens[0])]
         return self.nodes.pop(node_id)
 
+    def leaves_below(self, node_id: int) -> list[int]:
+        """The leaves of the subtree rooted at `node_id` (itself if it is one)."""
+        below, leaves = [node_id], []
+        while below:
+            node = self.nodes[below.pop()]
+            below.extend(node.children.values())
+            if not node.children:
+                leaves.append(node.node_id)
+        return leaves
+
+    def remove_subtree(self, node_id: int) -> None:
+        """Remove a node and every node below it."""
+        node = self.nodes[node_id]
+        if node_id == self.ROOT:
+            raise ValueError("the root cannot be removed")
+        del self.nodes[node.parent].children[int(node.tokens[0])]
+        below = [node_id]
+        while below:
+            below.extend(self.nodes.pop(below.pop()).children.values())
+
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes.values() if not n.children and n.node_id != self.ROOT]
 

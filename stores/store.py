@@ -453,6 +453,44 @@ class KVStore(ChunkReads):
         positions = np.arange(match.length) if positions is None else positions
         return self.read_locations(layer, kind, self.locate(match, positions, layer))
 
+    # -- repair --------------------------------------------------------------------------------
+
+    def failing_nodes(self, match: Match) -> list[int]:
+        """The nodes on a match's path whose segment holds a chunk (of any layer or kind) that fails its checksum
+        or cannot be read: every chunk of those segments is read and verified (counted as bad where it fails)."""
+        lay = self.layout
+        failing = []
+        for step in match.steps:
+            with self._lock:
+                seg = self._segments.get(step.seg_id)
+            if seg is None:
+                continue
+            reads = [self.read_chunk(layer, kind, c) for layer in range(lay.num_layers) for kind in lay.kinds()
+                     for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)]
+            if any(read.result() is None for read in reads):
+                failing.append(step.node_id)
+        return failing
+
+    def drop_nodes(self, node_ids) -> list[np.ndarray]:
+        """Remove these nodes and everything stored below them (their KV is damaged); their chunks are deleted
+        once no open match reads them. Returns the token sequences that were stored through them (each removed
+        leaf's whole prefix), for the caller to store anew."""
+        node_ids = list(node_ids)
+
+        def drop():
+            lost = []
+            for n in node_ids:
+                if n in self._tree.nodes:
+                    lost += [self._tree.prefix_tokens(leaf) for leaf in self._tree.leaves_below(n)]
+                    self._tree.remove_subtree(n)
+            return Change(lost, publish=bool(lost))
+
+        if not node_ids:
+            return []
+        lost = self._cat.transact(drop)
+        self.collect_garbage()
+        return lost
+
     # -- importance feedback and reordering ----------------------------------------------------
 
     def record_importance(self, match: Match, importance, positions=None) -> None:

@@ -65,15 +65,16 @@ def _randomize(model, seed):
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
 
 
-def write_hf_checkpoint(name, hf_dir, dtype="float32", randomize=True):
+def write_hf_checkpoint(name, hf_dir, dtype="float32", randomize=True, seed=0):
     """Write case `name` into hf_dir with its weights in `dtype`; returns the transformers model (in `dtype`).
 
-    randomize=False keeps transformers' default init (zero biases, unit norms, weights of std 0.02)."""
+    randomize=False keeps transformers' default init (zero biases, unit norms, weights of std 0.02). Another `seed`
+    gives other weights of the same shapes (a fine-tuned model beside its base)."""
     factory, save_kwargs = CASES[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf_model = transformers.AutoModelForCausalLM.from_config(factory(), attn_implementation="eager").float().eval()
     if randomize:
-        _randomize(hf_model, 1)
+        _randomize(hf_model, 1 + seed)
     hf_model = hf_model.to(getattr(torch, dtype))
     if save_kwargs.get("bin"):  # transformers 5 writes only safetensors; a .bin as older checkpoints have
         hf_model.config.save_pretrained(hf_dir)
@@ -127,3 +128,18 @@ def write_gguf(path, tensor_type="F16", vocab=16, hidden=32, ffn=64):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def convert_two_llamas(root):
+    """Two Llama checkpoints of one shape and (no) tokenizer but other weights, as a fine-tuned model beside its
+    base, converted: ([hf dir, hf dir], [converted dir, converted dir])."""
+    from specjax.convert import convert_hf_dir
+
+    hf, converted = [], []
+    for seed in (0, 1):
+        hf.append(root / f"hf{seed}")
+        hf[-1].mkdir()
+        write_hf_checkpoint("llama_tied", hf[-1], seed=seed)
+        converted.append(root / f"model{seed}")
+        convert_hf_dir(hf[-1], converted[-1])
+    return hf, converted

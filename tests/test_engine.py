@@ -360,20 +360,35 @@ def test_reordered_store_serves_the_same_kv(model):
     np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
 
 
-def test_corrupt_chunk_is_recomputed_not_served(model, tmp_path):
-    req = _request(model, prefix_len=64, seed=13)
-    store = KVStore.open(tmp_path / "store", fingerprint(model, 16))
-    engine = Engine(model, make_system("as_full"), store, EngineConfig(retention=1.0))
-    engine.warm(req.prefix)
-    chunk_files = sorted(p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.stat().st_size > 1024)
+def _flip_a_chunk_byte(store_dir):
+    chunk_files = sorted(p for p in store_dir.rglob("*") if p.is_file() and p.stat().st_size > 1024)
     victim = chunk_files[len(chunk_files) // 2]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
+
+
+def test_corrupt_chunk_is_recomputed_not_served_and_stored_anew(model, tmp_path):
+    """A chunk failing its checksum: the request is recomputed, and the prefix stored anew, so that the next request
+    is served whole from the store and no chunk fails again."""
+    from specjax.stores.fsck import fsck
+
+    req = _request(model, prefix_len=64, seed=13)
+    store = KVStore.open(tmp_path / "store", fingerprint(model, 16))
+    engine = Engine(model, make_system("as_full"), store, EngineConfig(retention=1.0))
+    engine.warm(req.prefix)
+    _flip_a_chunk_byte(tmp_path / "store")
     r = engine.run(req)
     assert r.recomputed_bad_chunks and r.io["bad_chunks"] >= 1
     assert r.reused_tokens == 0
     np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+    assert engine.repaired == [tuple(req.prefix)]
+    again = engine.run(req)
+    assert not again.recomputed_bad_chunks and again.io["bad_chunks"] == 0 and again.reused_tokens == 64
+    np.testing.assert_allclose(again.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+    store.close()
+    report = fsck(tmp_path / "store")
+    assert report.ok and report.bad_chunks == 0 and report.chunks_checked > 0
 
 
 def test_no_itf_reads_no_probe_key(model):

@@ -160,6 +160,43 @@ def test_cli_bad_flag_values(flag):
     assert "Flags parsing error" in proc.stderr and flag.split("=")[0] in proc.stderr
 
 
+@pytest.mark.parametrize("flag, message", [
+    ("--disk_bandwidth=200", "'200' has no unit; give a rate with one, e.g. 200MB/s or 200GB/s"),
+    ("--pcie_bandwidth=16", "'16' has no unit; give a rate with one, e.g. 16MB/s"),
+    ("--cpu_cache=1e400", "'1e400' is too large to be a size"),
+    ("--gpu_cache=1e400GB", "'1e400GB' is too large to be a size"),
+])
+def test_cli_flag_values_that_would_mislead_are_refused_saying_why(flag, message, tmp_path):
+    proc = _cli(flag, f"--output_dir={tmp_path}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
+    assert len(errors) == 1 and flag.split("=")[0] in errors[0] and message in errors[0], proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+@pytest.mark.parametrize("flag", ["--store", "--output_dir"])
+def test_cli_folder_flags_given_a_file(flag, tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    other = "--output_dir" if flag == "--store" else "--store"
+    proc = _cli(f"{flag}={file}", f"{other}={tmp_path / 'other'}", "--model=tiny-llama", "--init=random")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {flag} {file}: {file} is a file, not a folder; give a folder (created if missing)"]
+    assert file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_cli_data_path_not_utf8_is_one_line(tmp_path):
+    data = tmp_path / "items.jsonl"
+    data.write_bytes(b'{"query": "caf\xe9", "choices": ["a", "b"], "gold": 0}\n')
+    proc = _cli("--task=mc_jsonl", f"--data_path={data}", "--model=tiny-llama", "--init=random",
+                f"--output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{data}:1: not UTF-8 text (byte 0xe9); save the file as UTF-8" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_tiny_random_model(tmp_path):
     import specjax
 

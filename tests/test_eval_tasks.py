@@ -306,9 +306,69 @@ def test_mc_jsonl_errors(tmp_path):
     with pytest.raises(EvalError, match="no such file"):
         tasks.load_task("mc_jsonl", data_path=str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"query": "q", "choices": ["a"], "gold": 3}\n')
+    bad.write_text('{"query": "q", "choices": ["a", "b"], "gold": 3}\n')
     with pytest.raises(EvalError, match=r"bad.jsonl:1: gold 3"):
         tasks.load_task("mc_jsonl", data_path=str(bad))
+
+
+GOOD_LINE = {"query": "2+2 =", "choices": ["4", "5"], "gold": 0}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"choices": "yes"}, 'choices is "yes", not a list of texts'),
+    ({"choices": {"a": 1, "b": 2}}, 'choices is {"a": 1, "b": 2}, not a list of texts'),
+    ({"choices": ["4", 5]}, 'choices is ["4", 5], not a list of texts'),
+    ({"gold": 1.9}, "gold 1.9 is not an index into 2 choices"),
+    ({"gold": True}, "gold true is not an index into 2 choices"),
+    ({"gold": "0"}, 'gold "0" is not an index'),
+    ({"gold": -1}, "gold -1 is not an index"),
+    ({"query": None}, "query is null, not text"),
+    ({"choices": ["4"]}, "1 choices; a multiple-choice item needs at least two"),
+    ({"choices": []}, "0 choices; a multiple-choice item needs at least two"),
+    ({"gold": None}, "gold null is not an index"),
+])
+def test_mc_jsonl_refuses_what_it_would_otherwise_coerce(tmp_path, change, message):
+    """Each malformed line is refused with one line naming the file and line number; no item is made of it."""
+    path = tmp_path / "items.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [GOOD_LINE, GOOD_LINE, {**GOOD_LINE, **change}]) + "\n")
+    with pytest.raises(EvalError) as e:
+        tasks.load_task("mc_jsonl", data_path=str(path))
+    text = str(e.value)
+    assert f"{path}:3: {message}" in text and "\n" not in text
+    assert "each line must be" in text  # says what a line should hold
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"query": "q"}', "no choices, gold"),
+    ("{oops", "not JSON"),
+])
+def test_mc_jsonl_refuses_lines_that_are_not_items(tmp_path, line, message):
+    path = tmp_path / "items.jsonl"
+    path.write_text(json.dumps(GOOD_LINE) + "\n\n" + line + "\n")
+    with pytest.raises(EvalError, match=rf"items.jsonl:3: {message}"):
+        tasks.load_task("mc_jsonl", data_path=str(path))
+
+
+def test_mc_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(GOOD_LINE).encode() + b"\n" + '{"query": "caf\u00e9", "choices": ["a", "b"], '
+                     '"gold": 0}\n'.encode("latin-1"))
+    with pytest.raises(EvalError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9\); save the file as UTF-8"):
+        tasks.load_task("mc_jsonl", data_path=str(path))
+
+
+def test_mc_jsonl_too_small_for_the_fewshot_asked_hints_at_zero_shot(tmp_path):
+    """The README's example with the default --num_fewshot 2-10 on a small file: the error says how to run it, and
+    --num_fewshot 0 then runs every item."""
+    path = tmp_path / "items.jsonl"
+    path.write_text("\n".join(json.dumps(GOOD_LINE) for _ in range(5)) + "\n")
+    task = tasks.load_task("mc_jsonl", data_path=str(path))
+    tok = FakeModel().tokenizer
+    with pytest.raises(EvalError, match=r"only 0 available .*; pass --num_fewshot 0 for zero-shot prompts"):
+        workload.build_workload(task, tok, workload.WorkloadSpec(fewshot=(2, 10)))
+    wl = workload.build_workload(task, tok, workload.WorkloadSpec(fewshot=(0, 0)))
+    assert len(wl.requests) == 5 and all(w == "" for w in wl.prefix_texts)
 
 
 # ---- errors --------------------------------------------------------------------------------------

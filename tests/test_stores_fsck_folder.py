@@ -65,6 +65,42 @@ def test_cli_on_a_folder_with_a_store_that_cannot_be_opened(store_folder):
     assert "3 stores" in proc.stdout and "2 OK, 0 with problems, 1 could not be opened" in proc.stdout
 
 
+def _files(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_garbage_array_metadata_is_one_line_and_the_other_stores_are_still_checked(store_folder, capsys):
+    """Whatever opening one store raises (here TensorStore's DATA_LOSS on an array's metadata overwritten with junk)
+    is that store's one error line; every other store is checked, nothing is changed on disk."""
+    broken = store_folder / STORES[1]
+    metadata = sorted(p for p in broken.rglob("*.json") if p.name != "manifest.json")
+    assert metadata, "the store keeps its arrays' metadata in some JSON file"
+    metadata[0].write_text("junk{")
+    before = _files(store_folder)
+    assert fsck_main([str(store_folder)]) == 2
+    captured = capsys.readouterr()
+    errors = captured.err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"{STORES[1]}: error: cannot open or read this store (")
+    assert "rebuild it, or delete it" in errors[0] and "Traceback" not in captured.err
+    assert all(f"{name}: OK" in captured.out for name in STORES if name != STORES[1])
+    assert "3 stores" in captured.out and "2 OK, 0 with problems, 1 could not be opened" in captured.out
+    assert _files(store_folder) == before  # fsck reads only
+
+
+def test_each_store_says_which_weights_tokenizer_and_layout_it_belongs_to(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    fp = dict(FP, chunk_tokens=16, weights="ab12" * 16, tokenizer="cd34" * 16, weights_source="tiny (pretrained, /m)")
+    with KVStore.open(tmp_path / "base-a", fp) as store:
+        store.insert(rng.integers(0, 1000, 20), random_kv(rng, 20))
+    with KVStore.open(tmp_path / "base-b", dict(FP, chunk_tokens=16)) as store:  # written without a digest
+        store.insert(rng.integers(0, 1000, 20), random_kv(rng, 20))
+    assert fsck_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("base-a: belongs to weights ab12ab12ab12 of tiny (pretrained, /m); tokenizer cd34cd34cd34; layout toy, "
+            "3 layers x 2 KV heads x 8, 16-token chunks, float32, 1 probe heads") in out
+    assert "base-b: belongs to unrecorded weights; tokenizer not recorded; layout toy, 3 layers" in out
+
+
 def test_folder_without_stores(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert fsck_main([str(tmp_path)]) == 2

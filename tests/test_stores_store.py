@@ -112,6 +112,22 @@ def test_fingerprint_mismatch_is_refused(tmp_path):
         KVStore.open(tmp_path / "missing", None)
 
 
+def test_a_store_of_other_weights_is_refused_naming_the_weights_that_wrote_it(tmp_path):
+    written = dict(FP, weights="a" * 64, tokenizer="t" * 64, weights_source="base-model (pretrained, /models/base)")
+    KVStore.open(tmp_path / "s", written).close()
+    tuned = dict(written, weights="b" * 64, weights_source="tuned (pretrained, /models/tuned)")
+    with pytest.raises(StoreMismatchError) as e:
+        KVStore.open(tmp_path / "s", tuned)
+    text = str(e.value)
+    assert "\n" not in text and "holds the KV of weights aaaaaaaaaaaa of base-model (pretrained, /models/base)" in text
+    assert "not of this model's weights bbbbbbbbbbbb of tuned" in text and "use another store directory" in text
+    # the same weights under another name are the same weights: where they came from is not compared
+    KVStore.open(tmp_path / "s", dict(written, weights_source="copied (pretrained, /elsewhere)")).close()
+    KVStore.open(tmp_path / "old", FP).close()  # an older store: it never recorded whose KV it holds
+    with pytest.raises(StoreMismatchError, match="older specjax that did not record whose weights"):
+        KVStore.open(tmp_path / "old", written)
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_reorder_preserves_original_order(memory_location, background):
     location, ctx = memory_location

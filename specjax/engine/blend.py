@@ -247,6 +247,12 @@ class BlendEngine(Engine):
             layers=_layer_report(counts, loads, m), prefetch=io.prefetch_report(),
             selections=traced if self.config.trace else None)
 
+    def stored_keys(self, request) -> list[list[int]]:
+        """Each text chunk's key (`chunk_keys`): the store holds chunks, not the request's prefix."""
+        prefix = [int(t) for t in request.prefix]
+        chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
+        return chunk_keys(chunks, self.sink)
+
     def _match_or_store(self, key: list[int]):
         """The stored KV of a chunk's key (`chunk_keys`); one not stored yet is computed from position 0 and
         stored first (part of this TTFT)."""

@@ -9,6 +9,7 @@ prefix tokens' KV behind. A `System` decides what each layer loads; the loop is 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 
 import jax
@@ -27,17 +28,28 @@ from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket, log_softmax
-from specjax.stores import KVStore
+from specjax.stores import KVStore, StoreError
 from specjax.stores.caches import TieredCache
 from specjax.stores.prefetch import Prefetcher
 
+log = logging.getLogger(__name__)
+
 
 def fingerprint(model, chunk_tokens: int) -> dict:
-    """What a store must agree on with the model that reads it."""
+    """What a store must agree on with the model that reads it: the weights and tokenizer (their digests,
+    `specjax.api.Model`), the shapes, dtype and layout. `weights_source` only says where the weights came from
+    (stores do not compare it), so that a refusal or fsck can name them."""
     c = model.config
     return {"arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": jnp.dtype(model.dtype).name,
-            "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c))}
+            "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c)),
+            "weights": model.weights_digest, "tokenizer": getattr(model, "tokenizer_digest", None),
+            "weights_source": _weights_source(model)}
+
+
+def _weights_source(model) -> str:
+    where = getattr(model, "path", None)
+    return f"{model.name} ({getattr(model, 'weights', 'pretrained')}{f', {where}' if where else ''})"
 
 
 def shape_key(prefix, query, continuations) -> tuple:
@@ -92,6 +104,7 @@ class Engine:
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self.requests_run = 0
+        self.repaired: list[tuple[int, ...]] = []  # stored sequences whose chunks failed and were stored anew
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = self.place_kv(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
@@ -159,10 +172,38 @@ class Engine:
             after_devices = self.store.metrics.device_bytes()
             before_devices += [0] * (len(after_devices) - len(before_devices))
             result.disk_bytes_by_device = [a - b for a, b in zip(after_devices, before_devices)]
+        if result.recomputed_bad_chunks and not self.store.read_only:
+            self._try_repair(request)
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
             self.reorder()
         return result
+
+    def stored_keys(self, request: Request) -> list[list[int]]:
+        """The token sequences the store holds a request's reused KV under: its prefix."""
+        return [[int(t) for t in request.prefix]] if len(request.prefix) else []
+
+    def _try_repair(self, request: Request) -> None:
+        try:
+            self.repair(self.stored_keys(request))
+        except StoreError as e:  # the answer stands (it was recomputed); the damage stays for fsck to report
+            log.warning("could not store anew the damaged KV of a request's prefix: %s", e)
+
+    def repair(self, keys) -> int:
+        """Stored KV of `keys` failed its checksum (the request was recomputed, never served from it): drop the
+        stored prefixes holding a failing chunk, with what is stored below them, and store all of those anew from
+        the plain forward, so that later requests find them whole and nothing good is lost. Returns how many
+        stored sequences were dropped."""
+        dropped = 0
+        for key in keys:
+            with self.store.match(key) as match:
+                failing = self.store.failing_nodes(match)
+            lost = self.store.drop_nodes(failing)
+            for sequence in [key, *lost]:
+                self.warm(sequence)
+            dropped += len(lost)
+            self.repaired.append(tuple(key))
+        return dropped
 
     def reorder(self) -> int:
         """Repack every radix node whose importance has been observed (SPEC's KV reordering)."""
