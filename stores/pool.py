@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.inference import bucket, padded
+from specjax.shapes import bucket, padded
 from specjax.stores.kvarray import Layout, Throttle
 from specjax.stores.metrics import StoreMetrics
 
@@ -45,6 +45,15 @@ def _gather_pages(pages, table):
     slots, offsets = table[0], table[1]
     rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
     return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), pages.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pages_in_order(pages, size, count):
+    """[heads, size, d]: the pages' rows in order (chunk after chunk), zeros from row `count` on."""
+    n, heads, c, d = pages.shape
+    rows = jnp.swapaxes(pages, 0, 1).reshape(heads, n * c, d)
+    rows = rows[:, :size] if n * c >= size else jnp.pad(rows, ((0, 0), (0, size - n * c), (0, 0)))
+    return jnp.where((jnp.arange(size) < count)[None, :, None], rows, jnp.zeros((), pages.dtype))
 
 
 @jax.jit
@@ -176,6 +185,11 @@ class DevicePool:
         """`[heads, size, d]` on the device from a host buffer of whole chunks `[n, heads, chunk_tokens, d]` (pages:
         one read's landing buffer): the buffer crosses in one copy (none on a CPU device, which aliases an aligned
         buffer) and the device gathers row i from chunk table[0, i] at offset table[1, i] (zeros where < 0)."""
+        count = int((table[0] >= 0).sum())
+        c = self.layout.chunk_tokens
+        stored_order = np.arange(count)
+        if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
+            return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
         return _gather_pages(self._to_device(extent), table)
 
     def _write_pending(self, pages: _Pages) -> None:

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.models.inference import padded
+from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, TieredCache
 from specjax.stores.pool import DevicePool
 from specjax.stores.store import ChunkRead, KVStore, Locations, Match

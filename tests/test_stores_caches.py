@@ -341,6 +341,39 @@ def test_take_moves_a_layers_chunks_in_one_copy_and_reads_device_hits_from_their
         m.close()
 
 
+@pytest.mark.parametrize("order", ["stored", "reversed"])
+def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is(filled_store, order):
+    """A take of (at least half of) every token of a segment's layer, with the caches off: its runs land in one
+    page-aligned buffer on the I/O threads, which crosses to the device in one copy, whole (13 chunks of 16 tokens);
+    the device puts the rows in order (a reshape in stored order, a gather otherwise), zeros past them. A sparse
+    take moves only its vectors."""
+    from specjax.stores import kvarray
+
+    store, tokens, kv = filled_store
+    prefetcher = Prefetcher(store, TieredCache(0, 0, "lru", metrics=store.metrics))
+    m = store.match(tokens)
+    positions = np.arange(200) if order == "stored" else np.arange(200)[::-1]
+    prefetcher.request(m, 1, V, positions)
+    extents = {id(e.read.run.extent): e.read.run.extent for e in prefetcher._entries.values()}
+    (extent,) = extents.values()
+    assert extent.whole and extent.array.ctypes.data % kvarray.ALIGN == 0 and extent.array.shape[0] == 13
+    before = store.metrics.snapshot()
+    taken = prefetcher.take(m, 1, V, positions, pad_to=256)
+    after = store.metrics.snapshot()
+    got = np.asarray(taken.array)
+    np.testing.assert_array_equal(got[:, :200], kv[1][V][:, positions])
+    assert not got[:, 200:].any() and taken.ok.all()
+    assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
+    assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == 13 * store.layout.chunk_nbytes(V)
+    sparse = np.arange(0, 200, 7)
+    taken = prefetcher.take(m, 1, V, sparse)
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[1][V][:, sparse])
+    assert store.metrics.snapshot()["host_to_device_bytes"] - after["host_to_device_bytes"] == \
+        len(sparse) * store.layout.token_nbytes(V)
+    prefetcher.close()
+    m.close()
+
+
 def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(filled_store):
     """The first take of a size compiles every assembly op of that size, so a later take that starts from device
     zeros (all device hits) where the first one copied a host buffer compiles nothing in a timed request."""

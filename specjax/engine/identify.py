@@ -13,9 +13,11 @@ speculation reads ahead), and `select`, which reads through the request's `Layer
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,6 +32,12 @@ from specjax.stores import K, PROBE, V
 if TYPE_CHECKING:
     from specjax.engine.engine import Engine
     from specjax.engine.layer_io import LayerIO
+
+
+@functools.lru_cache(maxsize=64)
+def iota(size: int) -> jax.Array:
+    """0..size-1 on the device, made once per size (an eager op per layer costs the host a dispatch)."""
+    return jnp.arange(size, dtype=jnp.int32)
 
 
 def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n, prefix_len=None):
@@ -50,8 +58,8 @@ class LoadAll:
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m, m_pad = io.m, io.m_pad
         keys, values = io.take_all(layer, K), io.take_all(layer, V)
-        state = st.record_union(state, layer, jnp.arange(m_pad, dtype=jnp.int32), m)
-        selection = SharedIndices(jnp.arange(m_pad, dtype=jnp.int32), m)
+        state = st.record_union(state, layer, iota(m_pad), m)
+        selection = SharedIndices(iota(m_pad), m)
         return state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None]
 
 
@@ -105,7 +113,7 @@ class ITF(H2O):
         else:
             keys = io.take(layer, K, chosen, k_cap)
         values = io.take(layer, V, chosen, k_cap)
-        selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
+        selection = SharedIndices(iota(k_cap), k)
         return state, keys, values, selection, S.normalised_importance(scores, m), chosen[None]
 
 
@@ -139,7 +147,7 @@ class Chunks:
             chosen = np.asarray(state.selected[layer])[: int(state.count[layer])]
             keys = io.take(layer, K, chosen, k_cap, importance=io.period_importance[chosen])
         values = io.take(layer, V, chosen, k_cap, importance=io.period_importance[chosen])
-        selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), len(chosen))
+        selection = SharedIndices(iota(k_cap), len(chosen))
         return state, keys, values, selection, io.period_importance, chosen[None]
 
 
@@ -237,7 +245,7 @@ class GroupedITF:
             else:
                 keys = io.take(layer, K, chosen, k_cap)
             values = io.take(layer, V, chosen, k_cap)
-            selection = SharedIndices(jnp.arange(k_cap, dtype=jnp.int32), k)
+            selection = SharedIndices(iota(k_cap), k)
             return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
                     chosen[None])
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, every, k, c, k_cap=k_cap,

@@ -15,21 +15,7 @@ from specjax.config import ModelConfig
 from specjax.distributed import to_host
 from specjax.errors import SpecjaxError
 from specjax.models import transformer as T
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Round n up with at most 25% waste: multiples of a quarter of the enclosing power of two."""
-    n = max(n, minimum)
-    step = max(minimum, 1 << max(0, (n - 1).bit_length() - 3))
-    return -(-n // step) * step
-
-
-def padded(x, size: int, fill: int) -> np.ndarray:
-    """Integers `x` as int32 [size], `fill` after them: index arrays padded to a bucket, so the device op that
-    takes them compiles once per bucket."""
-    out = np.full(size, fill, np.int32)
-    out[: len(x)] = x
-    return out
+from specjax.shapes import bucket, padded  # noqa: F401 -- re-exported: the models' and engine's buckets
 
 
 def log_softmax(x) -> np.ndarray:
