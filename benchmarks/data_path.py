@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--systems", default="as_full,as_h2o_lfu,spec")
     p.add_argument("--retention", type=float, default=0.25)
     p.add_argument("--chunk_tokens", type=int, default=Layout.chunk_tokens)
+    p.add_argument("--inflight_MiB", type=int, default=None,
+                   help="the read scheduler's bound on bytes in flight (default: its own, from the measured rate)")
     p.add_argument("--disk_mb", type=int, default=256, help="size of the scratch file the disk's rate is read from")
     p.add_argument("--read_mb", type=int, default=4, help="size of one read of the disk measurement")
     p.add_argument("--threads", type=int, default=32, help="preadv threads of the disk measurement")
@@ -194,7 +196,8 @@ def main(argv=None) -> dict:
     workload = build_workload(model, args)
     names = [s for s in args.systems.split(",") if s]
     settings = systems_lib.SystemSettings(chunk_tokens=args.chunk_tokens, gpu_cache_bytes=0, cpu_cache_bytes=0,
-                                          direct_io=True, seed=args.seed, retention=args.retention)
+                                          direct_io=True, seed=args.seed, retention=args.retention,
+                                          inflight_bytes=None if args.inflight_MiB is None else args.inflight_MiB << 20)
     if args.store:
         pathlib.Path(args.store).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="data-path-", dir=args.store) as tmp:
@@ -206,7 +209,7 @@ def main(argv=None) -> dict:
     results = {
         "disk": disk,
         "systems": {run.key: system_record(run, disk["disk_GBps"] * 1e9) for run in runs},
-        "caches": "gpu 0, cpu 0", "direct_io": True, "retention": args.retention,
+        "caches": "gpu 0, cpu 0", "direct_io": True, "retention": args.retention, "inflight_MiB": args.inflight_MiB,
         "model": model.name, "weights": model.weights, "dtype": str(np.dtype(model.dtype)), "task": args.task,
         "timing_shape": _timing_shape(model.name),
         "workload": workload.summary(), "device": eval_main.device_description(), "cpu": cpu_description(),

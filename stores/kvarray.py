@@ -187,7 +187,7 @@ class KVArrays:
             reads = [self._kvs.read(key, byte_range=r) for r in ranges]
             return when_all(reads, lambda results: self._decode(kind, key, n_chunks, results, ranges, into))
 
-        return self.scheduler.submit(Read(issue, n_chunks * chunk_bytes, speculative, background))
+        return self.scheduler.submit(Read(issue, n_chunks * chunk_bytes, speculative, background, order=layer))
 
     def _decode(self, kind: int, key: bytes, n_chunks: int, results: list, ranges: list,
                 into: np.ndarray | None = None) -> np.ndarray:

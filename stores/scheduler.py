@@ -1,5 +1,5 @@
-"""One read queue per disk: demand reads before speculative ones, bounded bytes in flight, and the disk's delivered
-rate measured online. An emulated disk (`bytes_per_s`) is a bandwidth model inside the same queue.
+"""One read queue per disk: demand reads before speculative ones (and among them, those of the earliest layer first),
+bounded bytes in flight, and the disk's delivered rate measured online. An emulated disk (`bytes_per_s`) is a bandwidth model inside the same queue.
 
 A read waits in the queue until the bytes in flight leave room for it; only then is it issued to the disk. So a
 speculative read that is superseded while it waits (`withdraw`) is never read, and one that becomes needed
@@ -39,6 +39,33 @@ class Read:
     state: str = QUEUED
     deliver_at: float = 0.0  # emulated link: monotonic time its bytes have crossed
     queued_at: float = dataclasses.field(default_factory=time.monotonic)  # when it joined the queue
+    order: int = 0  # demand reads go out lowest order first (the layer that needs them), then first come
+
+
+class _ByOrder:
+    """The demand queue: reads by (order, arrival), so a layer's reads go before a later layer's however late they
+    were asked (a request plans every layer's certain reads at its start; its selective reads come later)."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def append(self, read: Read) -> None:
+        heapq.heappush(self._heap, (read.order, next(self._seq), read))
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __getitem__(self, i: int) -> Read:
+        if i != 0:
+            raise IndexError("only the head of the demand queue is looked at")
+        return self._heap[0][2]
+
+    def popleft(self) -> Read:
+        return heapq.heappop(self._heap)[2]
+
+    def __iter__(self):
+        return (read for _, _, read in self._heap)
 
 
 class ReadScheduler:
@@ -56,7 +83,7 @@ class ReadScheduler:
         self._fixed_inflight = int(max_inflight_bytes) if max_inflight_bytes is not None else (0 if bytes_per_s else None)
         self.max_inflight_bytes = self._fixed_inflight if self._fixed_inflight is not None else MIN_INFLIGHT_BYTES
         self.bytes_per_s = bytes_per_s
-        self._demand: collections.deque = collections.deque()
+        self._demand = _ByOrder()
         self._speculative: collections.deque = collections.deque()
         self._background: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -109,7 +136,7 @@ class ReadScheduler:
         """Is the read still in the queue (not issued to the disk, not withdrawn)?"""
         return read.state == QUEUED
 
-    def _next_queue(self) -> collections.deque | None:
+    def _next_queue(self):
         """The queue whose head goes next: demand, then speculative, then background once the disk is idle."""
         if self._demand or self._speculative:
             return self._demand or self._speculative

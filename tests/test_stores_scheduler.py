@@ -18,13 +18,13 @@ class _Disk:
     def __init__(self):
         self.issued, self.pending = [], {}
 
-    def read(self, name, nbytes, speculative=False, background=False):
+    def read(self, name, nbytes, speculative=False, background=False, order=0):
         def issue():
             self.issued.append(name)
             self.pending[name] = concurrent.futures.Future()
             return self.pending[name]
 
-        return Read(issue, nbytes, speculative, background)
+        return Read(issue, nbytes, speculative, background, order=order)
 
     def finish(self, name):
         self.pending.pop(name).set_result(name)
@@ -48,6 +48,21 @@ def test_real_disk_path_orders_bounds_expedites_and_withdraws():
         disk.finish(name)
     assert demand.future.result() == "d1" and spec[2].future.result() == "s2"
     assert spec[1].state == WITHDRAWN and "s1" not in disk.issued
+
+
+def test_demand_reads_go_out_by_the_layer_that_needs_them():
+    """A request plans every layer's certain reads at its start; a selective read of layer 1 asked later still goes
+    before the queued reads of layers 2 and 3 (and an expedited guess of layer 2 before layer 3's)."""
+    disk = _Disk()
+    sched = ReadScheduler(max_inflight_bytes=100)
+    for layer in range(4):
+        sched.submit(disk.read(f"keys{layer}", 100, order=layer))
+    guess = sched.submit(disk.read("guess2", 100, speculative=True, order=2))
+    sched.submit(disk.read("values1", 100, order=1))
+    sched.expedite(guess)
+    for name in ("keys0", "keys1", "values1", "keys2", "guess2"):
+        disk.finish(name)
+    assert disk.issued == ["keys0", "keys1", "values1", "keys2", "guess2", "keys3"]
 
 
 def test_background_reads_go_out_only_when_the_disk_is_otherwise_idle():
