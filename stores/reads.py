@@ -3,7 +3,7 @@ disk's read scheduler, each run's chunks checked against their heads' checksums 
 before any is served; gathering token positions from the chunks read.
 
 Under tensor parallelism (`ChunkReads.split_reads`) a kind whose heads the mesh splits is read as each device's
-own heads' byte ranges of every chunk file, and each device's bytes are counted (`StoreMetrics.device_bytes`)."""
+own heads' byte ranges of every chunk, and each device's bytes are counted (`StoreMetrics.device_bytes`)."""
 
 from __future__ import annotations
 
