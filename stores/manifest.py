@@ -35,15 +35,10 @@ MANIFEST_KEY = "manifest.json"
 LOCK_KEY = "manifest.lock"
 
 
-def head_checksums(chunk: np.ndarray) -> tuple[int, ...]:
-    """The checksum of each head's little-endian bytes in a chunk `[heads, chunk_tokens, head_dim]` as stored (a
-    chunk holds its heads one after another): a reader of some heads' byte range can check them."""
-    return tuple(chunk_checksums(np.asarray(chunk)[None])[0].tolist())
-
-
 def chunk_checksums(chunks: np.ndarray) -> np.ndarray:
     """`[n, heads]` uint32 checksums of chunks `[n, heads, chunk_tokens, head_dim]`: the low 32 bits of each head's
-    xxh3-64 (a maintained hash library, ~10 GB/s on one core; the manifest keeps 32 bits per head)."""
+    xxh3-64 (a maintained hash library, ~10 GB/s on one core; the manifest keeps 32 bits per head). Per head, since a
+    chunk holds its heads one after another: a reader of some heads' byte range can check them."""
     chunks = np.ascontiguousarray(chunks)
     n, heads = chunks.shape[:2]
     flat = chunks.view(np.uint8).reshape(n * heads, -1)

@@ -38,15 +38,6 @@ def _write(pages, slots, data):
     return pages.at[slots].set(data, mode="drop")
 
 
-@jax.jit
-def _gather_pages(pages, table):
-    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
-    zeros."""
-    slots, offsets = table[0], table[1]
-    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
-    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), pages.dtype))
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _pages_in_order(pages, size, count):
     """[heads, size, d]: the pages' rows in order (chunk after chunk), zeros from row `count` on."""
@@ -190,7 +181,8 @@ class DevicePool:
         stored_order = np.arange(count)
         if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
             return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
-        return _gather_pages(self._to_device(extent), table)
+        zeros = _zeros((extent.shape[1], table.shape[1], extent.shape[3]), extent.dtype)
+        return _gather(self._to_device(extent), table, zeros)
 
     def _write_pending(self, pages: _Pages) -> None:
         """Every page placed since the last take, in one host->device copy per MAX_WRITE_PAGES."""

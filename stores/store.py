@@ -415,7 +415,7 @@ class KVStore(ChunkReads):
         return "kv/" + key, offset
 
     def _expected_checksums(self, layer: int, kind: int, chunk: int) -> tuple[int, ...] | None:
-        """The chunk's per-head checksums (as `manifest.head_checksums` gives them); None if no segment holds it."""
+        """The chunk's per-head checksums (as `manifest.chunk_checksums` gives them); None if no segment holds it."""
         with self._lock:
             seg = self._cat.segment_of(chunk)
             if seg is None:
