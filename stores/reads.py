@@ -197,10 +197,23 @@ class ChunkReads:
 
     def _verify(self, run: _Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
         """Check each chunk of a landed run against its heads' checksums before any is served (on the thread that
-        landed it)."""
+        landed it). `run.verified` always resolves: a failure here makes the run's chunks misses, never a reader
+        that waits forever."""
         if f.cancelled():  # withdrawn before it was read: nothing was read
             run.verified.cancel()
             return
+        try:
+            self._check_run(run, layer, kind, expected, f)
+        except BaseException as e:  # noqa: BLE001
+            log.exception("chunks %d.. layer %d %s: checking the read failed", run.first_chunk, layer,
+                          kvarray.KIND_NAMES[kind])
+            if not run.verified.done():
+                self.metrics.add(bad_chunks=run.n_chunks)
+                run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
+            if not isinstance(e, Exception):
+                raise
+
+    def _check_run(self, run: _Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
         last = run.first_chunk + run.n_chunks - 1
         try:
             arrays = f.result()

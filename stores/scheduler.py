@@ -16,9 +16,12 @@ import concurrent.futures
 import dataclasses
 import heapq
 import itertools
+import logging
 import threading
 import time
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 QUEUED, ISSUED, DONE, WITHDRAWN = "queued", "issued", "done", "withdrawn"
 MIN_INFLIGHT_BYTES = 32 << 20  # a real disk: at least this much in flight (large reads at a deep queue)...
@@ -197,6 +200,8 @@ class ReadScheduler:
                     self.max_inflight_bytes = self._inflight_limit()
             ready = self._take_ready()
         self._issue(ready)
+        if read.future.done():  # cancelled by its reader: nobody waits for it
+            return
         try:
             read.future.set_result(disk.result())
         except BaseException as e:  # noqa: BLE001 -- the reader's miss, never the scheduler's failure
@@ -287,4 +292,7 @@ class _Timer:
                 while not self._heap or self._heap[0][0] > time.monotonic():
                     self._cv.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
                 _, _, fn = heapq.heappop(self._heap)
-            fn()
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 -- the link must outlive one delivery's failure, or every later
+                log.exception("emulated disk link: a delivery failed")  # read would wait forever

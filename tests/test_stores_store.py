@@ -396,7 +396,7 @@ def test_disk_throttle_within_five_percent(memory_location):
     with KVStore.open(location, fp, context=ctx, disk_bandwidth=bandwidth) as store:
         with store.match(np.arange(n)) as m:
             start = time.perf_counter()
-            got = store.read(m, 0, K).result()
+            got = store.read(m, 0, K).result(timeout=120)
             elapsed = time.perf_counter() - start
     assert got.ok.all()
     rate = got.array.nbytes / elapsed
@@ -415,3 +415,24 @@ def test_throttle_books_the_link_back_to_back():
     after = time.monotonic()
     np.testing.assert_allclose(np.diff(finish), 0.1, rtol=1e-9)
     assert before + 0.1 <= finish[0] <= after + 0.1
+
+
+def test_a_failure_while_checking_a_read_makes_misses_never_a_reader_that_waits_forever(memory_location, monkeypatch):
+    from specjax.stores import reads
+
+    location, ctx = memory_location
+    fp = {"arch": "toy", "num_layers": 1, "kv_heads": 4, "head_dim": 64, "probe_heads": 0, "chunk_tokens": 64}
+    kv = np.random.default_rng(3).standard_normal((4, 256, 64)).astype(np.float32)
+    with KVStore.open(location, fp, context=ctx) as store:
+        store.insert(np.arange(256), [(kv, kv, None)])
+    with KVStore.open(location, fp, context=ctx, disk_bandwidth=50e6) as store:
+        monkeypatch.setattr(reads, "chunk_checksums", lambda arrays: 1 / 0)
+        with store.match(np.arange(256)) as m:
+            got = store.read(m, 0, K).result(timeout=30)
+        assert not got.ok.any()
+        assert store.metrics.snapshot()["bad_chunks"] == 4
+        monkeypatch.undo()
+        with store.match(np.arange(256)) as m:  # the link still delivers
+            got = store.read(m, 0, K).result(timeout=30)
+        assert got.ok.all()
+        np.testing.assert_array_equal(got.array, kv)
