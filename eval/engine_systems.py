@@ -77,8 +77,16 @@ class EngineSystem:
         self.engine = make_engine(self.model, self.system, self.store, self.config)
 
     def warm(self, requests) -> None:
-        """Compile every shape the run will use and fill the caches (`warm_up`)."""
-        warm_up(self.engine, [r.engine_request() for r in requests])
+        """Compile every shape the run will use and fill the caches (`warm_up`); the planner first measures each of
+        its plans on them (`PlannerEngine.calibrate`)."""
+        requests = [r.engine_request() for r in requests]
+        if hasattr(self.engine, "calibrate"):
+            self.engine.calibrate(requests)
+        warm_up(self.engine, requests)
+
+    def summary(self) -> dict | None:
+        """What the run's system measured beyond its requests: the planner's cost model (None for the others)."""
+        return self.engine.model_summary() if hasattr(self.engine, "model_summary") else None
 
     def run(self, request) -> Outcome:
         return _outcome(self.engine.run(request.engine_request()), request)
@@ -160,6 +168,8 @@ def _counters(r, prefix_tokens: int) -> dict:
         # tensor parallel: what each device's reader read of its own heads
         **{f"device{i}_disk_bytes": n for i, n in enumerate(r.disk_bytes_by_device)},
         **_split_counters(r),
+        **({} if r.plan is None or r.plan["predicted_ttft_ms"] is None
+           else {"predicted_ttft_ms": r.plan["predicted_ttft_ms"]}),
         **({} if r.host_exposed_ms is None else {"host_exposed_ms": r.host_exposed_ms}),
     }
 

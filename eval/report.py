@@ -161,6 +161,8 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
         entry["io"]["disk_bytes_by_device"] = [int(v) for v in devices]
     if "computed_prefix_tokens" in totals:  # cake: where computing from the front met loading from the back
         entry["split"] = _split(outs, get)
+    if "predicted_ttft_ms" in totals or run.model is not None:  # the planner
+        entry["planner"] = _planner(outs, run.model)
     layers = _mean_layers(outs)
     if layers:
         entry["layers"] = layers
@@ -179,6 +181,20 @@ def _split(outs, get) -> dict:
             "computed_fraction_per_request_mean": float(np.mean(per_request)) if per_request else 0.0,
             "computed_prefix_tokens_mean": _ratio(get("computed_prefix_tokens"), len(outs)),
             "loaded_prefix_tokens_mean": _ratio(get("reused_tokens") - get("computed_prefix_tokens"), len(outs))}
+
+
+def _planner(outs, model: dict | None) -> dict:
+    """The planner's plans (computed share of the stored prefix per request), its prediction error per request
+    (|predicted - measured| / measured) and its cost model at the run's end."""
+    errors = [abs(o.counters["predicted_ttft_ms"] - o.ttft_ms) / o.ttft_ms for o in outs
+              if o.counters.get("predicted_ttft_ms") and o.ttft_ms > 0]
+    shares = [round(o.counters.get("computed_prefix_tokens", 0) / o.counters["reused_tokens"], 2)
+              for o in outs if o.counters.get("reused_tokens")]
+    return {"prediction_error_median": float(np.median(errors)) if errors else None,
+            "prediction_error_p90": float(np.percentile(errors, 90)) if errors else None,
+            "predicted_requests": len(errors),
+            "computed_share_counts": {str(s): shares.count(s) for s in sorted(set(shares))},
+            "model": model}
 
 
 def _mean_layers(outs) -> dict[str, list[float]]:

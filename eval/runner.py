@@ -30,7 +30,7 @@ import jax
 
 from specjax.engine import shape_key
 from specjax.eval import systems as systems_lib
-from specjax.eval.compiles import CompileCounter
+from specjax.compiles import CompileCounter
 from specjax.eval.errors import EvalError
 from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
@@ -48,6 +48,8 @@ class Run:
     sweep: bool = False  # several retentions in this run: keys carry the retention
     # the base store it copied: {"base", "prefixes_written", "prefixes_reused", "prefixes_repaired"}
     store: dict | None = None
+    # what the system measured beyond its requests (the planner's cost model: rates, compute per plan, crossover)
+    model: dict | None = None
 
     @property
     def key(self) -> str:
@@ -160,8 +162,9 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         repaired = list(getattr(system, "repaired", ()))
         if repaired:
             folder.repair(base, system, repaired)
+        summary = system.summary() if hasattr(system, "summary") else None
         results.append(Run(name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep,
-                           folder.record(base, len(repaired))))
+                           folder.record(base, len(repaired)), summary))
         if partial:
             partial.save(label, results[-1])
     return results

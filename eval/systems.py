@@ -38,6 +38,7 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
+#   predicted_ttft_ms: the planner's prediction of the request's TTFT (its plan's; planner.prediction_error_median)
 COUNTER_KEYS = (
     "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
     "host_to_device_transfers",
@@ -45,7 +46,7 @@ COUNTER_KEYS = (
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
-    "computed_prefix_tokens", "compilations", "host_exposed_ms",
+    "computed_prefix_tokens", "compilations", "host_exposed_ms", "predicted_ttft_ms",
 )
 DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh
 
@@ -151,6 +152,7 @@ KNOWN_SYSTEMS = {s.name: s for s in (
     SystemInfo("spec_gqa", "SPEC with KV-head probes and a per-query-head guard (grouped-query models)", True),
     SystemInfo("contiguous_kv", "ContiguousKV: 16-token chunks, periods, I x F cache", True),
     SystemInfo("cake", "Cake: compute from the front, load from the back", False),
+    SystemInfo("planner", "SPEC computing the head of the prefix a cost model of measured rates picks", True),
     SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)", False),
     SystemInfo("full_reuse", "reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)", False),
 )}

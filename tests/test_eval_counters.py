@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specjax.eval import partial, report, runner, systems, tasks, workload
-from specjax.eval.compiles import CompileCounter
+from specjax.compiles import CompileCounter
 
 from eval_fakes import FakeModel, PlainRecompute
 

@@ -377,7 +377,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
 def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(filled_store):
     """The first take of a size compiles every assembly op of that size, so a later take that starts from device
     zeros (all device hits) where the first one copied a host buffer compiles nothing in a timed request."""
-    from specjax.eval.compiles import CompileCounter
+    from specjax.compiles import CompileCounter
 
     store, tokens, kv = filled_store
     cache = TieredCache(64 * store.layout.chunk_nbytes(V), 0, "lru", metrics=store.metrics)

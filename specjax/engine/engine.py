@@ -103,6 +103,7 @@ class Engine:
         self.probe_is_k = tuple(probe_kv) == tuple(range(self.cfg.num_kv_heads))
         self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
+        self._host_cache_bytes = config.cpu_cache_bytes
         self.requests_run = 0
         self.repaired: list[tuple[int, ...]] = []  # stored sequences whose chunks failed and were stored anew
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
@@ -113,15 +114,21 @@ class Engine:
             store.split_reads({kind: sh.kv_parts(self.cfg, self.mesh, store.layout.heads(kind))
                                for kind in store.layout.kinds()})
             # key summaries (spec_gqa's candidates) live in host memory: the host tier gives up their bytes
-            host_bytes = config.cpu_cache_bytes
             if system.candidates is not None:
-                host_bytes = max(0, host_bytes - store.summary_bytes)
-            self.cache = TieredCache(config.gpu_cache_bytes, host_bytes, system.cache_policy, metrics=store.metrics)
-            self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
+                self._host_cache_bytes = max(0, self._host_cache_bytes - store.summary_bytes)
+            self.empty_caches()
             # queues each layer's reads ahead (LayerIO._read_ahead_of) while the request's thread goes on
             self.io_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-read-ahead")
-            if system.prefetch == "speculative":
-                self.speculator = Speculator(store, self.cache)
+
+    def empty_caches(self) -> None:
+        """Start the device and host tiers empty, and speculation with nothing learned."""
+        store, system, config = self.store, self.system, self.config
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.cache = TieredCache(config.gpu_cache_bytes, self._host_cache_bytes, system.cache_policy,
+                                 metrics=store.metrics)
+        self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
+        self.speculator = Speculator(store, self.cache) if system.prefetch == "speculative" else None
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe
@@ -211,19 +218,26 @@ class Engine:
 
         return Reorderer(self.store).run_once()
 
-    def _run(self, request: Request, *, reuse: bool) -> RequestResult:
+    def _run(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
+        """`head`: the first stored tokens to compute instead of loading (the planner's plan; fewer than stored).
+        The system's identification then chooses among the other r = m - head stored tokens, and every head token is
+        kept."""
         clock = Clock()
         cfg, system = self.cfg, self.system
         tokens = [int(t) for t in request.prefix] + [int(t) for t in request.query]
         match = self.store.match(request.prefix) if reuse else None
         m = match.length if match is not None else 0
+        if m and not 0 <= head < m:
+            raise SpecjaxError(f"a computed head of {head} tokens must be shorter than the {m} stored")
+        head = head if m else 0
+        r = m - head  # stored tokens loaded
         n, new_prefix = len(tokens) - m, len(request.prefix) - m
-        m_pad = bucket(max(m, 1))
-        k = min(m, max(1, math.ceil(self.config.retention * m))) if system.prunes else m
+        m_pad = bucket(max(r, 1))
+        k = min(r, max(1, math.ceil(self.config.retention * r))) if system.prunes else r
         k_cap = bucket(max(k, 1))
         state = st.ImportanceState.init(cfg.num_layers, m_pad)
         writer = self.store.begin_insert(request.prefix, base=match) if reuse and new_prefix > 0 else None
-        io = LayerIO(self, match, m, m_pad, clock)
+        io = LayerIO(self, match, r, m_pad, clock, first=head)
         try:
             if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
                 logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix)
@@ -231,13 +245,14 @@ class Engine:
                 own_tokens = 0  # the computed tokens' KV is the layers' buffers, as for a reused prefix
             else:
                 logits, layers_kv, state, importance, traced = self._prefill_block(
-                    io, m, n, k, k_cap, state, tokens, writer, new_prefix)
+                    io, m, n, k, k_cap, state, tokens, writer, new_prefix, head)
                 own_tokens = n
             ttft, breakdown = clock.finish()
             exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
                                             if self.store is not None else [])
-            # After the first token: importance feedback for reordering, then the write-behind commit.
-            if importance:
+            # After the first token: importance feedback for reordering (of the whole stored prefix: none when a head
+            # was computed), then the write-behind commit.
+            if importance and not head:
                 self.store.record_importance(match, np.stack(importance))
             if writer is not None:
                 writer.commit()  # also releases `match`, which the writer owns
@@ -253,16 +268,26 @@ class Engine:
         conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n, io={}, layers=_layer_report(state, m), prefetch=io.prefetch_report(),
-            selections=traced if self.config.trace else None, host_exposed_ms=exposed)
+            reused_tokens=m, computed_tokens=n + head, io={}, layers=_layer_report(state, r),
+            prefetch=io.prefetch_report(), selections=traced if self.config.trace else None, host_exposed_ms=exposed,
+            split={"stored_tokens": m, "computed_prefix_tokens": head, "loaded_prefix_tokens": r} if head else None)
 
-    def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix):
+    def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix, head=0):
         """The n new tokens as one block over the (selected) reused prefix, layer by layer:
-        (first-token logits, per-layer KV, state, importance per layer, traced selections)."""
+        (first-token logits, per-layer KV, state, importance per layer, traced selections).
+
+        With a `head`, the first head stored tokens are computed alongside, layer by layer (their own causal
+        block), and joined in front of what the layer selected of the loaded rest."""
         cfg, params = self.cfg, self.model.params
         n_pad = bucket(n)
         if m:
             io.plan_reads(range(cfg.num_layers))
+        if head:
+            head_ids = np.zeros(bucket(head), np.int32)
+            head_ids[:head] = tokens[:head]
+            head_positions = jnp.arange(len(head_ids), dtype=jnp.int32)
+            h_head = T.embed_step(cfg, params, jnp.asarray(head_ids), head_positions)
+            head_rotary = T.rotary_step(cfg, head_positions)
         ids = np.zeros(n_pad, np.int32)
         ids[:n] = tokens[m:]
         positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
@@ -276,8 +301,13 @@ class Engine:
                 h, own_k, own_v = T.self_attention_layer(cfg, lp, h, positions, positions < n, rotary)
             else:
                 q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
+                if head:
+                    h_head, head_k, head_v = T.self_attention_layer(cfg, lp, h_head, head_positions,
+                                                                    head_positions < head, head_rotary)
                 state, prefix_k, prefix_v, selection, imp, chosen = self.identification.select(
                     self, io, state, layer, q, own_k, n, k, k_cap)
+                if head:
+                    prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
                 importance.append(imp)
                 traced.append(chosen)
                 h = S.finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,

@@ -76,9 +76,11 @@ class Clock:
 class LayerIO:
     """One request's reads through the prefetcher: what is requested ahead, what is taken, and timing."""
 
-    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: Clock, positions=None):
-        """`positions`: the m match positions the request reads, in order (default: 0..m-1)."""
+    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: Clock, positions=None, first: int = 0):
+        """`positions`: the m match positions the request reads, in order (default: 0..m-1). `first`: the positions
+        this request's layers see are match positions first, first + 1, ... (the planner computes the ones before)."""
         self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
+        self.first = first
         self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
         self.prefetched: dict[int, np.ndarray] = {}
         self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0}  # tokens (prefetch_report)
@@ -95,7 +97,7 @@ class LayerIO:
         key = (layer, positions.tobytes())
         loc = self._locations.get(key)
         if loc is None:
-            loc = self._locations[key] = self.engine.store.locate(self.match, positions, layer)
+            loc = self._locations[key] = self.engine.store.locate(self.match, positions + self.first, layer)
         return loc
 
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):

@@ -124,6 +124,24 @@ def join(prefix, own, width: int):
     return jnp.pad(joined, ((0, 0), (0, width - joined.shape[1]), (0, 0)))
 
 
+def with_head(head_k, head_v, head: int, prefix_k, prefix_v, selection):
+    """The computed first `head` stored tokens (rows [0, head) of head_k / head_v [H, W, d]) in front of a layer's
+    loaded prefix arrays, with a selection that keeps every head row and the loaded rows `selection` keeps."""
+    width = head_k.shape[1] + prefix_k.shape[1]
+    keys, values = join(head_k, prefix_k, width), join(head_v, prefix_v, width)
+    count = selection.idx.shape[-1] if selection.count is None else selection.count
+    return keys, values, type(selection)(_head_rows(selection.idx, head, head_k.shape[1]), head + count)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _head_rows(idx, head: int, offset: int):
+    """Selection rows [k] or [H, k] (positions of the loaded arrays) behind 0..head-1, moved by `offset`."""
+    front = jnp.arange(head, dtype=jnp.int32)
+    if idx.ndim == 2:
+        front = jnp.broadcast_to(front, (idx.shape[0], head))
+    return jnp.concatenate([front, jnp.asarray(idx, jnp.int32) + offset], axis=-1)
+
+
 def context_for_continuation(kv: LayerKV, n: int):
     """Prefix arrays + selection for tokens after the computed ones: the computed tokens join the selection.
 

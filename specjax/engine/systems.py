@@ -16,7 +16,9 @@ IDENTIFY = tuple(identify.POLICIES)
 # what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
 # its selection | ContiguousKV's intra- and inter-period plan
 PREFETCH = ("none", "certain", "speculative", "periods")
-SCHEDULES = ("layers", "cake")  # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake)
+# the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake) | the layer loop computing a planned
+# head of the stored prefix (specjax.engine.planner)
+SCHEDULES = ("layers", "cake", "planner")
 # CacheBlend's token selection: what deviation ranks tokens (recomputed vs reused vectors), and whether later layers
 # keep filtering the set (the paper) or keep the check layer's set (the authors' reference code)
 BLEND_DEVIATIONS = ("value", "key", "key_value")
@@ -93,6 +95,10 @@ SYSTEMS: dict[str, System] = {
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
                chunk_tokens=16),
         System("cake", identify="none", cache_policy="lru", schedule="cake"),
+        # SPEC, computing per request the head of the stored prefix a cost model of measured rates says to (design
+        # 5.2): head 0 is spec, the whole prefix recompute
+        System("planner", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+               schedule="planner"),
         # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
         System("full_reuse", prefetch="certain", cache_policy="lru", blend=0.0),
         System("cacheblend", prefetch="certain", cache_policy="lru", blend=0.15),

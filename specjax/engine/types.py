@@ -53,6 +53,9 @@ class RequestResult:
     # the request's host time that no disk read or device wait overlapped (layer_io.Clock.exposed_host_ms); None
     # where the engine does not measure it
     host_exposed_ms: float | None = None
+    # the planner (specjax.engine.planner): the stored head computed instead of loaded, its predicted TTFT and every
+    # candidate plan's prediction
+    plan: dict | None = None
 
 
 @dataclasses.dataclass

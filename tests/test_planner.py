@@ -1,0 +1,124 @@
+"""The planner (specjax.engine.planner) on random tiny OPT and Llama models: every plan is exact at retention 1.0,
+a computed head is not read, and the cost model picks the plan its measured rates say is fastest."""
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import specjax
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine.planner import CostModel, PlannerEngine, prediction_errors
+from specjax.stores import KVStore
+
+EXACT = 1e-5  # fp32, against the engine's recompute
+STORE_CHUNK = 16
+
+
+@pytest.fixture(scope="module", params=["tiny-opt", "tiny-llama"])
+def model(request):
+    return specjax.load_model(request.param, init="random", seed=1)
+
+
+def _store(model):
+    spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
+    return KVStore.open(spec, fingerprint(model, STORE_CHUNK), context=ts.Context())
+
+
+def _request(model, prefix_len=100, query_len=7, seed=0):
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    return Request(rng.integers(0, v, prefix_len).tolist(), rng.integers(0, v, query_len).tolist(),
+                   [rng.integers(0, v, 3).tolist(), rng.integers(0, v, 6).tolist()])
+
+
+def _planner(model, **config) -> PlannerEngine:
+    engine = make_engine(model, make_system("planner"), _store(model), EngineConfig(**config))
+    assert isinstance(engine, PlannerEngine)
+    return engine
+
+
+def _forced(engine, request, head):
+    engine._forced = head
+    try:
+        return engine.run(request)
+    finally:
+        engine._forced = None
+
+
+def test_every_plan_equals_recompute_at_full_retention(model):
+    req = _request(model)  # 100 stored tokens: heads 0, 16, 48, 64 (whole store chunks) and 100 (recompute)
+    engine = _planner(model, retention=1.0)
+    engine.warm(req.prefix)
+    base = Engine(model, make_system("recompute"), None).run(req)
+    heads = engine.costs.candidates(100, STORE_CHUNK)
+    assert heads == [0, 16, 48, 64, 100]
+    for head in heads:
+        r = _forced(engine, req, head)
+        np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=EXACT, rtol=0)
+        np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
+                                   [c for c, _ in base.continuation_logprobs], atol=EXACT, rtol=0)
+        assert r.plan["head_tokens"] == head and r.plan["stored_tokens"] == 100
+        assert r.split["computed_prefix_tokens"] == head and r.split["loaded_prefix_tokens"] == 100 - head
+        assert r.computed_tokens == len(req.query) + (head if head < 100 else 100)
+
+
+def test_a_computed_head_is_not_read(model):
+    req = _request(model, prefix_len=128)
+    engine = _planner(model, retention=0.25)
+    engine.warm(req.prefix)
+    reads = {head: _forced(engine, req, head).io["disk_bytes"] for head in (0, 64, 128)}
+    assert reads[128] == 0  # recompute
+    assert 0 < reads[64] < reads[0]
+    # at retention 1.0 the loaded tokens' K/V are read whole: the head's share of them is not
+    full = _planner(model, retention=1.0)
+    full.warm(req.prefix)
+    loaded = {head: _forced(full, req, head).io["disk_bytes"] for head in (0, 64)}
+    assert loaded[64] == pytest.approx(loaded[0] / 2, rel=0.05)
+
+
+def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
+    req = _request(model, prefix_len=128)
+    engine = _planner(model)
+    engine.warm(req.prefix)
+    engine.calibrate([req])
+    heads = engine.costs.candidates(128, STORE_CHUNK)
+    assert set(engine.costs.compute_ms) == {(128, h) for h in heads}
+    assert engine.costs.bytes_per_token > 0
+    r = engine.run(req)
+    assert r.plan["predicted_ttft_ms"] is not None
+    assert set(r.plan["candidates_ms"]) == {str(h) for h in heads}
+    assert r.plan["head_tokens"] == min(heads, key=lambda h: r.plan["candidates_ms"][str(h)])
+    assert len(prediction_errors([r])) == 1
+    # a disk too slow to load anything: recompute; an instant one: whichever plan computes fastest
+    engine.rate = lambda: 1.0
+    assert engine.plan(128)[0] == 128
+    engine.rate = lambda: 1e15
+    assert engine.plan(128)[0] == min(heads, key=lambda h: engine.costs.compute_ms[(128, h)])
+
+
+def test_cost_model_prediction_and_crossover():
+    costs = CostModel()
+    # loading-only: 10 ms of compute, 1,000 bytes per token, and waits for half the reading time (1 MB at 10 MB/s:
+    # 100 ms, 50 waited); half computed: 30 ms; recompute: 50 ms
+    costs.observe(1000, 0, ttft_ms=60.0, wait_ms=50.0, disk_bytes=1_000_000, rate=10e6)
+    costs.observe(1000, 500, ttft_ms=30.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
+    costs.observe(1000, 1000, ttft_ms=50.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
+    assert costs.compute_ms == {(1000, 0): 10.0, (1000, 500): 30.0, (1000, 1000): 50.0}
+    assert costs.wait_share == pytest.approx(0.5)
+    assert costs.bytes_per_token == pytest.approx(0.7 * 1000 + 0.3 * 0)  # head 500 read nothing: a running mean
+    costs.bytes_per_token = 1000.0
+    assert costs.predict(1000, 0, 10e6) == pytest.approx(10.0 + 50.0)
+    assert costs.predict(1000, 500, 10e6) == pytest.approx(30.0 + 25.0)
+    assert costs.predict(1000, 1000, 10e6) == pytest.approx(50.0)
+    assert costs.predict(1000, 0, None) is None and costs.predict(1000, 250, 10e6) is None
+    # loading equals recompute's 50 ms where 0.5 x 1e6 bytes / rate = 40 ms: 12.5 MB/s
+    rate = costs.crossover_rate(1000)
+    assert rate == pytest.approx(12.5e6)
+    assert costs.predict(1000, 0, rate) == pytest.approx(50.0)
+    # another prefix length with the same shares: scaled from the measured one
+    assert costs.predict(2000, 1000, 1e15) == pytest.approx(60.0, rel=1e-6)
+    # loading that computes longer than recomputing never wins
+    slow = CostModel()
+    slow.observe(100, 0, 80.0, 0.0, 1000, 1e6)
+    slow.observe(100, 100, 50.0, 0.0, 0, 1e6)
+    assert slow.crossover_rate(100) is None
