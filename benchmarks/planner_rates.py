@@ -125,7 +125,8 @@ def _measured_crossover(points: list[tuple[float, float, float]]) -> str:
                 return (f"Measured crossover: spec is faster than recompute at every rate run (down to "
                         f"{slowest[0] / 1e6:.0f} MB/s); extrapolating its TTFT as a + b / rate through the two slowest "
                         f"rates, it meets recompute's {c0:.0f} ms at {b / (c0 - a) / 1e6:.1f} MB/s.")
-        return f"Measured crossover: spec is faster than recompute at every rate run (down to {slowest[0] / 1e6:.0f} MB/s)."
+        return (f"Measured crossover: spec is faster than recompute at every rate run (down to "
+                f"{slowest[0] / 1e6:.0f} MB/s).")
     return "Measured crossover: not bracketed by the rates run."
 
 

@@ -7,7 +7,7 @@ import tensorstore as ts
 
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine.planner import CostModel, PlannerEngine, prediction_errors
+from specjax.engine.planner import CostModel, Plan, PlannerEngine, prediction_errors
 from specjax.stores import KVStore
 
 EXACT = 1e-5  # fp32, against the engine's recompute
@@ -37,8 +37,8 @@ def _planner(model, **config) -> PlannerEngine:
     return engine
 
 
-def _forced(engine, request, head):
-    engine._forced = head
+def _forced(engine, request, head, load_all=False):
+    engine._forced = Plan(head, load_all)
     try:
         return engine.run(request)
     finally:
@@ -50,14 +50,15 @@ def test_every_plan_equals_recompute_at_full_retention(model):
     engine = _planner(model, retention=1.0)
     engine.warm(req.prefix)
     base = Engine(model, make_system("recompute"), None).run(req)
-    heads = engine.costs.candidates(100, STORE_CHUNK)
-    assert heads == [0, 16, 48, 64, 100]
-    for head in heads:
-        r = _forced(engine, req, head)
+    plans = engine.costs.candidates(100, STORE_CHUNK)
+    assert plans == [Plan(0), Plan(0, load_all=True), Plan(16), Plan(48), Plan(64), Plan(100)]
+    for plan in plans:
+        head = plan.head
+        r = _forced(engine, req, head, plan.load_all)
         np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=EXACT, rtol=0)
         np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
                                    [c for c, _ in base.continuation_logprobs], atol=EXACT, rtol=0)
-        assert r.plan["head_tokens"] == head and r.plan["stored_tokens"] == 100
+        assert r.plan["head_tokens"] == head and r.plan["stored_tokens"] == 100 and r.plan["plan"] == plan.label
         assert r.split["computed_prefix_tokens"] == head and r.split["loaded_prefix_tokens"] == 100 - head
         assert r.computed_tokens == len(req.query) + (head if head < 100 else 100)
 
@@ -69,6 +70,11 @@ def test_a_computed_head_is_not_read(model):
     reads = {head: _forced(engine, req, head).io["disk_bytes"] for head in (0, 64, 128)}
     assert reads[128] == 0  # recompute
     assert 0 < reads[64] < reads[0]
+    everything = _forced(engine, req, 0, load_all=True)  # K and V of every stored token, no probe keys
+    cfg = model.config
+    assert everything.io["disk_bytes"] == everything.io["used_token_bytes"] == 2 * cfg.num_layers * 128 * \
+        cfg.num_kv_heads * cfg.head_dim * 4
+    assert everything.io["probe_disk_bytes"] == 0 and everything.layers["retained"] == [1.0] * model.config.num_layers
     # at retention 1.0 the loaded tokens' K/V are read whole: the head's share of them is not
     full = _planner(model, retention=1.0)
     full.warm(req.prefix)
@@ -81,44 +87,48 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     engine = _planner(model)
     engine.warm(req.prefix)
     engine.calibrate([req])
-    heads = engine.costs.candidates(128, STORE_CHUNK)
-    assert set(engine.costs.compute_ms) == {(128, h) for h in heads}
-    assert engine.costs.bytes_per_token > 0
+    plans = engine.costs.candidates(128, STORE_CHUNK)
+    assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
+    assert engine.costs.bytes_per_token[False] > 0 and engine.costs.bytes_per_token[True] > 0
     r = engine.run(req)
     assert r.plan["predicted_ttft_ms"] is not None
-    assert set(r.plan["candidates_ms"]) == {str(h) for h in heads}
-    assert r.plan["head_tokens"] == min(heads, key=lambda h: r.plan["candidates_ms"][str(h)])
+    assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
+    assert r.plan["plan"] == min(plans, key=lambda p: r.plan["candidates_ms"][p.label]).label
     assert len(prediction_errors([r])) == 1
     # a disk too slow to load anything: recompute; an instant one: whichever plan computes fastest
     engine.rate = lambda: 1.0
-    assert engine.plan(128)[0] == 128
+    assert engine.plan(128)[0] == Plan(128)
     engine.rate = lambda: 1e15
-    assert engine.plan(128)[0] == min(heads, key=lambda h: engine.costs.compute_ms[(128, h)])
+    assert engine.plan(128)[0] == min(plans, key=lambda p: engine.costs.compute_ms[(128, p)])
 
 
 def test_cost_model_prediction_and_crossover():
     costs = CostModel()
-    # loading-only: 10 ms of compute, 1,000 bytes per token, and waits for half the reading time (1 MB at 10 MB/s:
-    # 100 ms, 50 waited); half computed: 30 ms; recompute: 50 ms
-    costs.observe(1000, 0, ttft_ms=60.0, wait_ms=50.0, disk_bytes=1_000_000, rate=10e6)
-    costs.observe(1000, 500, ttft_ms=30.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
-    costs.observe(1000, 1000, ttft_ms=50.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
-    assert costs.compute_ms == {(1000, 0): 10.0, (1000, 500): 30.0, (1000, 1000): 50.0}
-    assert costs.wait_share == pytest.approx(0.5)
-    assert costs.bytes_per_token == pytest.approx(0.7 * 1000 + 0.3 * 0)  # head 500 read nothing: a running mean
-    costs.bytes_per_token = 1000.0
-    assert costs.predict(1000, 0, 10e6) == pytest.approx(10.0 + 50.0)
-    assert costs.predict(1000, 500, 10e6) == pytest.approx(30.0 + 25.0)
-    assert costs.predict(1000, 1000, 10e6) == pytest.approx(50.0)
-    assert costs.predict(1000, 0, None) is None and costs.predict(1000, 250, 10e6) is None
-    # loading equals recompute's 50 ms where 0.5 x 1e6 bytes / rate = 40 ms: 12.5 MB/s
+    # SPEC's plan: 10 ms of compute, 1,000 bytes per token, waits for half the reading time (1 MB at 10 MB/s: 100 ms,
+    # 50 waited); everything loaded: 5 ms, 4,000 bytes per token, waits twice the bytes' time (latency); half
+    # computed: 30 ms; recompute: 50 ms
+    costs.observe(1000, Plan(0), ttft_ms=60.0, wait_ms=50.0, disk_bytes=1_000_000, rate=10e6)
+    costs.observe(1000, Plan(0, load_all=True), ttft_ms=805.0, wait_ms=800.0, disk_bytes=4_000_000, rate=10e6)
+    costs.observe(1000, Plan(500), ttft_ms=55.0, wait_ms=25.0, disk_bytes=500_000, rate=10e6)
+    costs.observe(1000, Plan(1000), ttft_ms=50.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
+    assert costs.compute_ms == {(1000, Plan(0)): 10.0, (1000, Plan(0, True)): 5.0, (1000, Plan(500)): 30.0,
+                                (1000, Plan(1000)): 50.0}
+    assert costs.wait_share == {False: pytest.approx(0.5), True: pytest.approx(2.0)}
+    assert costs.bytes_per_token == {False: pytest.approx(1000.0), True: pytest.approx(4000.0)}
+    assert costs.predict(1000, Plan(0), 10e6) == pytest.approx(10.0 + 50.0)
+    assert costs.predict(1000, Plan(500), 10e6) == pytest.approx(30.0 + 25.0)
+    assert costs.predict(1000, Plan(0, load_all=True), 10e6) == pytest.approx(5.0 + 800.0)
+    assert costs.predict(1000, Plan(1000), 10e6) == pytest.approx(50.0)
+    assert costs.predict(1000, Plan(0), None) is None and costs.predict(1000, Plan(250), 10e6) is None
+    # SPEC's plan equals recompute's 50 ms where 0.5 x 1e6 bytes / rate = 40 ms: 12.5 MB/s (loading everything
+    # would need 8e9 / 45 ms: 178 MB/s)
     rate = costs.crossover_rate(1000)
     assert rate == pytest.approx(12.5e6)
-    assert costs.predict(1000, 0, rate) == pytest.approx(50.0)
+    assert costs.predict(1000, Plan(0), rate) == pytest.approx(50.0)
     # another prefix length with the same shares: scaled from the measured one
-    assert costs.predict(2000, 1000, 1e15) == pytest.approx(60.0, rel=1e-6)
+    assert costs.predict(2000, Plan(1000), 1e15) == pytest.approx(60.0, rel=1e-6)
     # loading that computes longer than recomputing never wins
     slow = CostModel()
-    slow.observe(100, 0, 80.0, 0.0, 1000, 1e6)
-    slow.observe(100, 100, 50.0, 0.0, 0, 1e6)
+    slow.observe(100, Plan(0), 80.0, 0.0, 1000, 1e6)
+    slow.observe(100, Plan(100), 50.0, 0.0, 0, 1e6)
     assert slow.crossover_rate(100) is None
