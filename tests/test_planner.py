@@ -132,3 +132,21 @@ def test_cost_model_prediction_and_crossover():
     slow.observe(100, Plan(0), 80.0, 0.0, 1000, 1e6)
     slow.observe(100, Plan(100), 50.0, 0.0, 0, 1e6)
     assert slow.crossover_rate(100) is None
+
+
+def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importance(model):
+    """Loading everything or computing a head measures nothing of the stored tokens' importance: recording it (all
+    ones, or none for the head) would skew SPEC's reordering (measured: a calibration that recorded its load-all runs
+    left the planner reading 1.7x spec's bytes)."""
+    req = _request(model, prefix_len=128)
+    engine = _planner(model)
+    engine.warm(req.prefix)
+
+    def observations():
+        return sum(int(seg.imp_count.sum()) for seg in engine.store._segments.values())
+
+    for head, load_all in ((0, True), (64, False)):
+        _forced(engine, req, head, load_all)
+        assert observations() == 0
+    _forced(engine, req, 0)
+    assert observations() == 128

@@ -250,9 +250,9 @@ class Engine:
             ttft, breakdown = clock.finish()
             exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
                                             if self.store is not None else [])
-            # After the first token: importance feedback for reordering (of the whole stored prefix: none when a head
-            # was computed), then the write-behind commit.
-            if importance and not head:
+            # After the first token: importance feedback for reordering (of the whole stored prefix, as an identification
+            # measured it: none when a head was computed or every token was loaded), then the write-behind commit.
+            if importance and not head and system.prunes:
                 self.store.record_importance(match, np.stack(importance))
             if writer is not None:
                 writer.commit()  # also releases `match`, which the writer owns
