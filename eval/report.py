@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specjax.engine.planner import prediction_errors
 from specjax.eval import metrics, tasks as tasks_lib, tradeoff
 from specjax.eval.systems import BREAKDOWN_KEYS, device_bytes
 
@@ -186,12 +187,11 @@ def _split(outs, get) -> dict:
 def _planner(outs, model: dict | None) -> dict:
     """The planner's plans (computed share of the stored prefix per request), its prediction error per request
     (|predicted - measured| / measured) and its cost model at the run's end."""
-    errors = [abs(o.counters["predicted_ttft_ms"] - o.ttft_ms) / o.ttft_ms for o in outs
-              if o.counters.get("predicted_ttft_ms") and o.ttft_ms > 0]
+    errors = prediction_errors([(o.counters.get("predicted_ttft_ms"), o.ttft_ms) for o in outs])
     shares = [round(o.counters.get("computed_prefix_tokens", 0) / o.counters["reused_tokens"], 2)
               for o in outs if o.counters.get("reused_tokens")]
-    return {"prediction_error_median": float(np.median(errors)) if errors else None,
-            "prediction_error_p90": float(np.percentile(errors, 90)) if errors else None,
+    return {"prediction_error_median": float(np.median(errors)) if len(errors) else None,
+            "prediction_error_p90": float(np.percentile(errors, 90)) if len(errors) else None,
             "predicted_requests": len(errors),
             "computed_share_counts": {str(s): shares.count(s) for s in sorted(set(shares))},
             "model": model}

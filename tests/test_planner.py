@@ -94,7 +94,7 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     assert r.plan["predicted_ttft_ms"] is not None
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
     assert r.plan["plan"] == min(plans, key=lambda p: r.plan["candidates_ms"][p.label]).label
-    assert len(prediction_errors([r])) == 1
+    assert len(prediction_errors([(r.plan["predicted_ttft_ms"], r.ttft_ms)])) == 1
     # a disk too slow to load anything: recompute; an instant one: whichever plan computes fastest
     engine.rate = lambda: 1.0
     assert engine.plan(128)[0] == Plan(128)

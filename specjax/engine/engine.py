@@ -269,8 +269,7 @@ class Engine:
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n + head, io={}, layers=_layer_report(state, r),
-            prefetch=io.prefetch_report(), selections=traced if self.config.trace else None, host_exposed_ms=exposed,
-            split={"stored_tokens": m, "computed_prefix_tokens": head, "loaded_prefix_tokens": r} if head else None)
+            prefetch=io.prefetch_report(), selections=traced if self.config.trace else None, host_exposed_ms=exposed)
 
     def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix, head=0):
         """The n new tokens as one block over the (selected) reused prefix, layer by layer:

@@ -229,10 +229,9 @@ class PlannerEngine(Engine):
         return self.costs.summary(self.rate())
 
 
-def prediction_errors(results: list[RequestResult]) -> np.ndarray:
-    """|predicted - measured| / measured per request that had a prediction."""
-    pairs = [(r.plan["predicted_ttft_ms"], r.ttft_ms) for r in results if r.plan and r.plan["predicted_ttft_ms"]]
-    return np.asarray([abs(p - t) / t for p, t in pairs if t > 0 and math.isfinite(p)])
+def prediction_errors(pairs) -> np.ndarray:
+    """|predicted - measured| / measured for each (predicted, measured TTFT) pair that has a prediction."""
+    return np.asarray([abs(p - t) / t for p, t in pairs if p and t > 0 and math.isfinite(p)])
 
 
 __all__ = ["CostModel", "Plan", "PlannerEngine", "prediction_errors"]
