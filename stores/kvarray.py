@@ -1,5 +1,6 @@
 """The on-disk KV (TensorStore kvstore): one extent per stored segment, layer and kind; reads of chunk runs as byte
-ranges of those extents through one read scheduler; O_DIRECT.
+ranges of those extents through one read scheduler; O_DIRECT. A local directory's extents are read with `preadv`
+straight into reused landing buffers (`stores.landing`), any other kvstore's through TensorStore.
 
 Layout (store format 3): a segment of n chunks writes, for each layer and kind (K, V, probe keys), one file
 `kv/<first chunk, 12 digits>+<n>/<layer>/<k|v|probe>` holding its chunks one after another, each chunk its heads one
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import tensorstore as ts
 
+from specjax.stores.landing import BUFFERS, LocalFiles
 from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
@@ -94,18 +96,6 @@ class Throttle:
             time.sleep(delay)
 
 
-ALIGN = 4096  # host buffers reads land in: page-aligned (a CPU device then aliases them instead of copying)
-
-
-def aligned_empty(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on an ALIGN boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def _under(kvstore: dict, path: str) -> dict:
     """The kvstore spec of folder `path` inside `kvstore`."""
     store = dict(kvstore)
@@ -148,10 +138,13 @@ class KVArrays:
     `ReadScheduler`."""
 
     def __init__(self, kvstore: dict, layout: Layout, context: ts.Context, *, disk_bandwidth: float | None = None,
-                 max_inflight_bytes: int | None = None):
+                 max_inflight_bytes: int | None = None, direct_io: bool = False):
         self.layout = layout
         self.context = context
-        self._kvs = ts.KvStore.open(_under(kvstore, "kv"), context=context).result()
+        extents = _under(kvstore, "kv")
+        self._kvs = ts.KvStore.open(extents, context=context).result()
+        # a local directory's extents are read with preadv straight into landing buffers (stores.landing)
+        self._files = LocalFiles(extents["path"], direct_io) if extents.get("driver") == "file" else None
         self.scheduler = ReadScheduler(max_inflight_bytes=max_inflight_bytes, bytes_per_s=disk_bandwidth)
 
     def extent_of(self, layer: int, kind: int, seg_first: int, seg_chunks: int, chunk: int) -> tuple[str, int]:
@@ -176,6 +169,7 @@ class KVArrays:
         key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
         key = key.encode()
         chunk_bytes = lay.chunk_nbytes(kind)
+        shape = (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
         if head_parts == 1:
             ranges = [slice(offset, offset + n_chunks * chunk_bytes)]
         else:
@@ -184,6 +178,9 @@ class KVArrays:
                       for j in range(n_chunks) for p in range(head_parts)]
 
         def issue() -> concurrent.futures.Future:
+            if self._files is not None:
+                out = into if into is not None else BUFFERS.empty(shape, lay.np_dtype)
+                return self._files.read(key.decode(), ranges, out)
             reads = [self._kvs.read(key, byte_range=r) for r in ranges]
             return when_all(reads, lambda results: self._decode(kind, key, n_chunks, results, ranges, into))
 

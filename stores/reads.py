@@ -11,10 +11,12 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import weakref
 
 import numpy as np
 
 from specjax.stores import kvarray
+from specjax.stores.landing import BUFFERS
 from specjax.stores.manifest import chunk_checksums
 from specjax.stores.scheduler import when_all
 
@@ -57,8 +59,12 @@ class Extent:
 class _Run:
     """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted. `verified`
     resolves with `(chunks [n, heads, chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the
-    run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread."""
-    read: object
+    run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread.
+
+    The run holds its `Read` weakly: the scheduler holds it until it has landed, and nothing a landed read did refers
+    back to its run, so a run and its landing buffer are freed as soon as their readers let go, not at the next
+    cycle collection (the buffer then serves another read: `stores.landing`)."""
+    _read: "weakref.ref"
     first_chunk: int
     n_chunks: int
     unwanted: int = 0
@@ -67,16 +73,21 @@ class _Run:
     # (`Extent`); None where they stay in the read's own bytes (split reads)
     extent: "Extent | None" = None
 
+    @property
+    def read(self):
+        """The scheduler's `Read`, or None once it has landed and been let go (nothing left to expedite or withdraw)."""
+        return self._read()
+
     def chunk_future(self, chunk: int) -> concurrent.futures.Future:
         """A future of one of the run's chunks: the verified chunk, None if bad; cancelled with the run."""
         out: concurrent.futures.Future = concurrent.futures.Future()
+        j = chunk - self.first_chunk
 
-        def done(verified):
+        def done(verified):  # refers to `out` only, not to the run
             if verified.cancelled():
                 out.cancel()
                 return
             arrays, ok = verified.result()
-            j = chunk - self.first_chunk
             out.set_result(arrays[j] if ok[j] else None)
 
         self.verified.add_done_callback(done)
@@ -159,24 +170,24 @@ class ChunkReads:
                                      :self.layout.heads(kind)]
             extent = extents.get(seg.seg_id)
             into = None if extent is None else extent.array[first - extent.first_chunk:first - extent.first_chunk + n]
-            run = _Run(self._arrays.read_run(layer, kind, seg.first_chunk, seg.n_chunks, first, n,
-                                             speculative=speculative, background=background, head_parts=head_parts,
-                                             into=into),
-                       first, n, extent=extent)
-            run.read.future.add_done_callback(functools.partial(self._verify, run, layer, kind, expected.copy()))
+            read = self._arrays.read_run(layer, kind, seg.first_chunk, seg.n_chunks, first, n,
+                                         speculative=speculative, background=background, head_parts=head_parts,
+                                         into=into)
+            run = _Run(weakref.ref(read), first, n, extent=extent)
+            read.future.add_done_callback(functools.partial(self._verify, run, layer, kind, expected.copy()))
             reads += [ChunkRead(layer, kind, first + j, run) for j in range(n)]
         order = {r.chunk: r for r in reads}
         return [order[c] for c in chunks]
 
     def _extents(self, kind: int, runs: list[tuple]) -> dict:
-        """Per segment read, one aligned buffer spanning the chunks its runs read (`Extent`)."""
+        """Per segment read, one aligned landing buffer spanning the chunks its runs read (`Extent`)."""
         lay = self.layout
         spans: dict = {}
         for seg, first, n in runs:
             lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
             spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
-        return {seg_id: Extent(kvarray.aligned_empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim),
-                                                     lay.np_dtype), lo,
+        return {seg_id: Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype),
+                               lo,
                                lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
                 for seg_id, (seg, lo, hi) in spans.items()}
 
@@ -243,11 +254,13 @@ class ChunkReads:
 
     def expedite(self, read: ChunkRead) -> None:
         """A speculative read is needed now: its run joins the disk's demand queue (if it has not been issued)."""
-        self._arrays.scheduler.expedite(read.run.read)
+        if (run_read := read.run.read) is not None:
+            self._arrays.scheduler.expedite(run_read)
 
     def waiting(self, read: ChunkRead) -> bool:
         """Is the chunk's read still queued, not yet asked of the disk?"""
-        return self._arrays.scheduler.waiting(read.run.read)
+        run_read = read.run.read
+        return run_read is not None and self._arrays.scheduler.waiting(run_read)
 
     def withdraw(self, read: ChunkRead) -> None:
         """A speculative chunk is no longer wanted; once no chunk of its run is, a run not yet issued is dropped
@@ -255,8 +268,8 @@ class ChunkReads:
         with self._lock:
             read.run.unwanted += 1
             done = read.run.unwanted == read.run.n_chunks
-        if done:
-            self._arrays.scheduler.withdraw(read.run.read)
+        if done and (run_read := read.run.read) is not None:
+            self._arrays.scheduler.withdraw(run_read)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
         """Future of `Gathered` for the located positions; chunks are read concurrently."""

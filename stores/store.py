@@ -133,7 +133,7 @@ class KVStore(ChunkReads):
         self._doomed: list[tuple[float, Segment]] = []  # (monotonic time due, retired segment to delete)
         self._closed = False
         arrays = functools.partial(KVArrays, self.kvstore_spec, context=self.context, disk_bandwidth=disk_bandwidth,
-                                   max_inflight_bytes=max_inflight_bytes)
+                                   max_inflight_bytes=max_inflight_bytes, direct_io=direct_io)
         body, stamp = io.read()
         self._arrays = None
         if body is None:

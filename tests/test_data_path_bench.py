@@ -30,10 +30,13 @@ def test_systems_are_measured_against_the_disks_own_rate_in_the_same_run(tmp_pat
     assert disk["disk_GBps"] == max(seconds) > 0 and len(seconds) == 4
     assert disk["preadv"]["cold_GBps"] > 0 and disk["tensorstore"]["cold_GBps"] > 0
     assert set(r["systems"]) == {"as_full", "spec"}
+    # the device's own work of loading everything: more than nothing, less than a request that also reads
+    assert 0 < r["device_floor_ms"] < r["systems"]["as_full"]["ttft_ms"]
     for s in r["systems"].values():
         assert s["disk_bytes"] > 0 and len(s["ttft_ms_per_request"]) == 3
         assert s["bytes_ms"] == pytest.approx(s["disk_bytes"] / (disk["disk_GBps"] * 1e9) * 1e3)
         assert s["ttft_over_bytes_ms"] == pytest.approx(s["ttft_ms"] / s["bytes_ms"])
+        assert s["ttft_over_bound_ms"] == pytest.approx(s["ttft_ms"] / max(s["bytes_ms"], r["device_floor_ms"]))
         assert 0 <= s["host_exposed_ms"] <= max(s["ttft_ms_per_request"])
         assert s["compilations_timed"] == 0
     # as_full reads each layer's K and V as one extent: 2 reads per layer (tiny-llama: 2 layers, one segment)

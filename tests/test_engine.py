@@ -311,8 +311,9 @@ def test_prefetch_counts_as_read_ahead_only_what_was_on_its_way_when_the_layer_t
 
 @pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,))])
 def test_every_layers_certain_reads_are_planned_at_the_request_start(model, name, certain):
-    """The reads each layer needs whatever it selects are all requested on demand, in layer order, before anything
-    else (the request's read plan); no layer's certain reads are requested again; nothing past the last layer."""
+    """The reads each layer needs whatever it selects are all requested on demand, in layer order, and before any
+    other read of that layer (the request's read plan); no layer's certain reads are requested again; nothing past
+    the last layer."""
     req = _request(model, prefix_len=64, seed=3)
     engine = _engine(model, name, retention=0.25)
     engine.warm(req.prefix)
@@ -327,9 +328,53 @@ def test_every_layers_certain_reads_are_planned_at_the_request_start(model, name
     engine.run(req)
     num_layers = model.config.num_layers
     plan = [(layer, kind, False) for layer in range(num_layers) for kind in certain]
-    assert calls[:len(plan)] == plan
-    assert not [c for c in calls[len(plan):] if c[1] in certain and not c[2]]  # never asked on demand again
+    assert [c for c in calls if c[1] in certain and not c[2]] == plan  # never asked on demand again
+    for layer in range(num_layers):
+        of_layer = [c for c in calls if c[0] == layer]
+        assert of_layer[:len(certain)] == [(layer, kind, False) for kind in certain]
     assert max(layer for layer, _, _ in calls) == num_layers - 1
+
+
+def test_the_plan_is_issued_beside_the_first_layers_and_a_take_waits_for_its_layers_plan(model, monkeypatch):
+    """Issuing the read plan (host work per layer) runs on the engine's I/O worker: the request's thread takes layer
+    0 while later layers' reads are still being issued, and never takes a layer before its planned reads are."""
+    import threading
+    import time
+
+    from specjax.engine import layer_io
+
+    req = _request(model, prefix_len=64, seed=4)
+    engine = _engine(model, "as_full")
+    engine.warm(req.prefix)
+    engine.run(req)  # compiled: the patched run below is the host's work only
+    events = []
+    certain = layer_io.LayerIO._request_certain
+    take = layer_io.LayerIO.take
+
+    def slow_certain(self, layer):
+        time.sleep(0.2)
+        certain(self, layer)
+        events.append(("planned", layer, threading.current_thread() is threading.main_thread()))
+
+    def recording_take(self, layer, kind, *args, **kwargs):
+        events.append(("take", layer, threading.current_thread() is threading.main_thread()))
+        out = take(self, layer, kind, *args, **kwargs)
+        events.append(("took", layer, True))
+        return out
+
+    monkeypatch.setattr(layer_io.LayerIO, "_request_certain", slow_certain)
+    monkeypatch.setattr(layer_io.LayerIO, "take", recording_take)
+    result = engine.run(req)
+    reference = _run(model, "recompute", req)
+    np.testing.assert_allclose(result.first_token_logits, reference.first_token_logits, atol=EXACT * 10, rtol=0)
+    planned = [e for e in events if e[0] == "planned"]
+    assert [layer for _, layer, _ in planned] == list(range(model.config.num_layers))
+    assert not any(on_main for _, _, on_main in planned)  # issued by the worker
+    first_take = events.index(next(e for e in events if e[0] == "take"))
+    assert first_take < events.index(planned[-1])  # layer 0 taken while the last layer's plan was still to come
+    for i, (what, layer, _) in enumerate(events):
+        if what == "took":
+            assert ("planned", layer, False) in events[:i]
 
 
 def test_unknown_system():

@@ -347,7 +347,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     page-aligned buffer on the I/O threads, which crosses to the device in one copy, whole (13 chunks of 16 tokens);
     the device puts the rows in order (a reshape in stored order, a gather otherwise), zeros past them. A sparse
     take moves only its vectors."""
-    from specjax.stores import kvarray
+    from specjax.stores import landing
 
     store, tokens, kv = filled_store
     prefetcher = Prefetcher(store, TieredCache(0, 0, "lru", metrics=store.metrics))
@@ -356,7 +356,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     prefetcher.request(m, 1, V, positions)
     extents = {id(e.read.run.extent): e.read.run.extent for e in prefetcher._entries.values()}
     (extent,) = extents.values()
-    assert extent.whole and extent.array.ctypes.data % kvarray.ALIGN == 0 and extent.array.shape[0] == 13
+    assert extent.whole and extent.array.ctypes.data % landing.ALIGN == 0 and extent.array.shape[0] == 13
     before = store.metrics.snapshot()
     taken = prefetcher.take(m, 1, V, positions, pad_to=256)
     after = store.metrics.snapshot()

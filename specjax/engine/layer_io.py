@@ -3,6 +3,8 @@ request's time into the TTFT breakdown (`Clock`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -89,6 +91,9 @@ class LayerIO:
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
         self._locations: dict = {}  # (layer, positions' bytes) -> Locations (`locate`)
         self._ahead = None  # the reads the last `after_selection` queues on the engine's I/O worker (a future)
+        self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
+        self._planned = -1  # the last layer whose planned reads are issued
+        self._planned_cv = threading.Condition()
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`, located once per request: a layer's set is taken as K and V, recorded
@@ -118,17 +123,44 @@ class LayerIO:
         return self.locate(layer, self.all_positions).chunks
 
     def plan_reads(self, layers) -> None:
-        """The request's read plan, issued at its start: what each of `layers` reads whatever it selects (as_full: all
-        K and V; H2O: all keys; SPEC: probe keys), at demand priority in layer order, so the disk works through them
-        at its queue depth while the layers compute; selective reads are issued as each layer's set is known.
+        """The request's read plan: what each of `layers` reads whatever it selects (as_full: all K and V; H2O: all
+        keys; SPEC: probe keys), at demand priority in layer order, so the disk works through them at its queue depth
+        while the layers compute; selective reads are issued as each layer's set is known. The plan is issued by the
+        engine's I/O worker, layer by layer, while this thread goes on to compute the first layer (issuing a 7B
+        model's 56 reads is tens of ms of host work); a layer's take waits until its planned reads are issued.
         ContiguousKV reads its first period's keys here and plans every later read itself (`plan_period`); a system
         that does not prefetch (`prefetch="none"`) reads each layer when it takes it."""
         layers = list(layers)
         if self.engine.system.prefetch == "periods" and layers:
             self._request(layers[0], K, self.all_positions)
             return
-        for layer in layers:
-            self._request_certain(layer)
+        if self.engine.io_worker is None or self.engine.system.prefetch == "none" or not layers:
+            for layer in layers:
+                self._request_certain(layer)
+            return
+        self._plan = self.engine.io_worker.submit(self._issue_plan, layers)
+
+    def _issue_plan(self, layers) -> None:
+        try:
+            for layer in layers:
+                self._request_certain(layer)
+                with self._planned_cv:
+                    self._planned = layer
+                    self._planned_cv.notify_all()
+        finally:
+            with self._planned_cv:
+                self._planned = max(self._planned, self.engine.cfg.num_layers)  # issued or failed: nobody waits
+                self._planned_cv.notify_all()
+
+    def _wait_planned(self, layer: int) -> None:
+        """Until the plan has issued `layer`'s reads (re-raising what issuing the plan raised)."""
+        plan = self._plan
+        if plan is None:
+            return
+        with self._planned_cv:
+            self._planned_cv.wait_for(lambda: self._planned >= layer)
+        if plan.done() and plan.exception() is not None:
+            plan.result()
 
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
         """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
@@ -219,6 +251,7 @@ class LayerIO:
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
+        self._wait_planned(layer)
         if kind != PROBE:  # the layer's K/V: its guess has been issued; what did it get ahead?
             self._join_ahead()
             opened = self._window_opened.pop(layer, None)
@@ -250,6 +283,8 @@ class LayerIO:
 
     def close(self) -> None:
         try:
+            if self._plan is not None:  # issued in full before the prefetcher lets go of its reads (a failure
+                concurrent.futures.wait([self._plan])  # to issue it was raised by the take that needed it)
             self._join_ahead()
         finally:
             if self.engine.prefetcher is not None:

@@ -1,0 +1,156 @@
+"""Where reads land: page-aligned host buffers that stay faulted in and are used again (`LandingBuffers`), and reads
+of a local store's extent files straight into them with `preadv` (`LocalFiles`), the GIL released while the disk
+works.
+
+Why not TensorStore's kvstore read for local files: its result is a Python `bytes` object, built with the GIL held,
+that the engine then copies into its aligned buffer; each copy of fresh memory also faults its pages in (~0.5 GB/s on
+the project's VM against ~5 GB/s for a copy into memory already faulted in). On a 7B model's KV that host work took
+longer than the disk (`benchmarks/data_path.py`), and it held the GIL for 5-25 ms at a time while the request's
+thread waited to compute. A `preadv` into a buffer already faulted in copies nothing on the host (with O_DIRECT the
+disk writes the buffer) and holds no lock a computing thread needs. TensorStore still writes, lists and deletes every
+extent, and reads those of any other kvstore (memory, ocdbt, cloud).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundary
+KEEP_BYTES = 2 << 30  # free landing buffers kept for reuse at most (more are unmapped when released)
+READ_THREADS = 32  # preadv calls in flight at most, over every store of the process (the scheduler bounds bytes)
+
+
+def _size_class(nbytes: int) -> int:
+    """`nbytes` rounded up to a step of 1/8 of its power of two (and at least one page): few sizes, <= 12.5% spare."""
+    nbytes = max(int(nbytes), ALIGN)
+    step = max(ALIGN, 1 << max(0, nbytes.bit_length() - 4))
+    return -(-nbytes // step) * step
+
+
+class LandingBuffers:
+    """Page-aligned host buffers that reads land in, faulted in once and used again.
+
+    `empty(shape, dtype)` lends an uninitialised array on a page boundary. It goes back to the free list when the last
+    reference to it or to any view of it is gone (a CPU device that aliased it holds one until its own array is
+    freed), so a buffer is never written while anything can still read it. At most `keep_bytes` of free buffers are
+    kept."""
+
+    def __init__(self, keep_bytes: int = KEEP_BYTES):
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.stats = {"lent": 0, "reused": 0, "mapped_bytes": 0}
+
+    def empty(self, shape: tuple, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self._free_bytes -= size
+            self.stats["lent"] += 1
+            self.stats["reused"] += buf is not None
+        if buf is None:
+            buf = mmap.mmap(-1, size)  # anonymous: page-aligned
+            np.frombuffer(buf, np.uint8)[::mmap.PAGESIZE] = 0  # fault every page in now, once
+            with self._lock:
+                self.stats["mapped_bytes"] += size
+        flat = np.frombuffer(buf, np.uint8, nbytes)  # its views keep it alive (numpy's base stops at it)
+        weakref.finalize(flat, self._give_back, buf, size)
+        return flat.view(dtype).reshape(shape)
+
+    def _give_back(self, buf: mmap.mmap, size: int) -> None:
+        with self._lock:
+            if self._free_bytes + size <= self.keep_bytes:
+                self._free[size].append(buf)
+                self._free_bytes += size
+                return
+            self.stats["mapped_bytes"] -= size
+        # unmapped when `buf` is collected (this frame's reference is its last)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+
+BUFFERS = LandingBuffers()  # one per process: every store's reads land in it
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="specjax-disk")
+        return _pool
+
+
+class LocalFiles:
+    """Byte ranges of the files under a local directory, read with `preadv` straight into host buffers, on the
+    process's disk threads; O_DIRECT when `direct` (a range or buffer off the 4 KiB boundary is read as the aligned
+    range around it into a landing buffer, then copied)."""
+
+    def __init__(self, root: str, direct: bool):
+        self.root, self.direct = root, direct
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def read(self, key: str, ranges: list[slice], out: np.ndarray) -> concurrent.futures.Future:
+        """Future of `out` once the byte `ranges` of file `key`, one after another, fill it (`out`: C-contiguous,
+        as many bytes as the ranges). It fails with FileNotFoundError if the file is missing and ValueError if it
+        is shorter than a range."""
+        return _read_pool().submit(self._read, key, ranges, out)
+
+    def _read(self, key: str, ranges: list[slice], out: np.ndarray) -> np.ndarray:
+        dest = out.reshape(-1).view(np.uint8)
+        fd = os.open(self.path(key), os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0))
+        try:
+            at = 0
+            for r in ranges:
+                n = r.stop - r.start
+                self._read_range(fd, key, r.start, dest[at:at + n])
+                at += n
+        finally:
+            os.close(fd)
+        return out
+
+    def _read_range(self, fd: int, key: str, offset: int, dest: np.ndarray) -> None:
+        n = len(dest)
+        if not self.direct or (offset % ALIGN == 0 and n % ALIGN == 0 and dest.ctypes.data % ALIGN == 0):
+            got = _pread_full(fd, dest, offset, self.direct)
+        else:  # O_DIRECT needs the aligned range around it
+            lo = offset - offset % ALIGN
+            span = -(-(offset + n - lo) // ALIGN) * ALIGN
+            bounce = BUFFERS.empty((span,), np.uint8)
+            got = max(0, _pread_full(fd, bounce, lo, True) - (offset - lo))
+            got = min(got, n)
+            dest[:got] = bounce[offset - lo:offset - lo + got]
+        if got != n:
+            raise ValueError(f"extent kv/{key} holds {offset + got} bytes, a read of {offset}..{offset + n} "
+                             f"needs {offset + n}")
+
+
+def _pread_full(fd: int, dest: np.ndarray, offset: int, direct: bool) -> int:
+    """Read into all of `dest` from `offset`, as many `preadv`s as it takes; returns the bytes read (fewer at EOF:
+    with O_DIRECT a read that ends off the boundary ended at EOF)."""
+    view = memoryview(dest)
+    total = 0
+    while total < len(dest):
+        got = os.preadv(fd, [view[total:]], offset + total)
+        total += got
+        if got == 0 or (direct and total % ALIGN):
+            break
+    return total
