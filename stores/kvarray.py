@@ -167,7 +167,6 @@ class KVArrays:
         bytes are copied into on the I/O thread that landed them; the future then resolves with it."""
         lay = self.layout
         key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
-        key = key.encode()
         chunk_bytes = lay.chunk_nbytes(kind)
         shape = (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
         if head_parts == 1:
@@ -180,29 +179,27 @@ class KVArrays:
         def issue() -> concurrent.futures.Future:
             if self._files is not None:
                 out = into if into is not None else BUFFERS.empty(shape, lay.np_dtype)
-                return self._files.read(key.decode(), ranges, out)
-            reads = [self._kvs.read(key, byte_range=r) for r in ranges]
-            return when_all(reads, lambda results: self._decode(kind, key, n_chunks, results, ranges, into))
+                return self._files.read(key, ranges, out)
+            reads = [self._kvs.read(key.encode(), byte_range=r) for r in ranges]
+            return when_all(reads, lambda results: self._decode(key, shape, results, ranges, into))
 
         return self.scheduler.submit(Read(issue, n_chunks * chunk_bytes, speculative, background, order=layer))
 
-    def _decode(self, kind: int, key: bytes, n_chunks: int, results: list, ranges: list,
+    def _decode(self, key: str, shape: tuple, results: list, ranges: list,
                 into: np.ndarray | None = None) -> np.ndarray:
         """`[n_chunks, heads, chunk_tokens, head_dim]` from the reads of the extent's byte `ranges` (copied into
         `into` if given)."""
-        lay = self.layout
-        shape = (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
         for result, byte_range in zip(results, ranges):
             if result.state == "missing":
-                raise ValueError(f"extent kv/{key.decode()} is missing")
+                raise ValueError(f"extent kv/{key} is missing")
             if len(result.value) != byte_range.stop - byte_range.start:
-                raise ValueError(f"extent kv/{key.decode()} holds {len(result.value)} bytes at "
+                raise ValueError(f"extent kv/{key} holds {len(result.value)} bytes at "
                                  f"{byte_range.start}..{byte_range.stop}, expected {byte_range.stop - byte_range.start}")
         if into is not None and len(results) == 1:
             into.reshape(-1).view(np.uint8)[:] = np.frombuffer(results[0].value, np.uint8)
             return into
         data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
-        return np.frombuffer(data, lay.np_dtype).reshape(shape)
+        return np.frombuffer(data, self.layout.np_dtype).reshape(shape)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write a whole segment's `[heads, n_chunks * chunk_tokens, head_dim]` of one layer and kind as its extent;
