@@ -309,7 +309,8 @@ def test_prefetch_counts_as_read_ahead_only_what_was_on_its_way_when_the_layer_t
     assert p["guess_recall"] == pytest.approx(p["prefetch_guess_hits"] / p["prefetch_needed"])
 
 
-@pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,))])
+@pytest.mark.parametrize("name, certain", [("as_full", (K, V)), ("as_h2o_lfu", (K,)), ("spec", (PROBE,)),
+                                           ("spec_gqa", (PROBE,))])
 def test_every_layers_certain_reads_are_planned_at_the_request_start(model, name, certain):
     """The reads each layer needs whatever it selects are all requested on demand, in layer order, and before any
     other read of that layer (the request's read plan); no layer's certain reads are requested again; nothing past
@@ -403,6 +404,52 @@ def test_reordered_store_serves_the_same_kv(model):
     full = Engine(model, make_system("impress"), engine.store, EngineConfig(retention=1.0))
     r = full.run(req)
     np.testing.assert_allclose(r.first_token_logits, model.logits(req.prefix + req.query)[-1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("first", [0, 37])
+def test_a_requests_locations_are_the_stores_on_a_reordered_store(model, first):
+    """LayerIO locates every position of the match once per layer and indexes sets out of that: the same chunks
+    and offsets as the store's own lookup, per layer of a store that SPEC's reordering repacked (each layer in its
+    own order), past a computed head of `first` tokens; a position outside the match is refused."""
+    from specjax.engine.layer_io import Clock, LayerIO
+
+    req = _request(model, prefix_len=100, seed=12)
+    engine = _engine(model, "spec", retention=0.25)
+    engine.warm(req.prefix)
+    engine.run(req)
+    assert engine.reorder() >= 1
+    rng = np.random.default_rng(0)
+    with engine.store.match(req.prefix) as match:
+        m = match.length - first
+        io = LayerIO(engine, match, m, m, Clock(), first=first)
+        orders = set()
+        for layer in range(model.config.num_layers):
+            positions = rng.permutation(m)[: m // 3]
+            got, want = io.locate(layer, positions), engine.store.locate(match, positions + first, layer)
+            np.testing.assert_array_equal(got.chunks, want.chunks)
+            np.testing.assert_array_equal(got.offsets, want.offsets)
+            orders.add(io.locate(layer, np.arange(m)).offsets.tobytes())
+        assert len(orders) > 1  # the layers' orders differ: a table shared by all layers would fail above
+        with pytest.raises(IndexError, match="matched prefix"):
+            io.locate(0, [m])
+
+
+def test_speculations_bookkeeping_waits_for_the_first_token(model, monkeypatch):
+    """Which chunks each layer needed (for later requests' speculation) and how its guess did are worked out after
+    the first token: nothing of the request's layers waits on them, and the report still counts every layer."""
+    from specjax.engine import steps as S
+
+    req = _request(model, prefix_len=128, seed=7)
+    engine = _engine(model, "spec", retention=0.25)
+    engine.warm(req.prefix)
+    events = []
+    head_row = S.head_row
+    monkeypatch.setattr(S, "head_row", lambda *a: events.append("first token") or head_row(*a))
+    record = engine.speculator.usage.record
+    monkeypatch.setattr(engine.speculator.usage, "record", lambda *a: events.append("record") or record(*a))
+    p = engine.run(req).prefetch
+    assert events[0] == "first token" and events.count("record") == model.config.num_layers
+    assert p["prefetch_needed"] > 0 and p["prefetch_issued"] > 0
 
 
 def _flip_a_chunk_byte(store_dir):

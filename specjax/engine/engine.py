@@ -250,6 +250,7 @@ class Engine:
             ttft, breakdown = clock.finish()
             exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
                                             if self.store is not None else [])
+            io.after_first_token()
             # After the first token: importance feedback for reordering (of the whole stored prefix, as an identification
             # measured it: none when a head was computed or every token was loaded), then the write-behind commit.
             if importance and not head and system.prunes:

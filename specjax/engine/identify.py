@@ -1,9 +1,9 @@
 """How a layer chooses which reused prefix tokens it keeps, and therefore what it must read: one policy per
 identification a `System` names (`System.identify`).
 
-Each policy declares `certain_reads`, the store kinds a layer reads whatever it then selects (what `certain`
-prefetch reads one layer ahead), `selection_reads(engine)`, the kinds it reads for the tokens it selects (what
-speculation reads ahead), and `select`, which reads through the request's `LayerIO`, updates the
+Each policy declares `certain_reads(engine)`, the store kinds a layer reads whatever it then selects (the request's
+read plan issues them for every layer at its start), `selection_reads(engine)`, the kinds it reads for the tokens it
+selects (what speculation reads ahead), and `select`, which reads through the request's `LayerIO`, updates the
 `ImportanceState` and returns the layer's prefix KV with its selection:
 
     (state, prefix_k, prefix_v, selection, importance of R [m], chosen positions of R [1 or H, k])
@@ -50,7 +50,8 @@ def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n, prefix_le
 class LoadAll:
     """No identification: every prefix token's K and V (AttentionStore, and CacheBlend's full reuse)."""
 
-    certain_reads = (K, V)
+    def certain_reads(self, engine: Engine) -> tuple:
+        return (K, V)
 
     def selection_reads(self, engine: Engine) -> tuple:
         return ()
@@ -66,7 +67,8 @@ class LoadAll:
 class H2O:
     """Per-head H2O (AS+H2O): every head's scores from all keys, then the values of each head's top-k."""
 
-    certain_reads = (K,)
+    def certain_reads(self, engine: Engine) -> tuple:
+        return (K,)
 
     def selection_reads(self, engine: Engine) -> tuple:
         return (V,)
@@ -91,7 +93,8 @@ class ITF(H2O):
     tiny-llama's 3 over its 2; not smollm2, whose 3 probe heads share one of its 3 KV heads), they are the layer's
     K: the shared set's keys are gathered from them, and only its V read."""
 
-    certain_reads = (PROBE,)
+    def certain_reads(self, engine: Engine) -> tuple:
+        return (PROBE,)
 
     def selection_reads(self, engine: Engine) -> tuple:
         return (V,) if engine.probe_is_k else (K, V)
@@ -122,7 +125,8 @@ class Chunks:
     chunks; the period's other layers reuse that set from the state and find it prefetched (`LayerIO.plan_period`
     plans every read, so nothing is certain ahead of it)."""
 
-    certain_reads = ()
+    def certain_reads(self, engine: Engine) -> tuple:
+        return ()
 
     def selection_reads(self, engine: Engine) -> tuple:
         return (K, V)
@@ -171,12 +175,18 @@ class GroupedITF:
     Probe keys come from the store's probe kind when its heads are these probe KV heads (one query head per KV
     head), else from K (grouped-query models: the candidates' keys of every KV head come with the chunk files)."""
 
-    certain_reads = ()
+    def certain_reads(self, engine: Engine) -> tuple:
+        """Without a candidate stage every position is a candidate: its probe keys are read whatever the layer then
+        selects. With one, what is read depends on the candidates."""
+        return (self.probe_source(engine),) if engine.system.candidates is None else ()
 
     def selection_reads(self, engine: Engine) -> tuple:
-        """A selected position's probe keys are read as a candidate's; its keys come with them when the probe keys
-        are every KV head's."""
-        return (PROBE, V) if self.probe_source(engine) == PROBE and engine.probe_is_k else (K, V)
+        """A selected position's keys and values. Its keys come with its probe keys when those are every KV head's
+        (read as a candidate's: already planned without a candidate stage), else they are read apart."""
+        with_probe = self.probe_source(engine) == K or engine.probe_is_k
+        if not with_probe:
+            return (K, V)
+        return (V,) if engine.system.candidates is None else (self.probe_source(engine), V)
 
     @staticmethod
     def probe_kv(engine: Engine) -> tuple[int, ...]:

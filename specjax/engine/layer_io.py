@@ -87,22 +87,32 @@ class LayerIO:
         self.prefetched: dict[int, np.ndarray] = {}
         self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0}  # tokens (prefetch_report)
         self._behind: dict[int, list] = {}  # layer -> guessed positions not on their way when the layer took them
+        self._selected: list = []  # (layer, chosen, guess, behind) per layer, until `after_first_token`
         self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
         self._locations: dict = {}  # (layer, positions' bytes) -> Locations (`locate`)
+        self._every_position: dict = {}  # layer -> Locations of every match position from `first` on
         self._ahead = None  # the reads the last `after_selection` queues on the engine's I/O worker (a future)
         self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
 
     def locate(self, layer: int, positions) -> Locations:
-        """Where `positions` lie at `layer`, located once per request: a layer's set is taken as K and V, recorded
-        and ranked for the next layer's guess from one lookup."""
+        """Where `positions` lie at `layer`: the store locates every position of the match once per layer and
+        request, and a set of positions is indexed out of that (a layer's set is taken as K and V, recorded and
+        ranked for the next layer's guess from one lookup)."""
         positions = np.asarray(positions, np.int64)
         key = (layer, positions.tobytes())
         loc = self._locations.get(key)
         if loc is None:
-            loc = self._locations[key] = self.engine.store.locate(self.match, positions + self.first, layer)
+            every = self._every_position.get(layer)
+            if every is None:
+                every = self._every_position[layer] = self.engine.store.locate(
+                    self.match, np.arange(self.first, self.match.length), layer)
+            if len(positions) and (positions.min() < 0 or positions.max() >= len(every.chunks)):
+                raise IndexError(f"positions must lie in [0, {len(every.chunks)}) of the matched prefix past its "
+                                 f"first {self.first} tokens")
+            loc = self._locations[key] = Locations(every.chunks[positions], every.offsets[positions])
         return loc
 
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
@@ -115,7 +125,7 @@ class LayerIO:
         that prefetch them."""
         if self.engine.system.prefetch in ("none", "periods"):
             return
-        for kind in self.engine.system.certain_reads:
+        for kind in self.engine.identification.certain_reads(self.engine):
             self._request(layer, kind, self.all_positions)
 
     def _chunks_of_all(self, layer: int) -> np.ndarray:
@@ -197,23 +207,32 @@ class LayerIO:
             cache.feedback((layer, kind, int(chunk)), importance=float(importance))
 
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
-        """The layer's token set is loaded and its compute dispatched: score the speculation made for it, record
-        which chunks it needed, then, off this thread (`_read_ahead_of`), queue the guess of the next layer's
-        selection (spec) while this one computes. (Certain reads were all planned at the request's start.)"""
+        """The layer's token set is loaded and its compute dispatched: keep what the speculation made for it
+        guessed (scored after the first token, `after_first_token`), then, off this thread (`_read_ahead_of`),
+        queue the guess of the next layer's selection (spec) while this one computes. (Certain reads were all
+        planned at the request's start.)"""
         self._join_ahead()
-        if self.engine.speculator is not None:
-            self.engine.speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
-                                                self.locate(layer, chosen).unique_chunks())
-        guess = self.prefetched.pop(layer, None)
-        behind = self._behind.pop(layer, [])
-        if guess is not None:
+        self._selected.append((layer, chosen, self.prefetched.pop(layer, None), self._behind.pop(layer, [])))
+        self._read_ahead_of(layer, chosen)
+
+    def after_first_token(self) -> None:
+        """What each layer's selection tells, kept off the path to the first token since nothing in this request
+        depends on it: which chunks the layer needed, for later requests' speculation (`ChunkUsage`), and how what
+        was read ahead for it did (`prefetch_report`)."""
+        selected, self._selected = self._selected, []
+        speculator = self.engine.speculator
+        for layer, chosen, guess, behind in selected:
+            if speculator is not None:
+                speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
+                                        self.locate(layer, chosen).unique_chunks())
+            if guess is None:
+                continue
             ahead = np.setdiff1d(guess, np.concatenate(behind)) if behind else guess
             self.stats["issued"] += len(guess)
             self.stats["ahead"] += len(ahead)
             self.stats["needed"] += len(chosen)
             self.stats["used"] += len(np.intersect1d(ahead, chosen))
             self.stats["guess_hits"] += len(np.intersect1d(guess, chosen))
-        self._read_ahead_of(layer, chosen)
 
     def _read_ahead_of(self, layer: int, chosen: np.ndarray) -> None:
         """The guess of layer + 1's selection, issued by the engine's I/O worker while this thread goes on to the next
@@ -246,7 +265,8 @@ class LayerIO:
             self.engine.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
                                            speculative=True)
         guess = np.concatenate([now, background])
-        self.prefetched[layer] = self.all_positions[np.isin(self._chunks_of_all(layer), guess)]
+        chunks, chunk_of = self.locate(layer, self.all_positions).chunk_index
+        self.prefetched[layer] = self.all_positions[np.isin(chunks, guess)[chunk_of]]
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;

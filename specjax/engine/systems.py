@@ -72,11 +72,6 @@ class System:
     def prunes(self) -> bool:
         return self.identify != "none"
 
-    @property
-    def certain_reads(self) -> tuple[int, ...]:
-        """The store kinds (K, V, PROBE) a layer reads whatever it selects; what `certain` prefetch reads ahead."""
-        return identify.POLICIES[self.identify].certain_reads
-
 
 SYSTEMS: dict[str, System] = {
     s.name: s
