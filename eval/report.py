@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.engine.planner import prediction_errors
 from specjax.eval import metrics, tasks as tasks_lib, tradeoff
-from specjax.eval.systems import BREAKDOWN_KEYS, device_bytes
+from specjax.eval.systems import BREAKDOWN_KEYS, check_counters, device_bytes
 
 # ---------------------------------------------------------------- schema (design.md section 7)
 
@@ -119,6 +119,7 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
     acc = metric(scored)
     totals = {}
     for o in outs:
+        check_counters(o.counters)  # also what was added after the system answered (the runner's compiles)
         for k, v in o.counters.items():
             totals[k] = totals.get(k, 0.0) + v
     get = lambda k: totals.get(k, 0.0)  # noqa: E731

@@ -39,6 +39,7 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
 #   predicted_ttft_ms: the planner's prediction of the request's TTFT (its plan's; planner.prediction_error_median)
+#   recomputed_tokens: cacheblend / full_reuse, the context tokens recomputed per layer, averaged over the layers
 COUNTER_KEYS = (
     "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
     "host_to_device_transfers",
@@ -46,7 +47,7 @@ COUNTER_KEYS = (
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
-    "computed_prefix_tokens", "compilations", "host_exposed_ms", "predicted_ttft_ms",
+    "computed_prefix_tokens", "compilations", "host_exposed_ms", "predicted_ttft_ms", "recomputed_tokens",
 )
 DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh
 
@@ -71,17 +72,23 @@ class Outcome:
     layers: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
+def check_counters(counters: Mapping[str, float]) -> None:
+    """One vocabulary from the engine to results.json: a counter it does not know is a bug, not a new name."""
+    unknown = sorted(k for k in set(counters) - set(COUNTER_KEYS) if not DEVICE_COUNTER.fullmatch(k))
+    if unknown:
+        raise TypeError(f"system outcome has unknown counters {unknown}; known: {', '.join(COUNTER_KEYS)}")
+
+
 def as_outcome(x: Any) -> Outcome:
-    """Accept an Outcome, a mapping or any object with Outcome's fields."""
+    """Accept an Outcome, a mapping or any object with Outcome's fields (its counters checked in each case)."""
     if isinstance(x, Outcome):
+        check_counters(x.counters)
         return x
     get = x.get if isinstance(x, Mapping) else (lambda k, d=None: getattr(x, k, d))
     missing = [k for k in ("choice_logprobs", "choice_greedy", "ttft_ms") if get(k) is None]
     if missing:
         raise TypeError(f"system outcome lacks {missing}")
-    unknown = sorted(k for k in set(get("counters") or {}) - set(COUNTER_KEYS) if not DEVICE_COUNTER.fullmatch(k))
-    if unknown:  # one vocabulary: a counter results.json would not know is a bug, not a new name
-        raise TypeError(f"system outcome has unknown counters {unknown}; known: {', '.join(COUNTER_KEYS)}")
+    check_counters(get("counters") or {})
     return Outcome(
         [float(v) for v in get("choice_logprobs")], [bool(v) for v in get("choice_greedy")],
         float(get("ttft_ms")), {k: float(v) for k, v in (get("breakdown_ms") or {}).items()},

@@ -165,3 +165,17 @@ def test_a_counter_outside_the_vocabulary_is_refused():
     outcome["counters"] = {"devicex_disk_bytes": 1}
     with pytest.raises(TypeError, match="unknown counters"):
         systems.as_outcome(outcome)
+
+
+def test_an_outcome_object_and_a_counter_added_after_it_answered_are_checked_too():
+    """A system returning an Outcome itself (the engine's systems) passes the same check, and so does a counter
+    added to it later (the runner adds compiles): results are built only from names results.json knows."""
+    outcome = systems.Outcome([0.0], [True], 1.0, {}, {"disk_bytes": 1.0, "gpu_hits": 2.0})
+    with pytest.raises(TypeError, match=r"unknown counters \['gpu_hits'\]"):
+        systems.as_outcome(outcome)
+    known = systems.as_outcome(systems.Outcome([0.0], [True], 1.0, {}, {"disk_bytes": 1.0, "recomputed_tokens": 3.0}))
+    known.counters["gpu_hits"] = 2.0
+    run = runner.Run("fake", 0.25, [known], warm_s=0.0, run_s=0.0)
+    request = type("Request", (), {"choices": ["a"], "gold": 0})()
+    with pytest.raises(TypeError, match=r"unknown counters \['gpu_hits'\]"):
+        report.system_entry(run, [request], None)
