@@ -1,7 +1,7 @@
 """specjax.kernels: Pallas GPU kernels (with plain-jnp references) for probe scoring and
 gathered attention over selected prefix KV, plus SPEC's ITF helpers."""
 
-from specjax.kernels._common import IMPL_ENV_VAR, kernel_impl, resolve_impl
+from specjax.kernels._common import IMPL_ENV_VAR, kernel_impl, online_softmax_step, resolve_impl
 from specjax.kernels.gathered_attention import (
     gathered_attention,
     gathered_attention_pallas,
@@ -16,7 +16,7 @@ from specjax.kernels.probe_scores import (
 from specjax.kernels.selections import BlockTable, PerHeadIndices, Selection, SharedIndices
 
 __all__ = [
-    "IMPL_ENV_VAR", "kernel_impl", "resolve_impl",
+    "IMPL_ENV_VAR", "kernel_impl", "resolve_impl", "online_softmax_step",
     "probe_scores", "probe_scores_pallas", "probe_scores_reference",
     "gathered_attention", "gathered_attention_pallas", "gathered_attention_reference",
     "SharedIndices", "PerHeadIndices", "BlockTable", "Selection",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels._common import online_softmax_step
+from specjax.kernels import online_softmax_step
 
 NEG_INF = -1e30  # finite, so fully masked padded rows stay NaN-free
 IMPLS = ("auto", "blocked", "cudnn", "reference")
