@@ -128,10 +128,6 @@ class LayerIO:
         for kind in self.engine.identification.certain_reads(self.engine):
             self._request(layer, kind, self.all_positions)
 
-    def _chunks_of_all(self, layer: int) -> np.ndarray:
-        """The chunk of each of the request's positions at `layer`."""
-        return self.locate(layer, self.all_positions).chunks
-
     def plan_reads(self, layers) -> None:
         """The request's read plan: what each of `layers` reads whatever it selects (as_full: all K and V; H2O: all
         keys; SPEC: probe keys), at demand priority in layer order, so the disk works through them at its queue depth
@@ -223,7 +219,7 @@ class LayerIO:
         speculator = self.engine.speculator
         for layer, chosen, guess, behind in selected:
             if speculator is not None:
-                speculator.usage.record(layer, np.unique(self._chunks_of_all(layer)),
+                speculator.usage.record(layer, self.locate(layer, self.all_positions).unique_chunks(),
                                         self.locate(layer, chosen).unique_chunks())
             if guess is None:
                 continue
