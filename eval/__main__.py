@@ -115,6 +115,14 @@ flags.DEFINE_enum("blend_deviation", "value", BLEND_DEVIATIONS, "cacheblend: the
 flags.DEFINE_enum("blend_filter", "gradual", BLEND_FILTERS, "cacheblend: each later layer keeps the most "
                   "deviating part of the previous layer's set (gradual, the paper) or recomputes the check layer's "
                   "set on every layer (fixed, the authors' code).")
+flags.DEFINE_string("record_selections", None, "Folder to record, for each system that identifies, the attention "
+                    "scores its identification decided from (one file per system and retention), to replay in a "
+                    "timing run of another shape (--replay_selections; specjax.engine.replay).")
+flags.DEFINE_string("replay_selections", None, "Folder of selection traces (--record_selections): each system that "
+                    "identifies decides from the recorded scores of its own system and retention instead of its own, "
+                    "mapped by request, relative layer depth and relative prefix offset. Same task only; onto random "
+                    "weights or the recording model. Accuracy of a replayed run is meaningless; its TTFT, bytes, "
+                    "reads and hits are what it is for.")
 # where things go
 flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
                     "temporary directory removed at the end.")
@@ -159,7 +167,8 @@ SYSTEM_FLAGS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_ch
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "store",
-             "output_dir", "preset", "revision", "tensor_parallel") + SYSTEM_FLAGS
+             "output_dir", "preset", "revision", "tensor_parallel", "record_selections",
+             "replay_selections") + SYSTEM_FLAGS
 
 
 def _ok(parse, value) -> bool:
@@ -256,7 +265,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        **{k: values[k] for k in SYSTEM_FLAGS})
+        selections=_selection_setting(values), **{k: values[k] for k in SYSTEM_FLAGS})
 
     code = code_version()
     partial = PartialRuns(output_dir, {
@@ -266,6 +275,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         "device": device_description()},
         resume=resume)
     runs = runner.plan(names, retentions)
+    traces = _replayed(model, runs, settings)  # a trace that cannot be replayed fails before any work
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
         store_dir = pathlib.Path(values["store"]).expanduser() if values["store"] else pathlib.Path(tmp)
@@ -280,6 +290,14 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     if settings.disk_bandwidth or settings.pcie_bandwidth:
         notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
     notes += report.store_notes(done)
+    if traces:
+        recorded = sorted({f"{t['recorded_by']} ({t['weights']} weights) on {t['task']}" for t in traces.values()})
+        notes.append(f"selections replayed from {values['replay_selections']}, recorded by {', '.join(recorded)}: "
+                     "accuracy is meaningless (the recorded model's choices, this model's logits); TTFT, bytes, "
+                     "reads, hits and plans are what this run measures (see `selections`)")
+    elif values["record_selections"]:
+        notes.append(f"selections recorded into {values['record_selections']}: each layer's scores were copied to "
+                     "the host as it identified, and that is in these TTFTs")
     if partial.loaded:
         notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
                      "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
@@ -304,6 +322,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
                 "command": shlex.join(sys.argv), "code": code, "resumed": partial.loaded,
                 "wall_s": time.time() - started,
+                "selections": _selections_record(values, traces),
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     written = report.write_all(results, output_dir)
     report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
@@ -311,6 +330,45 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     partial.discard()
     _print_summary(results, written)
     return results
+
+
+def _selection_setting(values: dict) -> systems_lib.SelectionTrace | None:
+    if values["record_selections"] and values["replay_selections"]:
+        raise EvalError("--record_selections and --replay_selections exclude each other: record a trace in one run, "
+                        "replay it in another")
+    folder, mode = ((values["record_selections"], "record") if values["record_selections"] else
+                    (values["replay_selections"], "replay"))
+    if folder is None:
+        return None
+    return systems_lib.SelectionTrace(mode, str(pathlib.Path(folder).expanduser()), values["task"],
+                                      values["prefix_tokens"])
+
+
+def _replayed(model, runs, settings: systems_lib.SystemSettings) -> dict:
+    """Each run that replays a selection trace: what the trace says of its recording (loading it checks it)."""
+    if settings.selections is None or settings.selections.mode != "replay":
+        return {}
+    found = {}
+    for name, retention in runs:
+        if retention is None:
+            continue
+        system = systems_lib.make_system(name, model, dataclasses.replace(settings, retention=retention))
+        trace = getattr(system, "selections", None)
+        if trace is not None:
+            found[f"{name}@r={retention:g}"] = trace.describe()
+    if not found:
+        raise EvalError(f"--replay_selections {settings.selections.folder}: none of these systems identifies "
+                        "(nothing to replay); replay into systems such as spec, spec_gqa or as_h2o_lfu")
+    return found
+
+
+def _selections_record(values: dict, traces: dict) -> dict | None:
+    """results.json `selections`: recorded into a folder, or replayed (per run: from what)."""
+    if values["record_selections"]:
+        return {"mode": "record", "folder": values["record_selections"]}
+    if values["replay_selections"]:
+        return {"mode": "replay", "folder": values["replay_selections"], "runs": traces}
+    return None
 
 
 def _print_summary(results: dict, written: list[pathlib.Path]) -> None:

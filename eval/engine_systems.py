@@ -5,10 +5,12 @@ Every system, recompute included, runs through the same engine, so their TTFTs a
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 
 from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine import blend, cake
+from specjax.engine import blend, cake, replay
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
@@ -36,6 +38,22 @@ class EngineSystem:
             cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None
         self.engine = None if self.needs_store else make_engine(model, self.system, None, self.config)
+        self.selections = self._selection_trace()  # a bad trace fails before any store is written
+
+    def _selection_trace(self) -> replay.Recorder | replay.Replay | None:
+        """What identification records its scores into or replays them from (--record_selections,
+        --replay_selections); None for systems that do not identify."""
+        trace, s = self.settings.selections, self.settings
+        if trace is None or not self.system.prunes:
+            return None
+        if trace.mode == "record":
+            return replay.Recorder(replay.source_of(self.model, self.name, s.retention, trace.task,
+                                                    trace.prefix_tokens))
+        # the planner's loaded part identifies as SPEC: its recording may have computed every prefix (no scores)
+        stand_ins = ["spec"] if self.system.schedule == "planner" else []
+        found = replay.Replay.find(trace.folder, [self.name, *stand_ins], s.retention)
+        found.check(self.model, trace.task)
+        return found.bind(self.model.config)
 
     @property
     def store_key(self) -> str:
@@ -75,6 +93,7 @@ class EngineSystem:
                                       disk_bandwidth=self.settings.disk_bandwidth,
                                       max_inflight_bytes=self.settings.inflight_bytes)
         self.engine = make_engine(self.model, self.system, self.store, self.config)
+        self.engine.selections = self.selections
 
     def warm(self, requests) -> None:
         """Compile every shape the run will use and fill the caches (`warm_up`); the planner first measures each of
@@ -94,6 +113,9 @@ class EngineSystem:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if isinstance(self.selections, replay.Recorder):
+            folder = pathlib.Path(self.settings.selections.folder)
+            self.selections.save(folder / replay.trace_name(self.name, self.settings.retention))
 
 
 class BlendSystem(EngineSystem):

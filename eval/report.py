@@ -328,6 +328,13 @@ def markdown(results: dict) -> str:
             f"- weights: {results['weights']}",
             f"- emulation: {'on' if emulated else 'off'} (disk {emu['disk_bandwidth']} B/s, "
             f"PCIe {emu['pcie_bandwidth']} B/s, direct I/O {emu['direct_io']})"]
+    selections = results.get("selections")
+    if selections and selections["mode"] == "replay":
+        out.append(f"- selections: **replayed** from {selections['folder']} (" + "; ".join(
+            f"{run}: {t['system']} of {t['recorded_by']} on {t['task']}, {t['requests']} requests"
+            for run, t in selections["runs"].items()) + ")")
+    elif selections:
+        out.append(f"- selections: recorded into {selections['folder']}")
     if "workload" in results:
         w = results["workload"]
         out.append(f"- workload: {w['num_requests']} requests over {w['num_prefixes']} shared prefixes; "

@@ -5,14 +5,14 @@ prefix of the workload; systems that lay out their store differently (another ch
 cached text chunks, other weights) name it with a `store_key` attribute and get a base store of their own. A base
 store outlives the run: a later evaluation on the same --store folder reuses the prefixes stored (results say how
 many were reused and written), and several processes may populate one at once (a lock file per base store). Each
-(system, retention) run then gets its own fresh copy of that directory, in a folder private to this process
-(`StoreFolder`), so write-behind, reordering or checksum repairs of one run cannot leak into another, nor one
-process's runs into another's. Caches start empty and are warmed with the same warm-up passes (each unique prefix
-once, in order of first arrival), then requests of shapes not seen yet run once untimed, so no
-timed request should include JIT compilation; the compiles that still happen in a timed request are counted in its
-`compilations` counter. Compiled programs are dropped after each system, so every system
-compiles its own in those untimed passes and a long run's programs never pile up past the process's limit on
-memory mappings.
+(system, retention) run then gets its own fresh copy of that directory (hard links to its files: the store replaces
+files, never changes them), in a folder private to this process (`StoreFolder`), so write-behind, reordering or
+checksum repairs of one run cannot leak into another, nor one process's runs into another's. Caches start empty
+and are warmed with the same warm-up passes (each unique prefix once, in order of first arrival), then requests of
+shapes not seen yet run once untimed, so no timed request should include JIT compilation; the compiles that still
+happen in a timed request are counted in its `compilations` counter. Compiled programs are dropped after each
+system, so every system compiles its own in those untimed passes and a long run's programs never pile up past the
+process's limit on memory mappings.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
 from specjax.stores.errors import is_disk_full
+from specjax.stores.manifest import LOCK_KEY as MANIFEST_LOCK
 
 
 @dataclasses.dataclass
@@ -207,14 +208,15 @@ class StoreFolder:
         return None if base is None else dict(self.bases[base], prefixes_repaired=repaired)
 
     def private_copy(self, base: pathlib.Path, label: str) -> pathlib.Path:
-        """A fresh copy of `base` for one run, in this process's own folder."""
+        """A fresh copy of `base` for one run, in this process's own folder: its files hard links to the base's where
+        the filesystem allows (`_link_or_copy`), so a run's copy costs no bytes and no time however large the store."""
         if self.private is None:
             self._make_private()
         copy = self.private / label
         shutil.rmtree(copy, ignore_errors=True)
         with self._locked(base, fcntl.LOCK_SH):
             try:
-                shutil.copytree(base, copy)
+                shutil.copytree(base, copy, copy_function=_link_or_copy)
             except (shutil.Error, OSError) as e:
                 shutil.rmtree(copy, ignore_errors=True)
                 raise EvalError(_copy_failed(base, copy, e)) from None
@@ -244,6 +246,19 @@ class StoreFolder:
         fcntl.flock(self._alive, fcntl.LOCK_EX)
         self.private = runs / name
         self.private.mkdir()
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """A store's file into a run's copy: a hard link, since the store never changes a file it wrote (chunk extents
+    and the manifest are replaced whole: TensorStore's file kvstore and `ManifestIO` write a new file and rename it
+    over the old, and a run's reordering and repairs write new extents and unlink old ones, in its own folder); a
+    real copy for the manifest's lock file (a lock is the inode's: a shared one would lock the base with the copy)
+    and where links cannot be made (another filesystem)."""
+    if os.path.basename(source) != MANIFEST_LOCK:
+        with contextlib.suppress(OSError):
+            os.link(source, target)
+            return
+    shutil.copy2(source, target)
 
 
 def _remove_abandoned(runs: pathlib.Path) -> None:

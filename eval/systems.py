@@ -98,6 +98,18 @@ def as_outcome(x: Any) -> Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class SelectionTrace:
+    """Record identification's scores into, or replay them from, a folder of selection traces (one file per
+    system and retention; specjax.engine.replay). `task` / `prefix_tokens`: the run's, kept with a recording and
+    checked against a replay."""
+
+    mode: str  # "record" or "replay"
+    folder: str
+    task: str
+    prefix_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SystemSettings:
     """Every knob a system may use; recorded in results.json under config."""
 
@@ -129,6 +141,7 @@ class SystemSettings:
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
     kernel_impl: str = EngineConfig.kernel_impl
     reorder_every: int = EngineConfig.reorder_every
+    selections: SelectionTrace | None = None  # systems that identify record or replay their selections
 
 
 class System(Protocol):

@@ -42,7 +42,7 @@ class Request:
     def engine_request(self) -> EngineRequest:
         """The tokens the engine runs: prefix, query, the choices as continuations, and the prefix's text chunks."""
         return EngineRequest(list(self.prefix_ids), list(self.query_ids), [list(c) for c in self.choice_ids],
-                             [list(c) for c in self.chunk_ids])
+                             [list(c) for c in self.chunk_ids], index=self.request_id)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,11 +175,43 @@ def _files(folder) -> dict:
     return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+def test_a_runs_copy_links_the_base_and_what_the_run_writes_never_reaches_it(tmp_path):
+    """A private copy's files are hard links to the base's (no bytes copied), and a run that stores new prefixes,
+    repacks its store (SPEC's reordering) and drops nodes through its copy leaves every byte of the base as it was."""
+    from specjax.stores.reorder import Reorderer
+
+    base = _toy_base(tmp_path)
+    before = _files(base)
+    with runner.StoreFolder(tmp_path) as folder:
+        copy = folder.private_copy(base, "spec")
+        extents = [p for p in copy.rglob("*") if p.is_file() and "kv" in p.parts]
+        assert extents and all(p.stat().st_nlink == 2 for p in extents)
+        assert (copy / "manifest.lock").stat().st_ino != (base / "manifest.lock").stat().st_ino
+        with KVStore.open(copy, toy_kv.fingerprint("copy-toy"), retire_grace_s=0.0) as store:
+            toy_kv.insert(store, np.random.default_rng(9).integers(0, 1000, 70))
+            for seed in range(3):
+                tokens = np.random.default_rng(seed).integers(0, 1000, 40)
+                with store.match(tokens) as match:
+                    store.record_importance(match, np.linspace(0.0, 1.0, match.length))
+            assert Reorderer(store).run_once() > 0
+            with store.match(np.random.default_rng(0).integers(0, 1000, 40)) as match:
+                nodes = match.node_ids()[-1:]
+            store.drop_nodes(nodes)
+        assert fsck(copy).ok
+    assert _files(base) == before and fsck(base).ok
+
+
 def test_disk_full_while_copying_the_base_store(tmp_path, monkeypatch):
+    """On a filesystem without hard links the copy is a real one, and a full disk stops it cleanly."""
     base = _toy_base(tmp_path)
     before = _files(base)
     copied = []
     real = shutil.copyfile
+
+    def no_links(src, dst, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(dst))
+
+    monkeypatch.setattr(os, "link", no_links)
 
     def fills_the_disk(src, dst, **kwargs):
         if len(copied) == 3:

@@ -21,6 +21,7 @@ from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.identify import policy
 from specjax.engine.layer_io import BadChunk, Clock, LayerIO
+from specjax.engine.replay import Recorder, Replay
 from specjax.engine.speculation import Speculator
 from specjax.engine.systems import System
 from specjax.engine.types import EngineConfig, LayerKV, Request, RequestResult
@@ -105,6 +106,8 @@ class Engine:
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self._host_cache_bytes = config.cpu_cache_bytes
         self.requests_run = 0
+        # a selection trace identification records its scores into or replays them from (specjax.engine.replay)
+        self.selections: Recorder | Replay | None = None
         self.repaired: list[tuple[int, ...]] = []  # stored sequences whose chunks failed and were stored anew
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = self.place_kv(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
@@ -166,6 +169,8 @@ class Engine:
     def run(self, request: Request) -> RequestResult:
         if not request.prefix and not request.query:
             raise SpecjaxError("a request needs at least one token")
+        if self.selections is not None:
+            self.selections.begin(request.index)
         before = self.store.metrics.snapshot() if self.store is not None else None
         before_devices = self.store.metrics.device_bytes() if self.store is not None else []
         try:

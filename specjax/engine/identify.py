@@ -40,11 +40,22 @@ def iota(size: int) -> jax.Array:
     return jnp.arange(size, dtype=jnp.int32)
 
 
-def _every_head_scores(engine: Engine, io: LayerIO, q, keys, own_k, n, prefix_len=None):
+def _every_head_scores(engine: Engine, io: LayerIO, layer, q, keys, own_k, n, columns=None):
     """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed); or of
-    the first `prefix_len` rows of `keys` when they are a part of the prefix."""
-    return io.clock.timed("identify", S.scores, q, keys, own_k, io.m if prefix_len is None else prefix_len, n,
-                          kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
+    the positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
+    columns = io.all_positions if columns is None else columns
+    scores = io.clock.timed("identify", S.scores, q, keys, own_k, len(columns), n,
+                            kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
+    return _seen(engine, io, layer, range(engine.cfg.num_heads), "heads", columns, scores)
+
+
+def _seen(engine: Engine, io: LayerIO, layer, heads, role, columns, scores):
+    """The scores a layer decides from: those it computed, or a recorded run's in their place when the engine
+    replays a selection trace (`Engine.selections`, `specjax.engine.replay`; a recorder keeps them). `heads`: the
+    query heads of the rows; `role`: "probes" (a policy's probe heads) or "heads" (every head); `columns`: the
+    positions of the reused prefix the first columns score."""
+    hook = engine.selections
+    return scores if hook is None else hook.scores(layer, heads, role, columns, io.m, scores)
 
 
 class LoadAll:
@@ -77,7 +88,7 @@ class H2O:
         """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
         m = io.m
         keys = io.take_all(layer, K) if keys is None else keys
-        scores = _every_head_scores(engine, io, q, keys, own_k, n)
+        scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
         state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(chosen), lambda slots: slots)
@@ -105,6 +116,7 @@ class ITF(H2O):
         scores = io.clock.timed("identify", S.scores, q, probe_k, own_k, m, n, kv_head_of_probe=engine.kv_of_probe,
                                 impl=engine.config.kernel_impl, q_heads=tuple(map(int, engine.probe_q)),
                                 kv_heads=tuple(map(int, engine.probe_kv)))
+        scores = _seen(engine, io, layer, engine.probe_q, "probes", io.all_positions, scores)
         state, shared, use_shared = io.clock.timed(
             "identify", st.itf_select, state, layer, scores, k, m, engine.system.alpha, k_cap=k_cap)
         if not bool(use_shared):  # all keys: the probe keys already are, when they are every KV head's
@@ -138,7 +150,7 @@ class Chunks:
         k_cap = min(bucket(n_chunks * c), m_pad)
         if layer == first:
             keys = io.take_all(layer, K)
-            scores = _every_head_scores(engine, io, q, keys, own_k, n)
+            scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
             state, positions, count, importance = io.clock.timed(
                 "identify", st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
@@ -232,9 +244,10 @@ class GroupedITF:
             scores = io.clock.timed("identify", S.scores, q, probe_k, own_k, c, n,
                                     kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
                                     kv_heads=probe_kv)
+            scores = _seen(engine, io, layer, heads, "probes", cand, scores)
         else:  # the probe keys are every KV head's
             keys = probe_k
-            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+            every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
             scores = every[: len(heads)]
         probes = io.clock.timed("identify", st.kv_head_scores, scores, c, groups=len(probe_kv))
         # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
@@ -243,7 +256,7 @@ class GroupedITF:
         guarded = group > 1 and engine.system.min_head_share is not None
         if every is None and (guarded or not bool(use_shared)):  # the guard and the fallback score every head
             keys = io.take(layer, K, cand, c_pad)
-            every = _every_head_scores(engine, io, q, keys, own_k, n, prefix_len=c)
+            every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
         if guarded:
             state, use_shared = io.clock.timed("identify", st.guard_shared, state, layer, every, shared, k, c,
                                                use_shared, engine.system.min_head_share, k_cap=k_cap)

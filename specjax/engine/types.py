@@ -31,6 +31,7 @@ class Request:
     continuations: list[list[int]] = dataclasses.field(default_factory=list)  # scored against the same KV
     # the prefix as independently cached text chunks (CacheBlend, full KV reuse); empty: one prefix
     chunks: list[list[int]] = dataclasses.field(default_factory=list)
+    index: int | None = None  # its place in its workload (a selection trace is recorded and replayed by it)
 
 
 @dataclasses.dataclass
