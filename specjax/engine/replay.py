@@ -27,6 +27,7 @@ A trace is one `.npz` file per system and retention (`trace_name`), written by t
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import pathlib
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import SpecjaxError
+from specjax.shapes import padded
 
 FORMAT = 1
 PROBES, HEADS = 0, 1  # roles of a score row: a policy's probe heads, or every query head
@@ -116,6 +118,17 @@ def _gathered(table, rows, positions, count):
     return jnp.where(jnp.arange(positions.shape[0]) < count, table[rows][:, positions], 0.0)
 
 
+@functools.lru_cache(maxsize=4)
+def _read(path: pathlib.Path, mtime_ns: int, size: int) -> tuple:
+    """A trace file's arrays, read once per version of the file (the evaluation checks every trace before it runs,
+    then each run loads its own; a `Replay` never changes them)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return json.loads(str(f["source"])), f["index"], f["scores"], f["reused"]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise SpecjaxError(f"{path} is not a selection trace ({type(e).__name__}: {e})") from None
+
+
 class Replay:
     """A recorded trace given to identification in place of the scores it computes (see the module's docstring)."""
 
@@ -123,31 +136,29 @@ class Replay:
         self.path, self.source = pathlib.Path(path), source
         self._scores = scores
         self._reused = {int(q): int(r) for q, r in reused}
-        # the requests whose recorded run identified (the planner may have computed a request's whole prefix)
-        self.requests = sorted({int(q) for q in index[:, 0]})
-        # (request, layer) -> {role: [(head, row number)] in head order}
+        # (request, layer) -> {role: [(head, row number)] in head order}; request -> its row numbers
         self._rows: dict[tuple[int, int], dict[int, list]] = {}
+        self._request_rows: dict[int, list[int]] = collections.defaultdict(list)
         for row, (q, layer, head, role) in enumerate(index.tolist()):
             self._rows.setdefault((q, layer), {}).setdefault(role, []).append((head, row))
+            self._request_rows[q].append(row)
         for roles in self._rows.values():
             for rows in roles.values():
                 rows.sort()
+        # the requests whose recorded run identified (the planner may have computed a request's whole prefix)
+        self.requests = sorted(self._request_rows)
+        # one shape for every request's rows on the device (the most rows a request has), so replay compiles once
+        self._rows_cap = max(map(len, self._request_rows.values()))
         self._request = None
         self._num_layers = self._num_heads = None  # the model replayed onto (`bind`)
-        # one shape for every request's rows on the device (the most rows a request has), so replay compiles once
-        self._rows_cap = max(collections.Counter(q for q, *_ in index.tolist()).values(), default=1)
 
     @classmethod
     def load(cls, path) -> "Replay":
         path = pathlib.Path(path)
         if not path.is_file():
             raise NoScores(f"no selection trace at {path}: record one with --record_selections")
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                source = json.loads(str(f["source"]))
-                index, scores, reused = f["index"], f["scores"], f["reused"]
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise SpecjaxError(f"{path} is not a selection trace ({type(e).__name__}: {e})") from None
+        stat = path.stat()
+        source, index, scores, reused = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
         if source.get("format") != FORMAT:
             raise SpecjaxError(f"{path} is a selection trace of format {source.get('format')!r}; this code reads "
                                f"format {FORMAT}: record it again")
@@ -201,8 +212,7 @@ class Replay:
         if request != self._request:
             # The request's recorded rows go to the device before its clock starts (`Engine.run` calls this first),
             # so a layer's replay is one gather dispatched on the device, with no host work on the request's path.
-            rows = sorted(row for (q, _), roles in self._rows.items() if q == request
-                          for pairs in roles.values() for _, row in pairs)
+            rows = self._request_rows[request]
             self._local = {row: i for i, row in enumerate(rows)}
             table = np.zeros((self._rows_cap, self._scores.shape[1]), np.float32)
             table[: len(rows)] = np.nan_to_num(self._scores[np.asarray(rows, np.int64)], nan=0.0)
@@ -217,7 +227,7 @@ class Replay:
         layer_s = layer * s["num_layers"] // self._num_layers
         roles = self._rows.get((self._request, layer_s), {})
         r_s = self._reused[self._request]
-        if r_s == 0 or not roles:
+        if not roles:
             raise SpecjaxError(f"the selection trace {self.path} has no scores for request {self._request}, layer "
                                f"{layer_s}: its recording run did not identify there")
         rows = np.asarray([self._local[row] for _, row in self._source_rows(roles, heads, ROLES[role])], np.int32)
@@ -226,9 +236,7 @@ class Replay:
         key = (r, width, len(columns), hash(columns.tobytes()))
         positions = self._positions.get(key)
         if positions is None:  # the recorded position each column stands for, kept for the request's other layers
-            padded = np.zeros(width, np.int32)
-            padded[: len(columns)] = columns * r_s // r
-            positions = self._positions[key] = jnp.asarray(padded)
+            positions = self._positions[key] = jnp.asarray(padded(columns * r_s // r, width, 0))
         return _gathered(self._device_rows, jnp.asarray(rows), positions, len(columns)).astype(scores.dtype)
 
     def _source_rows(self, roles: dict, heads, role: int) -> list:
