@@ -5,7 +5,8 @@
 #   core      the machine's limits (disk O_DIRECT rate, host-to-device, bf16 matmul), then recompute, as_full, spec,
 #             spec_gqa and the planner on Qwen2.5-7B's shape (random weights, bf16), needle with 4k and 16k-token
 #             prefixes, O_DIRECT reads, selections replayed from smollm2-135m's
-#   more      as_h2o_lfu, impress and cake at 4k and 16k; recompute, as_full and spec at 32k
+#   more      as_h2o_lfu, impress and cake at 4k and 16k; recompute, as_full and spec at 30k (Qwen2.5-7B takes
+#             32,768 tokens in all)
 #   opt       OPT-6.7B's shape at 4k: recompute, as_full, as_h2o_lfu, spec
 #   emulated  core's line-up at 4k on a disk emulated at the SPEC paper's measured 5 GB/s (read from the page cache
 #             through --disk_bandwidth; results say it is emulated)
@@ -14,23 +15,24 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh core                  # on the GPU machine
 #   TINY=1 OUT=/tmp/gpu-tiny bash benchmarks/gpu_session.sh core more opt emulated   # on a CPU, in a few minutes
+#   DEADLINE=540 OUT=$OUT/s bash benchmarks/gpu_session.sh core emulated more   # phases in order until 540 s
 #
 # Selections: a random-weight model's attention has no structure (every ITF layer falls back), so the systems that
 # identify decide from what smollm2-135m's identification saw on the same task (benchmarks/record_traces.sh writes
 # them, on a CPU, into $TRACE; carry that folder to the GPU machine). TINY=1 uses tiny shapes, records its own trace
 # from a random tiny model first, and needs no carried trace.
 #
-# Every step runs under its own time limit and logs to $OUT/logs; each evaluation prints its progress to its log and
-# keeps every finished system in <output_dir>/.partial until its results are written, so a step cut off at its
-# limit leaves what it finished (rerun the step with --resume to finish it). $OUT/results.tgz holds the results and
-# logs after every step.
+# Every step runs under its own time limit (cut to what DEADLINE leaves) and logs to $OUT/logs; each evaluation
+# prints its progress to its log and keeps every finished system in <output_dir>/.partial until its results are
+# written, so a step cut off at its limit leaves what it finished (a rerun of the step on the same machine runs only
+# the rest: --resume). $OUT/results.tgz holds the results and logs after every step.
 #
 # Dropped: the `--against transformers` prefill comparison at OPT-6.7B's shape did not finish within its share of a
 # call twice. Its transformers side builds the random 6.7B weights on the host with JAX, converts them to a torch
 # model and checks fp32 logits on the CPU before moving to the GPU: minutes of host work before the first timing.
 # `python -m specjax.bench --against transformers` still runs it, outside these phases.
 set -u
-[ $# -gt 0 ] || { sed -n '2,16p' "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,18p' "$0" >&2; exit 2; }
 OUT=${OUT:-/tmp/specjax_gpu}
 LOGS=$OUT/logs
 RESULTS=${RESULTS:-results/gpu}
@@ -44,18 +46,24 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$OUT/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 PY=${PYTHON:-python3}
 TINY=${TINY:-}
+DEADLINE=${DEADLINE:-}  # seconds from the start for the whole session: a device call's limit less a margin
 
 if [ -n "$TINY" ]; then
   QWEN=tiny-gqa; OPT=tiny-llama; DTYPE=float32; LIMIT=2; LONG_LIMIT=1
-  P4K=256; P16K=512; P32K=1024; LIMITS_FLAGS=--tiny; TRACE=${TRACE:-$OUT/trace}
+  P4K=256; P16K=512; P30K=1024; LIMITS_FLAGS=--tiny; TRACE=${TRACE:-$OUT/trace}
 else
   QWEN=qwen2.5-7b; OPT=/tmp/models/opt-6.7b-pos8k; DTYPE=bfloat16; LIMIT=4; LONG_LIMIT=2
-  P4K=4096; P16K=16384; P32K=32768; LIMITS_FLAGS="--store $STORES"; TRACE=${TRACE:-.traces/smollm2-needle}
+  P4K=4096; P16K=16384; P30K=30000; LIMITS_FLAGS="--store $STORES"; TRACE=${TRACE:-.traces/smollm2-needle}
 fi
 
-step() {  # step NAME LIMIT_S COMMAND...
+step() {  # step NAME LIMIT_S COMMAND...: the limit is cut to what DEADLINE leaves; skipped under 20 s
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  if [ -n "$DEADLINE" ]; then
+    local left=$((DEADLINE - SECONDS))
+    [ "$left" -ge 20 ] || { echo "== $name skipped: ${left}s left of DEADLINE=${DEADLINE}s"; return; }
+    [ "$limit" -le "$left" ] || limit=$left
+  fi
   echo "== $name (limit ${limit}s): $*"
   timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "   rc=$? after $((SECONDS - start))s"
@@ -70,7 +78,7 @@ evaluate() {  # evaluate NAME LIMIT_S MODEL PREFIX_TOKENS REQUESTS SYSTEMS [FLAG
   case $systems in *spec*|*planner*|*as_h2o*|*impress*) replay=(--replay_selections "$TRACE") ;; esac
   step "$name" "$limit" $PY -m specjax.eval --model "$model" --init random --dtype "$DTYPE" --task needle \
     --prefix_tokens "$prefix" --limit "$requests" --systems "$systems" --retention 0.25 "${replay[@]}" \
-    --store "$STORES/$name" --output_dir "$RESULTS/$name" "$@"
+    --store "$STORES/$name" --output_dir "$RESULTS/$name" --resume "$@"
   rm -rf "${STORES:?}/$name"  # a base store per step: disk for the next one
 }
 
@@ -97,12 +105,12 @@ for phase in "$@"; do
   case $phase in
   core)
     step limits 120 $PY benchmarks/machine_limits.py $LIMITS_FLAGS --output "$RESULTS/limits.json"
-    evaluate qwen-4k 200 $QWEN $P4K $LIMIT recompute,as_full,spec,spec_gqa,planner --direct_io
+    evaluate qwen-4k 260 $QWEN $P4K $LIMIT recompute,as_full,spec,spec_gqa,planner --direct_io
     evaluate qwen-16k 240 $QWEN $P16K $LONG_LIMIT recompute,as_full,spec,spec_gqa,planner --direct_io ;;
   more)
     evaluate qwen-4k-more 200 $QWEN $P4K $LIMIT as_h2o_lfu,impress,cake --direct_io
     evaluate qwen-16k-more 200 $QWEN $P16K $LONG_LIMIT as_h2o_lfu,impress,cake --direct_io
-    evaluate qwen-32k 180 $QWEN $P32K 1 recompute,as_full,spec --direct_io ;;
+    evaluate qwen-30k 180 $QWEN $P30K 1 recompute,as_full,spec --direct_io ;;
   opt)
     evaluate opt-4k 420 "$OPT" $P4K $LIMIT recompute,as_full,as_h2o_lfu,spec --direct_io ;;
   emulated)
