@@ -2,8 +2,10 @@
 its KV blocks, and takes that read tokens out of it through a block table.
 
 One page array per head count (K/V pages, and probe pages where the probe heads are fewer): `[slots, heads,
-chunk_tokens, head_dim]` in the store's dtype, allocated once with as many slots as the device tier's budget holds
-chunks of that head count (so with two head counts the device holds up to twice the budget). `TieredCache` decides
+chunk_tokens, head_dim]` holding the store dtype's bits as unsigned integers of its width (XLA:CPU scatters bfloat16
+by converting the whole operand: a 64-page write into a 92 MB pool took 83.7 ms as bfloat16, 0.82 ms as uint16,
+`benchmarks/pool_write.py`; a take's gather turns the rows it reads back), allocated once with as many slots as the
+device tier's budget holds chunks of that head count (so with two head counts the device holds up to twice the budget). `TieredCache` decides
 what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept chunk a slot and writes it
 there before the next take that reads the array, with every other page placed since, in one batched copy.
 
@@ -32,6 +34,11 @@ MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of 
 WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
 
 
+def _bits(dtype) -> np.dtype:
+    """The unsigned integer type of `dtype`'s width: the page arrays' element type."""
+    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(pages, slots, data):
     """pages with data[i] at slot slots[i]; slots beyond the array are padding, dropped."""
@@ -50,9 +57,9 @@ def _pages_in_order(pages, size, count):
 @jax.jit
 def _gather(pages, table, staged):
     """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
-    staged[:, i]."""
+    staged[:, i]. `pages` may hold the bits of staged's dtype (the pool's page arrays)."""
     slots, offsets = table[0], table[1]
-    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
+    rows = jax.lax.bitcast_convert_type(jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1), staged.dtype)
     return jnp.where((slots >= 0)[None, :, None], rows, staged)
 
 
@@ -86,7 +93,7 @@ class DevicePool:
         for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
             slots = int(device_bytes) // (heads * c * d * layout.np_dtype.itemsize)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
-            array = jax.device_put(np.zeros((slots + 1, heads, c, d), layout.np_dtype), device)
+            array = jax.device_put(np.zeros((slots + 1, heads, c, d), _bits(layout.np_dtype)), device)
             self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
 
@@ -153,17 +160,19 @@ class DevicePool:
                         pages.pending.pop(slot, None)
                         self._free(pages, slot)
 
-    def gather(self, kind: int, slots: np.ndarray, offsets: np.ndarray, staged: np.ndarray | None) -> jax.Array:
+    def gather(self, kind: int, slots: np.ndarray, offsets: np.ndarray, staged: np.ndarray | jax.Array | None
+               ) -> jax.Array:
         """`[heads, size, d]` on the device: row i from slot slots[i] (>= 0) at offsets[i], else from `staged`
-        (host rows `[heads, size, d]`, None if every row is in a slot). Pages placed since the last gather from
-        this page array are written first; a take with no row in a slot is its host rows' one copy."""
+        (rows `[heads, size, d]` on the host or already on the device, None if every row is in a slot). Pages placed
+        since the last gather from this page array are written first; a take with no row in a slot is its host
+        rows' one copy."""
         pages = self._pages[self.layout.heads(kind)]
         size = len(slots)
         if (kind, size) not in self._compiled:
             self.compile(kind, size)
         if staged is None:
             staged = _zeros((self.layout.heads(kind), size, self.layout.head_dim), self.layout.np_dtype)
-        else:
+        elif isinstance(staged, np.ndarray):
             staged = self._to_device(staged)
         if not (slots >= 0).any():
             return staged
@@ -192,9 +201,9 @@ class DevicePool:
         for i in range(0, len(items), MAX_WRITE_PAGES):
             part = items[i:i + MAX_WRITE_PAGES]
             n = bucket(len(part), minimum=1)
-            data = np.zeros((n, *pages.array.shape[1:]), self.layout.np_dtype)
+            data = np.zeros((n, *pages.array.shape[1:]), pages.array.dtype)
             for j, (_, chunk) in enumerate(part):
-                data[j] = chunk
+                data[j] = chunk.view(data.dtype)
             slots = padded(np.array([slot for slot, _ in part]), n, pages.array.shape[0])
             pages.array = _write(pages.array, slots.astype(np.int32), self._to_device(data))
 
@@ -222,7 +231,7 @@ class DevicePool:
         for n in WRITE_BUCKETS:
             if (pages.array.shape, n) not in self._compiled:
                 empty = np.full(n, pages.array.shape[0], np.int32)  # every slot out of range: nothing written
-                data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), self.layout.np_dtype), self.device)
+                data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), pages.array.dtype), self.device)
                 pages.array = _write(pages.array, empty, data)
                 self._compiled.add((pages.array.shape, n))
 

@@ -248,40 +248,25 @@ class Prefetcher:
 
     def _assemble(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, offsets: np.ndarray,
                   size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray]:
-        """The take's `[heads, size, d]` on the device and its `ok` rows. Rows of chunks the device tier keeps come
-        from their pages (block table). When every other row lies in one segment's landing buffer of whole chunks,
-        that buffer crosses as it is and the device gathers the rows, provided the take needs at least half of its
-        tokens (whole pages then cost at most twice the link bytes of the needed vectors, and save the host a copy
-        of every row: a layer's certain reads need all of them); else only the needed rows are copied into one host
-        buffer (per run read one indexing step) that crosses in one copy."""
+        """The take's `[heads, size, d]` on the device and its `ok` rows.
+
+        Rows of cache hits come from their device pages (block table) where the device tier keeps them, else from a
+        host buffer. Rows read from disk: when every run landed in one segment's landing buffer of whole chunks, no
+        hit needs the host buffer and the take needs at least half of the buffer's tokens (whole pages then cost at
+        most twice the link bytes of the needed vectors; a layer's certain reads need all of them), that buffer
+        crosses as it is and the device gathers those rows; else they are copied into the host buffer too (per run
+        read one indexing step), which crosses in one copy. With the caches on, every chunk read is offered to them
+        (one the device tier now keeps is served from its page when its rows are not served from the landing
+        buffer anyway)."""
         lay = self.store.layout
         c = lay.chunk_tokens
         n = len(inverse)
         ok = np.ones(n, bool)
-        slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: from the host buffer
+        slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: not from a page
         row_chunks = chunks[inverse]
         staged, pinned = None, []
         try:
-            parts = []  # (run, its chunks, its rows of this take, their chunk index in the run) still to serve
-            for run in runs:
-                arrays, good = run.verified.result()
-                rows = np.flatnonzero((row_chunks >= run.first_chunk) & (row_chunks < run.first_chunk + run.n_chunks))
-                index = row_chunks[rows] - run.first_chunk
-                bad = ~good[index]
-                if bad.any():
-                    ok[rows[bad]] = False
-                    rows, index = rows[~bad], index[~bad]
-                if self.caching:  # a chunk the device tier now keeps is served from its page, as a hit would be
-                    for j in np.unique(index):
-                        key = (layer, kind, run.first_chunk + int(j))
-                        self.cache.admit(key, arrays[j].copy())
-                        slot = self.pool.pin(key)
-                        if slot is not None:
-                            pinned.append(slot)
-                            slots[rows[index == j]] = slot
-                    keep = slots[rows] < 0
-                    rows, index = rows[keep], index[keep]
-                parts.append((arrays, rows, index))
+            parts = []  # (chunk arrays, rows of this take, their chunk index in the arrays) to copy on the host
             for i, array in cached.items():
                 rows = np.flatnonzero(inverse == i)
                 slot = self.pool.pin((layer, kind, int(chunks[i])))
@@ -291,11 +276,44 @@ class Prefetcher:
                 else:
                     parts.append((array[None], rows, np.zeros(len(rows), np.int64)))
             extent = _one_whole_extent(runs)
-            if extent is not None and not cached and not pinned and ok.all() and 2 * n >= extent.array.shape[0] * c:
-                table = np.full((2, size), -1, np.int32)
-                table[0, :n] = row_chunks - extent.first_chunk
-                table[1, :n] = offsets
-                return self.pool.gather_extent(kind, extent.array, table), ok
+            read_rows = n - int((slots[:n] >= 0).sum()) - sum(len(rows) for _, rows, _ in parts)
+            if extent is not None and (parts or 2 * read_rows < extent.array.shape[0] * c):
+                extent = None
+            extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
+            for run in runs:
+                arrays, good = run.verified.result()
+                rows = np.flatnonzero((row_chunks >= run.first_chunk) & (row_chunks < run.first_chunk + run.n_chunks))
+                index = row_chunks[rows] - run.first_chunk
+                bad = ~good[index]
+                if bad.any():
+                    ok[rows[bad]] = False
+                    rows, index = rows[~bad], index[~bad]
+                if self.caching:
+                    slot_of = np.full(run.n_chunks, -1, np.int64)
+                    for j in np.flatnonzero(np.bincount(index, minlength=run.n_chunks)):
+                        key = (layer, kind, run.first_chunk + int(j))
+                        self.cache.admit(key, arrays[j].copy())
+                        if extent is None:  # served from its page, as a hit would be
+                            slot = self.pool.pin(key)
+                            if slot is not None:
+                                pinned.append(slot)
+                                slot_of[j] = slot
+                    if extent is None:
+                        slots[rows] = slot_of[index]
+                        keep = slots[rows] < 0
+                        rows, index = rows[keep], index[keep]
+                if extent is None:
+                    parts.append((arrays, rows, index))
+                else:
+                    extent_table[0, rows] = run.first_chunk - extent.first_chunk + index
+                    extent_table[1, rows] = offsets[rows]
+            if extent is not None:
+                read = self.pool.gather_extent(kind, extent.array, extent_table)
+                if not self.caching:
+                    return read, ok
+                # through the pool even with no row in a page: its first take of this size compiles every step a
+                # later one may need, whatever the device tier then holds
+                return self.pool.gather(kind, slots, padded(offsets, size, 0), read), ok
             for arrays, rows, index in parts:
                 if len(rows):
                     if staged is None:

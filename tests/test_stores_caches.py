@@ -393,6 +393,35 @@ def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(
     m.close()
 
 
+def test_with_the_caches_on_a_whole_layer_crosses_as_its_buffer_and_a_later_take_from_pages_compiles_nothing(
+        filled_store):
+    """The caches on (a device tier that keeps every chunk), a take of every token of a layer: its landing buffer
+    crosses as it is (13 chunks, no host copy of its rows), and the chunks the device tier now keeps are written as
+    pages at the next take, which reads only those pages and compiles nothing."""
+    from specjax.compiles import CompileCounter
+
+    store, tokens, kv = filled_store
+    chunk_bytes = store.layout.chunk_nbytes(V)
+    cache = TieredCache(64 * chunk_bytes, 0, "lru", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    positions = np.arange(200)
+    prefetcher.request(m, 1, V, positions)
+    before = store.metrics.snapshot()
+    taken = prefetcher.take(m, 1, V, positions, pad_to=256)
+    after = store.metrics.snapshot()
+    np.testing.assert_array_equal(np.asarray(taken.array)[:, :200], kv[1][V])
+    assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
+    assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == 13 * chunk_bytes
+    assert len(cache.tiers["device"].items) == 13
+    with CompileCounter() as compiles:
+        again = prefetcher.take(m, 1, V, positions[::-1], pad_to=256)  # device hits only
+    np.testing.assert_array_equal(np.asarray(again.array)[:, :200], kv[1][V][:, ::-1])
+    assert again.chunks_from_disk == 0 and compiles.count == 0
+    prefetcher.close()
+    m.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "spec_score"])
 def test_takes_stay_exact_while_the_device_pages_churn(filled_store, policy):
     """A device tier of 3 chunks (pages reused on every eviction, K/V and probe pages of two head counts) and a host
@@ -445,3 +474,30 @@ def test_a_page_stays_with_its_chunk_while_a_take_reads_it():
     got = np.asarray(pool.gather(K, np.array([slot_c]), np.array([1]), None))
     np.testing.assert_array_equal(got[:, 0], chunk[3][:, 1])
     pool.unpin(K, [slot_c])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_pages_hold_the_stored_bits_and_a_gather_gives_them_back_exactly(dtype):
+    """The page arrays hold each chunk's bits as unsigned integers of its width (XLA:CPU scatters bfloat16 by
+    converting the whole pool); a gather from pages, mixed with host rows, gives back exactly the stored values,
+    negative zeros, infinities and NaNs included."""
+    from specjax.stores.kvarray import Layout
+    from specjax.stores.pool import DevicePool
+
+    lay = Layout(num_layers=1, kv_heads=2, head_dim=4, probe_heads=0, chunk_tokens=2, dtype=dtype)
+    pool = DevicePool(lay, 3 * lay.chunk_nbytes(K))
+    assert pool._pages[2].array.dtype == np.dtype(f"uint{lay.np_dtype.itemsize * 8}")
+    rng = np.random.default_rng(5)
+    chunks = {i: rng.standard_normal((2, 2, 4)).astype(lay.np_dtype) for i in range(3)}
+    chunks[1].reshape(-1)[:4] = np.array([-0.0, np.inf, -np.inf, np.nan], np.float32).astype(lay.np_dtype)
+    for i, chunk in chunks.items():
+        pool.placed((0, K, i), chunk)
+    slots = np.array([pool.pin((0, K, i)) for i in (2, 1, 1, 0)] + [-1])
+    offsets = np.array([1, 0, 1, 0, 0])
+    staged = np.zeros((2, 5, 4), lay.np_dtype)
+    staged[:, 4] = 7
+    got = np.asarray(pool.gather(K, slots, offsets, staged))
+    assert got.dtype == lay.np_dtype
+    want = np.stack([chunks[2][:, 1], chunks[1][:, 0], chunks[1][:, 1], chunks[0][:, 0], staged[:, 4]], axis=1)
+    np.testing.assert_array_equal(got.view(f"uint{lay.np_dtype.itemsize * 8}"),
+                                  want.view(f"uint{lay.np_dtype.itemsize * 8}"))
