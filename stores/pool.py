@@ -5,13 +5,15 @@ One page array per head count (K/V pages, and probe pages where the probe heads 
 chunk_tokens, head_dim]` holding the store dtype's bits as unsigned integers of its width (XLA:CPU scatters bfloat16
 by converting the whole operand: a 64-page write into a 92 MB pool took 83.7 ms as bfloat16, 0.82 ms as uint16,
 `benchmarks/pool_write.py`; a take's gather turns the rows it reads back), allocated once with as many slots as the
-device tier's budget holds chunks of that head count (so with two head counts the device holds up to twice the budget). `TieredCache` decides
-what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept chunk a slot and writes it
-there before the next take that reads the array, with every other page placed since, in one batched copy.
+device tier's budget holds chunks of that head count (so with two head counts the device holds up to twice the
+budget). `TieredCache` decides what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept
+chunk a slot and writes it there before the next take that reads the array, with every other page placed since, in
+one batched copy.
 
 A take is then at most three device steps however many chunks it touches: that write, one copy of the rows of
-chunks the tier does not keep (read from disk, host-cache hits; only the needed vectors), and one gather of the
-take's tokens, each row from its chunk's slot and offset (the block table) or from those copied rows. Shapes come
+chunks the tier does not keep (read from disk, host-cache hits; only the needed vectors, or a whole layer's landing
+buffer as it is, `gather_extent`), and one gather of the take's tokens, each row from its chunk's slot and offset
+(the block table) or from those copied rows. Shapes come
 from fixed buckets (pages written per step, tokens per take), so a take of a size seen before compiles nothing.
 """
 

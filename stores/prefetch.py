@@ -275,9 +275,8 @@ class Prefetcher:
                     slots[rows] = slot
                 else:
                     parts.append((array[None], rows, np.zeros(len(rows), np.int64)))
-            extent = _one_whole_extent(runs)
-            read_rows = n - int((slots[:n] >= 0).sum()) - sum(len(rows) for _, rows, _ in parts)
-            if extent is not None and (parts or 2 * read_rows < extent.array.shape[0] * c):
+            extent = _one_whole_extent(runs)  # with no host-buffer hit, every row not in a page is read
+            if extent is not None and (parts or 2 * int((slots[:n] < 0).sum()) < extent.array.shape[0] * c):
                 extent = None
             extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
             for run in runs:
