@@ -6,6 +6,15 @@ back). Every chunk also lives on disk, so eviction never writes. Each tier is a 
 or is promoted into a tier only if it outscores the chunks it would push out (SPEC IV-D, ContiguousKV 4.4).
 Policies: `lru` (recency), `lfu` (frequency), `spec_score` (frequency x moving-average fraction of important
 tokens in the chunk) and `attention_score` (cumulative importance x frequency); ties go to the more recent.
+
+Placement is write-behind: what a request's takes read from disk (`admit_later`) and the host hits they would promote
+are placed by `settle`, which the prefetcher calls once the request's first token is out (`Prefetcher.close`), in
+the order they happened, with the scores the whole request's uses gave them. Nothing on the path to the first token
+runs the tiers' heaps, copies a chunk or writes a device page (per chunk read or hit, at a 7B model's KV shape 3,640
+a request for as_full). Until then a chunk read is served from its read buffer to any later take of the same request
+(`holds`, `lookup_many`). One consequence: a request that scans more than the tiers hold no longer evicts, early in
+its scan, what it is about to use later (LRU on a cyclic scan), since an admission is weighed against the uses of
+the whole request.
 """
 
 from __future__ import annotations
@@ -124,6 +133,9 @@ class TieredCache:
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
         self.events: list | None = [] if record_events else None
+        self._read: dict = {}  # key -> chunk read from disk, placed at `settle` (a view of its read buffer)
+        self._read_bytes = 0
+        self._later: list = []  # (key, chunk read) or (key, None): a host hit to promote; `settle` runs them in order
 
     def attach(self, pool) -> None:
         """Mirror the device tier in `pool` (stores.pool.DevicePool): told of every chunk placed and dropped."""
@@ -147,6 +159,12 @@ class TieredCache:
                 if key in tier.items:
                     return name
         return None
+
+    def holds(self, key) -> bool:
+        """Is `key` in memory: in a tier, or read by this request and waiting for `settle`? (Such a chunk needs no
+        disk read.)"""
+        with self._lock:
+            return key in self._read or self.where(key) is not None
 
     def score(self, key):
         return self._score_fn(self.stats[key])
@@ -211,30 +229,79 @@ class TieredCache:
                 if not self._try_place(DEVICE, key, host_array):
                     self._try_place(HOST, key, host_array)
 
+    def admit_later(self, keys, arrays) -> None:
+        """Chunks just read from disk (`arrays[i]` of `keys[i]`, views of their read buffer, which they keep until
+        then), placed by `settle`. Past what both tiers could hold (the bound on read buffers kept for it), a chunk
+        is placed now, from a copy, ahead of those kept."""
+        limit = sum(t.budget_bytes for t in self.tiers.values())
+        with self._lock:
+            for key, array in zip(keys, arrays):
+                if key in self._read or self.where(key) is not None:
+                    continue
+                if self._read_bytes + array.nbytes > limit:
+                    self.admit(key, np.array(array))
+                    continue
+                self._read[key] = array
+                self._read_bytes += array.nbytes
+                self._later.append((key, array))
+
+    def settle(self) -> None:
+        """Place what the request read and promote the host hits that now outscore the device tier, in the order
+        they happened (each read chunk copied out of its read buffer)."""
+        with self._lock:
+            later, read, self._later, self._read, self._read_bytes = self._later, self._read, [], {}, 0
+            host = self.tiers[HOST]
+            for key, array in later:
+                if array is not None:
+                    if key in read:  # not invalidated since
+                        self.admit(key, np.array(array))
+                elif key in host.items:
+                    array = host.pop(key)
+                    if not self._try_place(DEVICE, key, array):
+                        host.put(key, array, self.score(key))
+
     def lookup(self, key, n_needed: int | None = None, *, chunk_tokens: int | None = None,
                important_fraction: float | None = None, importance: float | None = None):
         """A use of `n_needed` of a chunk's tokens: the whole cached chunk (its host copy; on a device hit the pool
-        holds it on the device), None on a miss. A host hit is promoted to the device if it now outscores the
-        device minimum. Hits are counted per tier."""
+        holds it on the device), None on a miss (`lookup_many` for one key)."""
+        return self.lookup_many([key], [n_needed], chunk_tokens=chunk_tokens, important_fraction=important_fraction,
+                                importance=None if importance is None else [importance])[0]
+
+    def lookup_many(self, keys, n_needed, *, chunk_tokens: int | None = None,
+                    important_fraction: float | None = None, importance=None) -> list:
+        """Uses of chunks (`n_needed[i]` of `keys[i]`'s tokens, `importance[i]` if given), under one lock: each the
+        whole cached chunk or None on a miss. A host hit is promoted to the device at `settle` if it then outscores
+        the device minimum; a chunk this request read is served from its read buffer (a host hit). Hits are
+        counted per tier."""
+        out = []
         with self._lock:
-            self._update(key, n_needed, chunk_tokens, important_fraction, importance)
-            device, host = self.tiers[DEVICE], self.tiers[HOST]
-            if key in device.items:
-                self.metrics.add(device_hits=1)
-                return device.items[key]
-            if key in host.items:
-                self.metrics.add(host_hits=1)
-                array = host.pop(key)
-                if not self._try_place(DEVICE, key, array):
-                    host.put(key, array, self.score(key))
-                return array
-            self.metrics.add(misses=1)
-            return None
+            device, host, read = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read
+            hits = {"device_hits": 0, "host_hits": 0, "misses": 0}
+            for i, key in enumerate(keys):
+                self._update(key, n_needed[i], chunk_tokens, important_fraction,
+                             None if importance is None else importance[i])
+                if key in device:
+                    hits["device_hits"] += 1
+                    out.append(device[key])
+                elif key in host:
+                    hits["host_hits"] += 1
+                    self._later.append((key, None))
+                    out.append(host[key])
+                elif key in read:
+                    hits["host_hits"] += 1
+                    out.append(read[key])
+                else:
+                    hits["misses"] += 1
+                    out.append(None)
+            self.metrics.add(**hits)
+        return out
 
     def invalidate(self, chunk_ids) -> None:
         """Forget deleted chunks (their ids are never reused within a process, this only frees memory)."""
         ids = set(chunk_ids)
         with self._lock:
+            for key in [k for k in self._read if k[2] in ids]:
+                self._read_bytes -= self._read.pop(key).nbytes
             for tier in self.tiers.values():
                 for key in [k for k in tier.items if k[2] in ids]:
                     tier.pop(key)

@@ -195,6 +195,12 @@ class DevicePool:
         zeros = _zeros((extent.shape[1], table.shape[1], extent.shape[3]), extent.dtype)
         return _gather(self._to_device(extent), table, zeros)
 
+    def flush(self) -> None:
+        """Write every page placed since the last take now (after a request's first token), not at the next take."""
+        with self._device_lock:
+            for pages in self._pages.values():
+                self._write_pending(pages)
+
     def _write_pending(self, pages: _Pages) -> None:
         """Every page placed since the last take, in one host->device copy per MAX_WRITE_PAGES."""
         with self._lock:

@@ -137,8 +137,8 @@ class Prefetcher:
         if chunks is None:
             chunks = self.store.locate(match, positions, layer).unique_chunks()
         if self.caching:
-            chunks = [c for c in chunks if self.cache.where((layer, kind, int(c))) is None]
-            background = [c for c in background if self.cache.where((layer, kind, int(c))) is None]
+            chunks = [c for c in chunks if not self.cache.holds((layer, kind, int(c)))]
+            background = [c for c in background if not self.cache.holds((layer, kind, int(c)))]
         with self._lock:
             keys = self._hold(layer, kind, chunks, demand=not speculative)
             if len(background):
@@ -170,7 +170,7 @@ class Prefetcher:
             for c in chunks:
                 key = (layer, kind, int(c))
                 entry = self._entries.get(key)
-                out.append((self.cache is not None and self.cache.where(key) is not None)
+                out.append((self.cache is not None and self.cache.holds(key))
                            or (entry is not None and not self.store.waiting(entry.read)))
         return np.asarray(out, bool)
 
@@ -213,11 +213,9 @@ class Prefetcher:
             imp = None if importance is None else np.asarray(importance, np.float64)
             counts = np.bincount(inverse, minlength=len(chunks))
             importance_of = None if imp is None else np.bincount(inverse, weights=imp, minlength=len(chunks))
-            for i, c in enumerate(chunks):
-                array = self.cache.lookup((layer, kind, int(c)), int(counts[i]), chunk_tokens=lay.chunk_tokens,
-                                          importance=None if importance_of is None else importance_of[i])
-                if array is not None:
-                    cached[i] = array
+            found = self.cache.lookup_many([(layer, kind, int(c)) for c in chunks], counts.tolist(),
+                                           chunk_tokens=lay.chunk_tokens, importance=importance_of)
+            cached = {i: array for i, array in enumerate(found) if array is not None}
         else:
             self.store.metrics.add(misses=len(chunks))
         missing = [int(c) for i, c in enumerate(chunks) if i not in cached]
@@ -255,9 +253,8 @@ class Prefetcher:
         hit needs the host buffer and the take needs at least half of the buffer's tokens (whole pages then cost at
         most twice the link bytes of the needed vectors; a layer's certain reads need all of them), that buffer
         crosses as it is and the device gathers those rows; else they are copied into the host buffer too (per run
-        read one indexing step), which crosses in one copy. With the caches on, every chunk read is offered to them
-        (one the device tier now keeps is served from its page when its rows are not served from the landing
-        buffer anyway)."""
+        read one indexing step), which crosses in one copy. With the caches on, every chunk read is offered to them,
+        placed once the request's first token is out (`close`)."""
         lay = self.store.layout
         c = lay.chunk_tokens
         n = len(inverse)
@@ -287,20 +284,10 @@ class Prefetcher:
                 if bad.any():
                     ok[rows[bad]] = False
                     rows, index = rows[~bad], index[~bad]
-                if self.caching:
-                    slot_of = np.full(run.n_chunks, -1, np.int64)
-                    for j in np.flatnonzero(np.bincount(index, minlength=run.n_chunks)):
-                        key = (layer, kind, run.first_chunk + int(j))
-                        self.cache.admit(key, arrays[j].copy())
-                        if extent is None:  # served from its page, as a hit would be
-                            slot = self.pool.pin(key)
-                            if slot is not None:
-                                pinned.append(slot)
-                                slot_of[j] = slot
-                    if extent is None:
-                        slots[rows] = slot_of[index]
-                        keep = slots[rows] < 0
-                        rows, index = rows[keep], index[keep]
+                if self.caching:  # placed once the first token is out (`close`)
+                    used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
+                    self.cache.admit_later([(layer, kind, run.first_chunk + int(j)) for j in used],
+                                           [arrays[j] for j in used])
                 if extent is None:
                     parts.append((arrays, rows, index))
                 else:
@@ -327,10 +314,16 @@ class Prefetcher:
         self.pool.compile(kind, size)
 
     def close(self) -> None:
+        """The request is over (its first token is out): drop its open tickets, then place in the caches what it read
+        and promote its host hits (`TieredCache.settle`), and write the device tier's new pages, all off the path
+        to its first token."""
         with self._lock:
             for tickets in list(self._tickets.values()):
                 for t in list(tickets):
                     self._cancel_locked(t)
+        if self.caching:
+            self.cache.settle()
+            self.pool.flush()
 
 
 def _one_whole_extent(runs):

@@ -19,12 +19,14 @@ def key(i):
 
 
 def run(cache, trace):
-    """Access each (chunk, offsets[, importance]) in order; on a miss admit it as if read from disk."""
+    """Access each (chunk, offsets[, importance]) in order, each a request of its own: on a miss the chunk is read
+    from disk, and placed once the request is over (`settle`, as the engines do after the first token)."""
     for item in trace:
         i, offsets = item[0], item[1]
         importance = item[2] if len(item) > 2 else None
         if cache.lookup(key(i), len(offsets), chunk_tokens=C, importance=importance) is None:
-            cache.admit(key(i), CHUNK)
+            cache.admit_later([key(i)], [CHUNK])
+        cache.settle()
 
 
 def evicted(cache):
@@ -82,6 +84,22 @@ def test_rescoring_keeps_the_heap_small_and_evicts_by_current_score():
     assert cache.where(key(5)) == HOST and cache.where(key(1)) == HOST and cache.where(key(3)) == HOST
 
 
+def test_a_request_scanning_more_than_the_tiers_hold_keeps_hitting_what_they_hold():
+    """Each request uses chunks 0..5 in order, the tiers hold 4 (LRU). Placed as each chunk is read, every admission
+    would evict the chunk the scan needs next (no hit, ever); placed after the request, with the scores of all its
+    uses, the last four used stay and each later request hits them."""
+    cache = host_only("lru", chunks=4)
+    hits = []
+    for _ in range(3):
+        found = [cache.lookup_many([key(i)], [1], chunk_tokens=C)[0] for i in range(6)]
+        missed = [key(i) for i, f in enumerate(found) if f is None]
+        cache.admit_later(missed, [CHUNK] * len(missed))
+        cache.settle()
+        hits.append(sum(f is not None for f in found))
+    assert hits == [0, 4, 4]
+    assert sorted(k[2] for k in cache.tiers[HOST].items) == [2, 3, 4, 5]
+
+
 def test_device_victims_are_demoted_to_host():
     cache = TieredCache(CHUNK.nbytes, CHUNK.nbytes, "lru", record_events=True)
     run(cache, [(1, [0]), (2, [0]), (3, [0])])
@@ -100,7 +118,8 @@ def _fig14(policy):
         """Vectors that cross host -> device for this use: the needed ones of a host hit (as Prefetcher.take)."""
         tier = cache.where(k)
         if cache.lookup(k, len(offsets), chunk_tokens=2) is None:
-            cache.admit(k, chunk)
+            cache.admit_later([k], [chunk])
+        cache.settle()
         return len(offsets) if tier == HOST else 0
 
     for k, offsets in [a, b, a, a, b, a, a, b, a, b]:          # warm-up: 6 x A, 4 x B
@@ -212,7 +231,8 @@ def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     cache = TieredCache(0, 2 * chunk_bytes, "lfu", metrics=store.metrics)
     prefetcher = Prefetcher(store, cache)
     m = store.match(tokens)
-    prefetcher.take(m, 0, K, [0])  # used: cached with a frequency of 1
+    prefetcher.take(m, 0, K, [0])  # used: cached with a frequency of 1 once its request is over
+    prefetcher.close()
     used_key = (0, K, int(store.locate(m, [0], 0).chunks[0]))
     ticket = prefetcher.request(m, 1, K, [20, 40, 60], speculative=True)  # three chunks of layer 1
     deadline = time.perf_counter() + 5  # the reads land (a speculative read still queued would be withdrawn)
@@ -314,13 +334,14 @@ def test_background_speculation_waits_for_an_idle_link_and_is_not_ahead_until_as
 
 
 def test_take_moves_a_layers_chunks_in_one_copy_and_reads_device_hits_from_their_pages(filled_store):
-    """However many chunks a take reads from disk, one host->device copy moves them: the needed vectors when the
-    device tier keeps none (4 bytes x 8 per vector), the whole chunks as pages when it keeps them all (13 chunks,
-    padded to the 14-page write step). A later take of the same chunks reads their pages and copies nothing."""
+    """However many chunks a take reads from disk, one host->device copy moves the vectors it needs (4 bytes x 8
+    per vector), whatever the device tier keeps. The tier places what the request read once it is over (`close`,
+    after the first token): all 13 chunks as pages in one write (padded to the 14-page write step). A take of the
+    next request reads their pages and copies nothing."""
     store, tokens, kv = filled_store
     chunk_bytes = store.layout.chunk_nbytes(V)
     positions = np.arange(0, 200, 7)  # in all 13 chunks
-    for device_bytes, moved in ((0, len(positions) * store.layout.token_nbytes(V)), (64 * chunk_bytes, 14 * chunk_bytes)):
+    for device_bytes, pages in ((0, 0), (64 * chunk_bytes, 13)):
         cache = TieredCache(device_bytes, 0, "lru", metrics=store.metrics)
         prefetcher = Prefetcher(store, cache)
         m = store.match(tokens)
@@ -331,14 +352,42 @@ def test_take_moves_a_layers_chunks_in_one_copy_and_reads_device_hits_from_their
         np.testing.assert_array_equal(np.asarray(taken.array), kv[1][V][:, positions])
         assert taken.chunks_from_disk == 13
         assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
-        assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == moved
-        assert len(cache.tiers["device"].items) == (0 if device_bytes == 0 else 13)
+        assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == \
+            len(positions) * store.layout.token_nbytes(V)
+        assert not cache.tiers["device"].items  # nothing placed on the take's path
+        prefetcher.close()
+        closed = store.metrics.snapshot()
+        assert len(cache.tiers["device"].items) == pages
+        assert closed["host_to_device_bytes"] - after["host_to_device_bytes"] == (14 * chunk_bytes if pages else 0)
+        assert closed["host_to_device_transfers"] - after["host_to_device_transfers"] == (1 if pages else 0)
         again = prefetcher.take(m, 1, V, positions[::-1])
         np.testing.assert_array_equal(np.asarray(again.array), kv[1][V][:, positions[::-1]])
-        if device_bytes:  # every row from the pages: nothing crossed
-            assert store.metrics.snapshot()["host_to_device_transfers"] == after["host_to_device_transfers"]
+        if pages:  # every row from the pages: nothing crossed
+            assert store.metrics.snapshot()["host_to_device_transfers"] == closed["host_to_device_transfers"]
         prefetcher.close()
         m.close()
+
+
+def test_a_chunk_read_is_served_from_its_read_buffer_until_the_request_ends(filled_store):
+    """Within a request, a chunk read once is not read again (a later take, a speculative request, `ahead` all see
+    it), though the tiers place it only at `close`; chunks of a prefix dropped from the store meanwhile are never
+    placed."""
+    store, tokens, kv = filled_store
+    cache = TieredCache(0, 64 * store.layout.chunk_nbytes(K), "lfu", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    first = prefetcher.take(m, 0, K, [1, 17, 40])
+    chunks = store.locate(m, [1, 17, 40], 0).unique_chunks()
+    assert first.chunks_from_disk == 3 and not cache.tiers[HOST].items
+    assert prefetcher.ahead(0, K, chunks).all()
+    assert not prefetcher.request(m, 0, K, [1, 17, 40], speculative=True).keys  # nothing to read
+    again = prefetcher.take(m, 0, K, [2, 18, 41])
+    np.testing.assert_array_equal(np.asarray(again.array), kv[0][K][:, [2, 18, 41]])
+    assert again.chunks_from_disk == 0 and store.metrics.snapshot()["host_hits"] == 3
+    cache.invalidate([int(chunks[0])])
+    prefetcher.close()
+    assert sorted(key[2] for key in cache.tiers[HOST].items) == sorted(int(c) for c in chunks[1:])
+    m.close()
 
 
 @pytest.mark.parametrize("order", ["stored", "reversed"])
@@ -384,7 +433,8 @@ def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(
     prefetcher = Prefetcher(store, cache)
     m = store.match(tokens)
     positions = np.array([3, 40, 41, 150])
-    prefetcher.take(m, 0, V, positions, pad_to=12)  # from disk: a host buffer; the chunks stay on the device
+    prefetcher.take(m, 0, V, positions, pad_to=12)  # from disk: a host buffer
+    prefetcher.close()  # the request is over: the chunks go to the device
     with CompileCounter() as compiles:
         again = prefetcher.take(m, 0, V, positions, pad_to=12)  # device hits only
     np.testing.assert_array_equal(np.asarray(again.array)[:, :4], kv[0][V][:, positions])
@@ -396,8 +446,8 @@ def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(
 def test_with_the_caches_on_a_whole_layer_crosses_as_its_buffer_and_a_later_take_from_pages_compiles_nothing(
         filled_store):
     """The caches on (a device tier that keeps every chunk), a take of every token of a layer: its landing buffer
-    crosses as it is (13 chunks, no host copy of its rows), and the chunks the device tier now keeps are written as
-    pages at the next take, which reads only those pages and compiles nothing."""
+    crosses as it is (13 chunks, no host copy of its rows); once the request is over the device tier keeps the
+    chunks as pages, and a take of the next request reads only those pages and compiles nothing."""
     from specjax.compiles import CompileCounter
 
     store, tokens, kv = filled_store
@@ -413,6 +463,7 @@ def test_with_the_caches_on_a_whole_layer_crosses_as_its_buffer_and_a_later_take
     np.testing.assert_array_equal(np.asarray(taken.array)[:, :200], kv[1][V])
     assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
     assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == 13 * chunk_bytes
+    prefetcher.close()
     assert len(cache.tiers["device"].items) == 13
     with CompileCounter() as compiles:
         again = prefetcher.take(m, 1, V, positions[::-1], pad_to=256)  # device hits only
@@ -426,7 +477,8 @@ def test_with_the_caches_on_a_whole_layer_crosses_as_its_buffer_and_a_later_take
 def test_takes_stay_exact_while_the_device_pages_churn(filled_store, policy):
     """A device tier of 3 chunks (pages reused on every eviction, K/V and probe pages of two head counts) and a host
     tier of 4, under random takes of all three kinds and two layers with speculative reads superseded meanwhile
-    (admitted from the readers' threads): every take returns exactly the stored vectors."""
+    (admitted from the readers' threads) and requests ending every 4 takes (placing what they read): every take
+    returns exactly the stored vectors."""
     store, tokens, kv = filled_store
     lay = store.layout
     cache = TieredCache(3 * lay.chunk_nbytes(K), 4 * lay.chunk_nbytes(K), policy, metrics=store.metrics)
@@ -442,6 +494,8 @@ def test_takes_stay_exact_while_the_device_pages_churn(filled_store, policy):
         got = np.asarray(taken.array)
         np.testing.assert_array_equal(got[:, :len(positions)], kv[layer][kind][:, positions])
         assert not got[:, len(positions):].any()
+        if step % 4 == 3:  # a request ends: what it read is placed, its host hits promoted
+            prefetcher.close()
     assert cache.device_bytes <= 3 * lay.chunk_nbytes(K)
     assert store.metrics.snapshot()["device_hits"] > 0
     prefetcher.close()

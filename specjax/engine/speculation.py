@@ -112,7 +112,7 @@ class Speculator:
         lay, spent = self.store.layout, 0
         for i, chunk in enumerate(ranked):
             spent += sum(lay.chunk_nbytes(kind) for kind in kinds
-                         if self.cache is None or self.cache.where((layer, kind, int(chunk))) is None)
+                         if self.cache is None or not self.cache.holds((layer, kind, int(chunk))))
             if spent > budget:
                 return ranked[:i]
         return ranked
