@@ -7,14 +7,14 @@ or is promoted into a tier only if it outscores the chunks it would push out (SP
 Policies: `lru` (recency), `lfu` (frequency), `spec_score` (frequency x moving-average fraction of important
 tokens in the chunk) and `attention_score` (cumulative importance x frequency); ties go to the more recent.
 
-Placement is write-behind: what a request's takes read from disk (`admit_later`) and the host hits they would promote
-are placed by `settle`, which the prefetcher calls once the request's first token is out (`Prefetcher.close`), in
-the order they happened, with the scores the whole request's uses gave them. Nothing on the path to the first token
-runs the tiers' heaps, copies a chunk or writes a device page (per chunk read or hit, at a 7B model's KV shape 3,640
-a request for as_full). Until then a chunk read is served from its read buffer to any later take of the same request
-(`holds`, `lookup_many`). One consequence: a request that scans more than the tiers hold no longer evicts, early in
-its scan, what it is about to use later (LRU on a cyclic scan), since an admission is weighed against the uses of
-the whole request.
+Placement is write-behind: a request's uses of chunks (`lookup_many`) and what its takes read from disk
+(`admit_later`) are recorded, and applied by `settle` once its first token is out (`Prefetcher.close`), in the order
+they happened: uses re-score their chunks and promote host hits, reads are placed by their scores. Nothing on the path
+to the first token updates a score, runs the tiers' heaps, copies a chunk or writes a device page (per chunk used or
+read, at a 7B model's KV shape 3,640 a request for as_full). Until then a chunk read is served from its read buffer
+to any later take of the same request (`holds`, `lookup_many`). One consequence: a request that scans more than the
+tiers hold no longer evicts, early in its scan, what it is about to use later (LRU on a cyclic scan), since an
+admission is weighed against the uses of the whole request.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from specjax.stores.metrics import StoreMetrics
 
 POLICIES = ("lru", "lfu", "spec_score", "attention_score")
 DEVICE, HOST = "device", "host"
+_USE, _READ = "use", "read"  # what a request did, applied at `TieredCache.settle`
 
 
 @dataclasses.dataclass
@@ -135,7 +136,7 @@ class TieredCache:
         self.events: list | None = [] if record_events else None
         self._read: dict = {}  # key -> chunk read from disk, placed at `settle` (a view of its read buffer)
         self._read_bytes = 0
-        self._later: list = []  # (key, chunk read) or (key, None): a host hit to promote; `settle` runs them in order
+        self._later: list = []  # (_USE, key, its use) and (_READ, key, chunk): what `settle` applies, in order
 
     def attach(self, pool) -> None:
         """Mirror the device tier in `pool` (stores.pool.DevicePool): told of every chunk placed and dropped."""
@@ -232,30 +233,31 @@ class TieredCache:
     def admit_later(self, keys, arrays) -> None:
         """Chunks just read from disk (`arrays[i]` of `keys[i]`, views of their read buffer, which they keep until
         then), placed by `settle`. Past what both tiers could hold (the bound on read buffers kept for it), a chunk
-        is placed now, from a copy, ahead of those kept."""
+        is not offered."""
         limit = sum(t.budget_bytes for t in self.tiers.values())
         with self._lock:
             for key, array in zip(keys, arrays):
-                if key in self._read or self.where(key) is not None:
-                    continue
-                if self._read_bytes + array.nbytes > limit:
-                    self.admit(key, np.array(array))
+                if key in self._read or self.where(key) is not None or self._read_bytes + array.nbytes > limit:
                     continue
                 self._read[key] = array
                 self._read_bytes += array.nbytes
-                self._later.append((key, array))
+                self._later.append((_READ, key, array))
 
     def settle(self) -> None:
-        """Place what the request read and promote the host hits that now outscore the device tier, in the order
-        they happened (each read chunk copied out of its read buffer)."""
+        """Apply what the request did, in the order it happened: each use re-scores its chunk (and a host hit is
+        promoted to the device if it now outscores the device minimum), each chunk read is placed by its score
+        (copied out of its read buffer)."""
         with self._lock:
             later, read, self._later, self._read, self._read_bytes = self._later, self._read, [], {}, 0
             host = self.tiers[HOST]
-            for key, array in later:
-                if array is not None:
+            for event, key, detail in later:
+                if event is _READ:
                     if key in read:  # not invalidated since
-                        self.admit(key, np.array(array))
-                elif key in host.items:
+                        self.admit(key, np.array(detail))
+                    continue
+                n_needed, chunk_tokens, important_fraction, importance, host_hit = detail
+                self._update(key, n_needed, chunk_tokens, important_fraction, importance)
+                if host_hit and key in host.items:
                     array = host.pop(key)
                     if not self._try_place(DEVICE, key, array):
                         host.put(key, array, self.score(key))
@@ -270,29 +272,23 @@ class TieredCache:
     def lookup_many(self, keys, n_needed, *, chunk_tokens: int | None = None,
                     important_fraction: float | None = None, importance=None) -> list:
         """Uses of chunks (`n_needed[i]` of `keys[i]`'s tokens, `importance[i]` if given), under one lock: each the
-        whole cached chunk or None on a miss. A host hit is promoted to the device at `settle` if it then outscores
-        the device minimum; a chunk this request read is served from its read buffer (a host hit). Hits are
-        counted per tier."""
+        whole cached chunk or None on a miss; a chunk this request read is served from its read buffer (a host
+        hit). Hits are counted per tier now; the uses re-score their chunks at `settle`."""
         out = []
         with self._lock:
-            device, host, read = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read
+            device, host, read, later = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read, self._later
             hits = {"device_hits": 0, "host_hits": 0, "misses": 0}
             for i, key in enumerate(keys):
-                self._update(key, n_needed[i], chunk_tokens, important_fraction,
-                             None if importance is None else importance[i])
-                if key in device:
+                array = device.get(key)
+                if array is not None:
                     hits["device_hits"] += 1
-                    out.append(device[key])
-                elif key in host:
+                elif (array := host.get(key)) is not None or (array := read.get(key)) is not None:
                     hits["host_hits"] += 1
-                    self._later.append((key, None))
-                    out.append(host[key])
-                elif key in read:
-                    hits["host_hits"] += 1
-                    out.append(read[key])
                 else:
                     hits["misses"] += 1
-                    out.append(None)
+                out.append(array)
+                later.append((_USE, key, (n_needed[i], chunk_tokens, important_fraction,
+                                          None if importance is None else importance[i], key in host)))
             self.metrics.add(**hits)
         return out
 
@@ -302,6 +298,7 @@ class TieredCache:
         with self._lock:
             for key in [k for k in self._read if k[2] in ids]:
                 self._read_bytes -= self._read.pop(key).nbytes
+            self._later = [e for e in self._later if e[1][2] not in ids]
             for tier in self.tiers.values():
                 for key in [k for k in tier.items if k[2] in ids]:
                     tier.pop(key)

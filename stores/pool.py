@@ -149,6 +149,20 @@ class DevicePool:
                 pages.pinned[slot] += 1
             return slot
 
+    def pin_many(self, keys) -> np.ndarray:
+        """`pin` for chunks of one head count under one lock: int64 slots, -1 where a chunk is not on the device."""
+        out = np.full(len(keys), -1, np.int64)
+        if not keys:
+            return out
+        with self._lock:
+            pages = self._of(keys[0])
+            for i, key in enumerate(keys):
+                slot = pages.slot_of.get(key)
+                if slot is not None:
+                    pages.pinned[slot] += 1
+                    out[i] = slot
+        return out
+
     def unpin(self, kind: int, slots) -> None:
         """A take has read `slots` (as returned by `pin`)."""
         with self._lock:

@@ -119,12 +119,13 @@ class Prefetcher:
 
     def _keep_unused(self, key, future) -> None:
         """A read nobody took (a speculation the layer's real set superseded) was paid for: the caches place it
-        by its score like any chunk read from disk, so it evicts only what their policy values less."""
+        by its score like any chunk read from disk (at the request's end), so it evicts only what their policy values
+        less."""
         if future.cancelled():  # withdrawn before it was read
             return
         array = future.result()
-        if array is not None:
-            self.cache.admit(key, array.copy())  # a copy: not a view that keeps its whole run's buffer alive
+        if array is not None:  # a copy: not a view that keeps its whole run's buffer alive until the next `settle`
+            self.cache.admit_later([key], [array.copy()])
 
     def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
                 speculative: bool = False, background=()) -> Ticket:
@@ -264,14 +265,19 @@ class Prefetcher:
         staged, pinned = None, []
         try:
             parts = []  # (chunk arrays, rows of this take, their chunk index in the arrays) to copy on the host
-            for i, array in cached.items():
-                rows = np.flatnonzero(inverse == i)
-                slot = self.pool.pin((layer, kind, int(chunks[i])))
-                if slot is not None:
-                    pinned.append(slot)
-                    slots[rows] = slot
-                else:
-                    parts.append((array[None], rows, np.zeros(len(rows), np.int64)))
+            if cached:  # hits: rows from their device pages, else from their host copies stacked in one array
+                hit = np.fromiter(cached, np.int64, len(cached))
+                hit_slots = self.pool.pin_many([(layer, kind, int(chunks[i])) for i in hit])
+                pinned = hit_slots[hit_slots >= 0].tolist()
+                slot_of = np.full(len(chunks), -1, np.int64)
+                slot_of[hit] = hit_slots
+                slots[:n] = slot_of[inverse]
+                on_host = hit[hit_slots < 0]
+                if len(on_host):
+                    in_stack = np.full(len(chunks), -1, np.int64)
+                    in_stack[on_host] = np.arange(len(on_host))
+                    rows = np.flatnonzero(in_stack[inverse] >= 0)
+                    parts.append((np.stack([cached[int(i)] for i in on_host]), rows, in_stack[inverse[rows]]))
             extent = _one_whole_extent(runs)  # with no host-buffer hit, every row not in a page is read
             if extent is not None and (parts or 2 * int((slots[:n] < 0).sum()) < extent.array.shape[0] * c):
                 extent = None
