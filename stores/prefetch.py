@@ -5,6 +5,9 @@ Reads go to the store as runs of adjacent chunks (one disk request each) through
 A take reads its tokens out of the device page pool (stores.pool) through a block table: device-cache hits from
 their pages, the rest (just read, host-cache hits) from one host buffer that crosses in one copy. That is two or
 three device steps per take, however many chunks it touches.
+
+The caches learn what a request used and read when it is closed (`close`, once its first token is out: placement is
+write-behind, `stores.caches`); close the prefetcher after every request.
 """
 
 from __future__ import annotations
