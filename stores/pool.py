@@ -7,8 +7,8 @@ by converting the whole operand: a 64-page write into a 92 MB pool took 83.7 ms 
 `benchmarks/pool_write.py`; a take's gather turns the rows it reads back), allocated once with as many slots as the
 device tier's budget holds chunks of that head count (so with two head counts the device holds up to twice the
 budget). `TieredCache` decides what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept
-chunk a slot and writes it there before the next take that reads the array, with every other page placed since, in
-one batched copy.
+chunk a slot and writes it there, with every other page placed since, in one batched copy: when the request that
+placed it ends (`flush`, after its first token), or at the next take that reads the array if that comes first.
 
 A take is then at most three device steps however many chunks it touches: that write, one copy of the rows of
 chunks the tier does not keep (read from disk, host-cache hits; only the needed vectors, or a whole layer's landing
@@ -140,17 +140,13 @@ class DevicePool:
     # -- takes (the engine's thread) ------------------------------------------------------------------------
 
     def pin(self, key) -> int | None:
-        """The slot holding `key` for a take (None: not on the device); it stays `key`'s until the take `unpin`s
-        it, whatever the tier decides meanwhile."""
-        with self._lock:
-            pages = self._of(key)
-            slot = pages.slot_of.get(key)
-            if slot is not None:
-                pages.pinned[slot] += 1
-            return slot
+        """The slot holding `key` for a take (None: not on the device): `pin_many` of one chunk."""
+        slot = int(self.pin_many([key])[0])
+        return None if slot < 0 else slot
 
     def pin_many(self, keys) -> np.ndarray:
-        """`pin` for chunks of one head count under one lock: int64 slots, -1 where a chunk is not on the device."""
+        """The slots holding chunks of one head count for a take, under one lock: int64, -1 where a chunk is not on
+        the device. Each stays its chunk's until the take `unpin`s it, whatever the tier decides meanwhile."""
         out = np.full(len(keys), -1, np.int64)
         if not keys:
             return out
