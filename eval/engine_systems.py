@@ -190,10 +190,17 @@ def _counters(r, prefix_tokens: int) -> dict:
         # tensor parallel: what each device's reader read of its own heads
         **{f"device{i}_disk_bytes": n for i, n in enumerate(r.disk_bytes_by_device)},
         **_split_counters(r),
-        **({} if r.plan is None or r.plan["predicted_ttft_ms"] is None
-           else {"predicted_ttft_ms": r.plan["predicted_ttft_ms"]}),
+        **_plan_counters(r),
         **({} if r.host_exposed_ms is None else {"host_exposed_ms": r.host_exposed_ms}),
     }
+
+
+def _plan_counters(r) -> dict:
+    """The planner: how the request's stored prefix was loaded, what the caches held of it, the predicted TTFT."""
+    if r.plan is None:
+        return {}
+    out = {"planned_load_all": float(r.plan["load_all"]), "planned_held_share": r.plan["held_share"]}
+    return out if r.plan["predicted_ttft_ms"] is None else {**out, "predicted_ttft_ms": r.plan["predicted_ttft_ms"]}
 
 
 def _split_counters(r) -> dict:

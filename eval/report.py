@@ -186,7 +186,8 @@ def _split(outs, get) -> dict:
 
 
 def _planner(outs, model: dict | None) -> dict:
-    """The planner's plans (computed share of the stored prefix per request), its prediction error per request
+    """The planner's plans (computed share of the stored prefix per request, how many loaded it whole, the share of
+    their loaded tokens the caches held), its prediction error per request
     (|predicted - measured| / measured) and its cost model at the run's end."""
     errors = prediction_errors([(o.counters.get("predicted_ttft_ms"), o.ttft_ms) for o in outs])
     shares = [round(o.counters.get("computed_prefix_tokens", 0) / o.counters["reused_tokens"], 2)
@@ -195,6 +196,8 @@ def _planner(outs, model: dict | None) -> dict:
             "prediction_error_p90": float(np.percentile(errors, 90)) if len(errors) else None,
             "predicted_requests": len(errors),
             "computed_share_counts": {str(s): shares.count(s) for s in sorted(set(shares))},
+            "load_all_requests": int(sum(o.counters.get("planned_load_all", 0) for o in outs)),
+            "held_share_mean": float(np.mean([o.counters.get("planned_held_share", 0.0) for o in outs])),
             "model": model}
 
 

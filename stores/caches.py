@@ -167,6 +167,12 @@ class TieredCache:
         with self._lock:
             return key in self._read or self.where(key) is not None
 
+    def held(self, keys) -> np.ndarray:
+        """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""
+        with self._lock:
+            tiers = [tier.items for tier in self.tiers.values()]
+            return np.fromiter((any(key in items for items in tiers) for key in keys), bool, len(keys))
+
     def score(self, key):
         return self._score_fn(self.stats[key])
 

@@ -1,13 +1,15 @@
 """The planner (specjax.engine.planner) on random tiny OPT and Llama models: every plan is exact at retention 1.0,
 a computed head is not read, and the cost model picks the plan its measured rates say is fastest."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorstore as ts
 
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine.planner import CostModel, Plan, PlannerEngine, prediction_errors
+from specjax.engine.planner import CostModel, Plan, PlannerEngine, WaitFit, prediction_errors
 from specjax.stores import KVStore
 
 EXACT = 1e-5  # fp32, against the engine's recompute
@@ -89,7 +91,7 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     engine.calibrate([req])
     plans = engine.costs.candidates(128, STORE_CHUNK)
     assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
-    assert engine.costs.bytes_per_token[False] > 0 and engine.costs.bytes_per_token[True] > 0
+    assert engine.costs.bytes_per_missing_token(False) > 0 and engine.costs.bytes_per_missing_token(True) > 0
     r = engine.run(req)
     assert r.plan["predicted_ttft_ms"] is not None
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
@@ -104,34 +106,96 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
 
 def test_cost_model_prediction_and_crossover():
     costs = CostModel()
-    # SPEC's plan: 10 ms of compute, 1,000 bytes per token, waits for half the reading time (1 MB at 10 MB/s: 100 ms,
-    # 50 waited); everything loaded: 5 ms, 4,000 bytes per token, waits twice the bytes' time (latency); half
-    # computed: 30 ms; recompute: 50 ms
-    costs.observe(1000, Plan(0), ttft_ms=60.0, wait_ms=50.0, disk_bytes=1_000_000, rate=10e6)
+    # SPEC's plan: 10 ms of compute, 1,000 disk bytes per loaded token the caches do not hold, waits for half the
+    # bytes' time plus 0.01 ms per loaded token (1 MB at 10 MB/s: 100 ms, 50 + 10 waited; half of it held: 25 + 10);
+    # everything loaded: 5 ms, 4,000 bytes per token, waits twice the bytes' time (latency); half computed: 30 ms;
+    # recompute: 50 ms
+    costs.observe(1000, Plan(0), ttft_ms=70.0, wait_ms=60.0, disk_bytes=1_000_000, rate=10e6)
+    costs.observe(1000, Plan(0), ttft_ms=45.0, wait_ms=35.0, disk_bytes=500_000, rate=10e6, held=0.5)
     costs.observe(1000, Plan(0, load_all=True), ttft_ms=805.0, wait_ms=800.0, disk_bytes=4_000_000, rate=10e6)
-    costs.observe(1000, Plan(500), ttft_ms=55.0, wait_ms=25.0, disk_bytes=500_000, rate=10e6)
+    costs.observe(1000, Plan(0, load_all=True), ttft_ms=205.0, wait_ms=200.0, disk_bytes=1_000_000, rate=10e6,
+                  held=0.75)
+    costs.observe(1000, Plan(500), ttft_ms=60.0, wait_ms=30.0, disk_bytes=500_000, rate=10e6)
     costs.observe(1000, Plan(1000), ttft_ms=50.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
     assert costs.compute_ms == {(1000, Plan(0)): 10.0, (1000, Plan(0, True)): 5.0, (1000, Plan(500)): 30.0,
                                 (1000, Plan(1000)): 50.0}
-    assert costs.wait_share == {False: pytest.approx(0.5), True: pytest.approx(2.0)}
-    assert costs.bytes_per_token == {False: pytest.approx(1000.0), True: pytest.approx(4000.0)}
-    assert costs.predict(1000, Plan(0), 10e6) == pytest.approx(10.0 + 50.0)
-    assert costs.predict(1000, Plan(500), 10e6) == pytest.approx(30.0 + 25.0)
+    assert costs.waits[False].coefficients() == pytest.approx((0.5, 0.01))
+    assert costs.waits[True].coefficients() == pytest.approx((2.0, 0.0), abs=1e-9)
+    assert costs.bytes_per_missing_token(False) == pytest.approx(1000.0)
+    assert costs.bytes_per_missing_token(True) == pytest.approx(4000.0)
+    assert costs.predict(1000, Plan(0), 10e6) == pytest.approx(10.0 + 50.0 + 10.0)
+    assert costs.predict(1000, Plan(0), 10e6, held=0.5) == pytest.approx(10.0 + 25.0 + 10.0)
+    assert costs.predict(1000, Plan(500), 10e6) == pytest.approx(30.0 + 25.0 + 5.0)
     assert costs.predict(1000, Plan(0, load_all=True), 10e6) == pytest.approx(5.0 + 800.0)
+    # a prefix the caches hold whole: loading everything reads nothing and identifies nothing
+    assert costs.predict(1000, Plan(0, load_all=True), 10e6, held=1.0) == pytest.approx(5.0)
     assert costs.predict(1000, Plan(1000), 10e6) == pytest.approx(50.0)
     assert costs.predict(1000, Plan(0), None) is None and costs.predict(1000, Plan(250), 10e6) is None
-    # SPEC's plan equals recompute's 50 ms where 0.5 x 1e6 bytes / rate = 40 ms: 12.5 MB/s (loading everything
-    # would need 8e9 / 45 ms: 178 MB/s)
+    # SPEC's plan equals recompute's 50 ms where its bytes' wait is 50 - 10 - 10 = 30 ms: 0.5 x 1e6 bytes / 30 ms,
+    # 16.7 MB/s (loading everything would need 2 x 4e6 bytes / 45 ms: 178 MB/s)
     rate = costs.crossover_rate(1000)
-    assert rate == pytest.approx(12.5e6)
+    assert rate == pytest.approx(0.5e6 / 0.030)
     assert costs.predict(1000, Plan(0), rate) == pytest.approx(50.0)
-    # another prefix length with the same shares: scaled from the measured one
-    assert costs.predict(2000, Plan(1000), 1e15) == pytest.approx(60.0, rel=1e-6)
+    # another prefix length with the same shares: C scaled from the measured one (60 ms), the per-token waits of
+    # its 1,000 loaded tokens (10 ms) at a disk too fast for the bytes to count
+    assert costs.predict(2000, Plan(1000), 1e15) == pytest.approx(70.0, rel=1e-6)
     # loading that computes longer than recomputing never wins
     slow = CostModel()
     slow.observe(100, Plan(0), 80.0, 0.0, 1000, 1e6)
     slow.observe(100, Plan(100), 50.0, 0.0, 0, 1e6)
     assert slow.crossover_rate(100) is None
+    # waits that do not grow with the bytes (a page-cached disk): loading wins whatever the rate
+    flat = CostModel()
+    flat.observe(100, Plan(0), 30.0, 20.0, 1000, 1e6)
+    flat.observe(100, Plan(0), 30.0, 20.0, 500, 1e6, held=0.5)
+    flat.observe(100, Plan(100), 50.0, 0.0, 0, 1e6)
+    assert flat.waits[False].coefficients() == pytest.approx((0.0, 0.2))
+    assert flat.crossover_rate(100) == pytest.approx(0.0, abs=1.0)  # bytes/s
+
+
+def test_the_wait_fit_keeps_its_terms_non_negative_and_follows_recent_requests():
+    fit = WaitFit()
+    assert fit.coefficients() is None
+    # waits that fall as the bytes grow: no negative rate, the per-token term alone
+    for bytes_ms, wait in ((10.0, 50.0), (100.0, 40.0), (200.0, 30.0)):
+        fit.add(bytes_ms, 100.0, wait)
+    a, b = fit.coefficients()
+    assert a == 0.0 and b == pytest.approx(0.4, rel=0.05)
+    # the disk slows down: recent requests dominate
+    for _ in range(60):
+        fit.add(100.0, 100.0, 200.0)
+        fit.add(50.0, 100.0, 100.0)
+    assert fit.coefficients() == pytest.approx((2.0, 0.0), abs=1e-3)
+
+
+def test_the_plan_follows_what_the_caches_hold_and_planning_counts_in_the_ttft(model, monkeypatch):
+    """Loading everything is chosen for a prefix the tiers hold, SPEC's plan for one on disk; the time spent planning
+    is on the request's path to its first token."""
+    req = _request(model, prefix_len=128)
+    engine = _planner(model, gpu_cache_bytes=1 << 30, cpu_cache_bytes=1 << 30)
+    engine.warm(req.prefix)
+    with engine.store.match(req.prefix) as match:
+        assert engine.held_by_position(match).tolist() == [0.0] * 128
+    _forced(engine, req, 0, load_all=True)  # placed in the tiers when the request ends
+    with engine.store.match(req.prefix) as match:
+        assert engine.held_by_position(match).tolist() == [1.0] * 128
+    engine.costs.observe(128, Plan(0), 30.0, 20.0, 20_000, 1e6)  # selected: 10 ms + 20 ms reading
+    engine.costs.observe(128, Plan(0, load_all=True), 60.0, 55.0, 50_000, 1e6)  # all: 5 ms + 55 ms reading
+    engine.costs.observe(128, Plan(128), 100.0, 0.0, 0, 1e6)
+    engine.rate = lambda: 1e6
+    held = np.ones(128)
+    assert engine.plan(128, held)[0] == Plan(0, load_all=True)
+    assert engine.plan(128, np.zeros(128))[0] == Plan(0)
+    assert engine.plan(128, held)[2][Plan(0, load_all=True)] == 1.0
+
+    def slow_lookup(match):
+        time.sleep(0.2)
+        return held
+    monkeypatch.setattr(engine, "held_by_position", slow_lookup)
+    r = engine.run(req)
+    assert r.plan["plan"] == "all" and r.plan["held_share"] == 1.0
+    assert r.ttft_ms >= 200.0 and r.breakdown_ms["compute"] >= 200.0
+    assert sum(r.breakdown_ms.values()) == pytest.approx(r.ttft_ms)
 
 
 def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importance(model):

@@ -1,22 +1,26 @@
 """The planner (design 5.2): per request, how each part of the stored prefix KV is obtained. The device computes
 the first `head` tokens of the stored prefix from scratch (Cake's direction) while the rest is loaded selectively
 (SPEC's identification, speculation and caches), or the whole prefix is loaded as it is (AttentionStore's way: at a
-fast disk identification can cost more than it saves); recompute (head = the whole prefix) and SPEC (head 0) are the
-extremes of one plan. The plan is chosen from a cost model of measured rates, never typed-in ones:
+fast disk, or where the caches hold the prefix, identification can cost more than it saves); recompute (head = the
+whole prefix) and SPEC (head 0) are the extremes of one plan. The plan is chosen per request from a cost model of
+measured rates, never typed-in ones, and of what the caches hold for this prefix now:
 
-    predicted TTFT(plan) = C(plan) + w x bytes(plan) / disk rate
+    predicted TTFT(plan) = C(plan) + a x disk bytes(plan) / disk rate + b x loaded tokens(plan)
 
 - C(plan): the request's time with its waits for reads taken out (compute, identification, host work), measured
   per plan and stored prefix length: `calibrate` runs every candidate plan on the warm-up requests (its first run
   compiles the plan's programs and is not counted), and each later request of a plan that compiled nothing updates it.
-- bytes(plan) = loaded stored tokens x the disk bytes a loaded token costs (selected, or all), measured on this run's
-  requests (what the caches hold, fallbacks and speculation's misses are in it).
+- disk bytes(plan) = the loaded tokens the cache tiers do not hold (looked up per layer and chunk at planning) x the
+  disk bytes such a token costs, measured per way of loading (selected or all) on this run's requests (fallbacks,
+  probe keys and speculation's misses are in it).
 - the disk rate: the read scheduler's, measured online (an emulated link's when throttled).
-- w: the time the request waits for reads over the bytes' time at that rate (below 1 where compute hides reading,
-  above where per-read latency and host work add to it), measured per way of loading.
+- a, b: the waits for reads, fitted per way of loading by least squares over its measured requests (recent ones
+  weigh more): a per second of the bytes' time at the disk's rate (below 1 where compute hides reading), b per loaded
+  token whatever the bytes (per-read latency, host copies of cache hits, host work: on a page-cached disk most of it).
 
-Recompute is predicted by its own measured time. Per request the plan, its prediction and every candidate's are in
-`RequestResult.plan`; `CostModel.crossover_rate` is the disk rate above which loading is predicted to win.
+Recompute is predicted by its own measured time. Per request the plan, the share of its loaded tokens the caches
+held, its prediction and every candidate's are in `RequestResult.plan`; `CostModel.crossover_rate` is the disk rate
+above which loading a prefix the caches do not hold is predicted to win.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 
 import numpy as np
 
@@ -32,12 +37,14 @@ from specjax.engine.cake import _layer_report
 from specjax.engine.engine import Engine
 from specjax.engine.identify import policy
 from specjax.engine.types import EngineConfig, Request, RequestResult
+from specjax.stores.kvarray import K, V
 
 # The heads a plan may compute, as fractions of the stored prefix (rounded down to whole store chunks); 1.0 is
 # recompute. Few, so that calibration compiles and measures each once per prefix.
 HEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _SMOOTHING = 0.3  # weight of a new measurement in a running estimate
-_MAX_WAIT_SHARE = 10.0  # waits beyond the bytes' time (per-read latency, host work) are measured; this bounds noise
+_FORGET = 0.9  # weight kept by the earlier requests of a fit at each new one (the last ~10 count most)
+_WAYS = {False: "selected", True: "all"}
 
 
 def _update(old: float | None, new: float) -> float:
@@ -58,15 +65,54 @@ class Plan:
 
 
 @dataclasses.dataclass
+class WaitFit:
+    """One way of loading's waits for reads, wait_ms = a x bytes_ms + b x tokens (bytes_ms: the request's disk bytes'
+    time at the disk's rate; tokens: the stored tokens it loaded), least squares with a, b >= 0 over the requests
+    observed, each earlier one's weight multiplied by _FORGET at every new one."""
+
+    xx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((2, 2)))
+    xy: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2))
+    yy: float = 0.0
+
+    def add(self, bytes_ms: float, tokens: float, wait_ms: float) -> None:
+        x = np.array([bytes_ms, tokens], np.float64)
+        self.xx = _FORGET * self.xx + np.outer(x, x)
+        self.xy = _FORGET * self.xy + x * wait_ms
+        self.yy = _FORGET * self.yy + wait_ms * wait_ms
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b): of the non-negative fits (a alone, b alone, both where the requests tell the terms apart), the one
+        of least squared error, a alone where they tie (a single request, or bytes in step with tokens: waits for
+        reads are the bytes' until the requests say otherwise); None before any request."""
+        if not self.xx.any():
+            return None
+        candidates = []
+        for i in (0, 1):
+            one = np.zeros(2)
+            if self.xx[i, i] > 0:
+                one[i] = max(0.0, self.xy[i] / self.xx[i, i])
+            candidates.append(one)
+        if np.linalg.cond(self.xx) < 1e8:
+            both = np.linalg.solve(self.xx, self.xy)
+            if (both >= 0).all():
+                candidates.append(both)
+        errors = [self.yy - 2 * c @ self.xy + c @ self.xx @ c for c in candidates]
+        tie = 1e-9 * (self.yy + 1.0)
+        best = next(c for c, e in zip(candidates, errors) if e <= min(errors) + tie)
+        return float(best[0]), float(best[1])
+
+
+@dataclasses.dataclass
 class CostModel:
     """The planner's measured rates. `compute_ms[(m, plan)]`: a plan's time with its waits for reads taken out, for a
-    stored prefix of m tokens (recompute: its whole time); per way of loading (`load_all`), `bytes_per_token`: disk
-    bytes per loaded stored token, and `wait_share`: the time waited for reads over the bytes' time at the disk's
-    rate (above 1 where latency and host work add to it)."""
+    stored prefix of m tokens (recompute: its whole time); per way of loading (`load_all`): the disk bytes per loaded
+    token the caches did not hold (`disk_bytes`/`missing_tokens`, sums weighted as the fits are) and the fit of its
+    waits (`waits`)."""
 
     compute_ms: dict = dataclasses.field(default_factory=dict)
-    bytes_per_token: dict = dataclasses.field(default_factory=dict)
-    wait_share: dict = dataclasses.field(default_factory=dict)
+    disk_bytes: dict = dataclasses.field(default_factory=dict)
+    missing_tokens: dict = dataclasses.field(default_factory=dict)
+    waits: dict = dataclasses.field(default_factory=dict)
 
     def candidates(self, m: int, chunk_tokens: int) -> list[Plan]:
         """The plans considered for a stored prefix of m tokens: heads of whole store chunks with the rest selected,
@@ -75,17 +121,22 @@ class CostModel:
         return sorted([Plan(h) for h in heads] + [Plan(0, load_all=True), Plan(m)])
 
     def observe(self, m: int, plan: Plan, ttft_ms: float, wait_ms: float, disk_bytes: float,
-                rate: float | None) -> None:
+                rate: float | None, held: float = 0.0) -> None:
         """A request of `plan` took `ttft_ms`, of which `wait_ms` waiting for reads, and read `disk_bytes` from a disk
-        delivering `rate` bytes/s."""
+        delivering `rate` bytes/s; the cache tiers held a share `held` of the tokens it loaded when it was planned."""
         key = (m, plan)
         self.compute_ms[key] = _update(self.compute_ms.get(key), max(0.0, ttft_ms - wait_ms))
-        if plan.head < m:
-            way = plan.load_all
-            self.bytes_per_token[way] = _update(self.bytes_per_token.get(way), disk_bytes / (m - plan.head))
-            if disk_bytes and rate:
-                share = min(_MAX_WAIT_SHARE, wait_ms / (disk_bytes / rate * 1e3))
-                self.wait_share[way] = _update(self.wait_share.get(way), share)
+        if plan.head >= m:
+            return
+        way, loaded = plan.load_all, m - plan.head
+        self.disk_bytes[way] = _FORGET * self.disk_bytes.get(way, 0.0) + disk_bytes
+        self.missing_tokens[way] = _FORGET * self.missing_tokens.get(way, 0.0) + loaded * (1.0 - held)
+        if rate:
+            self.waits.setdefault(way, WaitFit()).add(disk_bytes / rate * 1e3, loaded, wait_ms)
+
+    def bytes_per_missing_token(self, load_all: bool) -> float | None:
+        missing = self.missing_tokens.get(load_all)
+        return self.disk_bytes[load_all] / missing if missing else None
 
     def _compute(self, m: int, plan: Plan) -> float | None:
         """C(plan) for m stored tokens: measured for m, else scaled from the nearest m measured for the same way of
@@ -100,36 +151,45 @@ class CostModel:
         _, mm, p = min(near)
         return self.compute_ms[(mm, p)] * m / max(mm, 1)
 
-    def load_ms(self, m: int, plan: Plan, rate: float | None) -> float | None:
-        """The predicted wait for reads of `plan` (ms)."""
+    def load_ms(self, m: int, plan: Plan, rate: float | None, held: float = 0.0) -> float | None:
+        """The predicted wait for reads of `plan` (ms) when the caches hold a share `held` of what it loads."""
         if plan.head >= m:
             return 0.0
-        per_token, share = self.bytes_per_token.get(plan.load_all), self.wait_share.get(plan.load_all)
-        if per_token is None or share is None or not rate:
+        per_token, fit = self.bytes_per_missing_token(plan.load_all), self.waits.get(plan.load_all)
+        coefficients = fit.coefficients() if fit is not None else None
+        if per_token is None or coefficients is None or not rate:
             return None
-        return share * per_token * (m - plan.head) / rate * 1e3
+        a, b = coefficients
+        loaded = m - plan.head
+        return a * per_token * loaded * (1.0 - held) / rate * 1e3 + b * loaded
 
-    def predict(self, m: int, plan: Plan, rate: float | None) -> float | None:
-        """Predicted TTFT (ms) of `plan` for m stored tokens at `rate` disk bytes/s; None if not yet measured."""
-        compute, load = self._compute(m, plan), self.load_ms(m, plan, rate)
+    def predict(self, m: int, plan: Plan, rate: float | None, held: float = 0.0) -> float | None:
+        """Predicted TTFT (ms) of `plan` for m stored tokens at `rate` disk bytes/s, the caches holding a share `held`
+        of what it loads; None if not yet measured."""
+        compute, load = self._compute(m, plan), self.load_ms(m, plan, rate, held)
         return None if compute is None or load is None else compute + load
 
     def crossover_rate(self, m: int) -> float | None:
-        """The disk rate (bytes/s) above which loading the stored prefix (SPEC's plan, or everything if that computes
-        less) is predicted to beat recomputing it; None where it is not measured or loading cannot win at any rate."""
+        """The disk rate (bytes/s) above which loading a stored prefix of m tokens that the caches do not hold (SPEC's
+        plan, or everything if that wins at a lower rate) is predicted to beat recomputing it; 0.0 where loading wins
+        whatever the rate, None where it is not measured or loading cannot win at any rate."""
         recompute, rates = self._compute(m, Plan(m)), []
         for plan in (Plan(0), Plan(0, load_all=True)):
-            compute, load_at_1 = self._compute(m, plan), self.load_ms(m, plan, 1.0)  # load_ms at 1 byte/s
-            if None not in (compute, recompute, load_at_1) and compute < recompute:
-                rates.append(load_at_1 / (recompute - compute))
+            compute, fixed, bytes_at_1 = self._compute(m, plan), self.load_ms(m, plan, math.inf), None
+            if None not in (compute, recompute, fixed):
+                slack = recompute - compute - fixed  # what the bytes' time may take
+                bytes_at_1 = self.load_ms(m, plan, 1.0) - fixed  # their wait at 1 byte/s
+                if slack > 0:
+                    rates.append(bytes_at_1 / slack if bytes_at_1 > 0 else 0.0)
         return min(rates) if rates else None
 
     def summary(self, rate: float | None) -> dict:
         ms = sorted({m for m, _ in self.compute_ms})
-        ways = {False: "selected", True: "all"}
+        fits = {way: fit.coefficients() for way, fit in self.waits.items()}
         return {"disk_rate_bytes_per_s": rate,
-                "bytes_per_loaded_token": {ways[w]: v for w, v in self.bytes_per_token.items()},
-                "wait_share": {ways[w]: v for w, v in self.wait_share.items()},
+                "disk_bytes_per_missing_token": {_WAYS[w]: self.bytes_per_missing_token(w) for w in self.disk_bytes},
+                "wait_per_bytes_time": {_WAYS[w]: c[0] for w, c in fits.items() if c},
+                "wait_ms_per_loaded_token": {_WAYS[w]: c[1] for w, c in fits.items() if c},
                 "compute_ms": {str(m): {p.label: c for (mm, p), c in sorted(self.compute_ms.items()) if mm == m}
                                for m in ms},
                 "crossover_bytes_per_s": {str(m): self.crossover_rate(m) for m in ms}}
@@ -165,24 +225,43 @@ class PlannerEngine(Engine):
     def rate(self) -> float | None:
         return self.store.scheduler.rate_bytes_per_s()
 
-    def plan(self, m: int) -> tuple[Plan, dict]:
-        """The plan for m stored tokens, and the prediction of every candidate (ms; None: unknown)."""
+    def held_by_position(self, match) -> np.ndarray:
+        """Per stored position of `match`, the share of its K and V over the layers that the cache tiers hold now
+        (what a plan loading it would not read from disk; looked up per layer and chunk, the store's reordering
+        included)."""
+        m, layers = match.length, self.cfg.num_layers
+        held = np.zeros(m)
+        if not m:
+            return held
+        positions = np.arange(m)
+        for layer in range(layers):
+            chunks, inverse = np.unique(self.store.locate(match, positions, layer).chunks, return_inverse=True)
+            for kind in (K, V):
+                held += self.cache.held([(layer, kind, int(c)) for c in chunks])[inverse]
+        return held / (2 * layers)
+
+    def plan(self, m: int, held: np.ndarray | None = None) -> tuple[Plan, dict, dict]:
+        """The plan for m stored tokens, the prediction of every candidate (ms; None: unknown) and the share of each
+        candidate's loaded tokens the caches hold (`held`: per stored position, `held_by_position`; None: nothing)."""
         rate = self.rate()
-        predicted = {plan: self.costs.predict(m, plan, rate)
-                     for plan in self.costs.candidates(m, self.store.layout.chunk_tokens)}
+        shares = {plan: float(held[plan.head:].mean()) if held is not None and plan.head < m else 0.0
+                  for plan in self.costs.candidates(m, self.store.layout.chunk_tokens)}
+        predicted = {plan: self.costs.predict(m, plan, rate, share) for plan, share in shares.items()}
         if self._forced is not None:
-            return self._forced, predicted
+            return self._forced, predicted, shares
         known = {plan: t for plan, t in predicted.items() if t is not None}
         if not known:  # nothing measured yet: SPEC's plan
-            return Plan(0), predicted
-        return min(known, key=known.get), predicted
+            return Plan(0), predicted, shares
+        return min(known, key=known.get), predicted, shares
 
     def _run(self, request: Request, *, reuse: bool) -> RequestResult:
         if not reuse:
             return super()._run(request, reuse=False)
+        started = time.perf_counter()
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
-        plan, predicted = self.plan(m) if m else (Plan(0), {})
+            plan, predicted, shares = self.plan(m, self.held_by_position(match)) if m else (Plan(0), {}, {})
+        planning_ms = (time.perf_counter() - started) * 1e3
         if m and plan.head >= m:
             result = super()._run(request, reuse=False)
             result.reused_tokens = m  # stored, and computed instead of loaded (as cake reports a computed share)
@@ -192,10 +271,15 @@ class PlannerEngine(Engine):
                 result = super()._run(request, reuse=True)
         else:
             result = super()._run(request, reuse=True, head=plan.head)
+        # the request arrived before it was planned: planning is host work on its path to the first token
+        result.ttft_ms += planning_ms
+        result.breakdown_ms["compute"] = result.breakdown_ms.get("compute", 0.0) + planning_ms
+        if result.host_exposed_ms is not None:
+            result.host_exposed_ms += planning_ms
         head = min(plan.head, m)
         result.split = {"stored_tokens": m, "computed_prefix_tokens": head, "loaded_prefix_tokens": m - head}
         result.plan = {"stored_tokens": m, "head_tokens": head, "load_all": plan.load_all, "plan": plan.label,
-                       "predicted_ttft_ms": predicted.get(plan),
+                       "held_share": shares.get(plan, 0.0), "predicted_ttft_ms": predicted.get(plan),
                        "candidates_ms": {p.label: t for p, t in predicted.items()},
                        "disk_rate_bytes_per_s": self.rate()}
         return result
@@ -222,7 +306,7 @@ class PlannerEngine(Engine):
         if measured and plan is not None and plan["stored_tokens"]:
             waits = result.breakdown_ms.get("kv_io_stall", 0.0) + result.breakdown_ms.get("probe_io", 0.0)
             self.costs.observe(plan["stored_tokens"], Plan(plan["head_tokens"], plan["load_all"]), result.ttft_ms,
-                               waits, result.io.get("disk_bytes", 0), self.rate())
+                               waits, result.io.get("disk_bytes", 0), self.rate(), plan["held_share"])
         return result
 
     def model_summary(self) -> dict:
