@@ -69,8 +69,8 @@ def summarize(out: pathlib.Path) -> str:
              " ".join(_command("<rate>", out)[1:]).replace(str(out / "<rate>"), "<out>/<rate>") + "`).", "",
              "| disk | " + " | ".join(f"{s} ms" for s in FLAGS.systems) +
              " | planner / fastest other | strictly fastest | Δacc planner vs spec (pp) | plans (computed share: "
-             "requests) | prediction error median | predicted crossover MB/s |",
-             "|---" * (len(FLAGS.systems) + 7) + "|"]
+             "requests) | loaded whole | held share | prediction error median | predicted crossover MB/s |",
+             "|---" * (len(FLAGS.systems) + 9) + "|"]
     points = []
     for rate in FLAGS.rates:
         folder = out / _folder(rate)
@@ -85,23 +85,28 @@ def summarize(out: pathlib.Path) -> str:
         rows = _requests(folder)
         diff = (_correct(rows[PLANNER]) - _correct(rows["spec"])).mean() * 100
         planner = systems[PLANNER].get("planner") or {}
-        crossover = [c for c in ((planner.get("model") or {}).get("crossover_bytes_per_s") or {}).values() if c]
+        crossover = [c for c in ((planner.get("model") or {}).get("crossover_bytes_per_s") or {}).values()
+                     if c is not None]
         error = planner.get("prediction_error_median")
         lines.append(
             f"| {rate} | " + " | ".join(f"{ttft.get(s, float('nan')):.0f}" for s in FLAGS.systems) +
             f" | {ttft[PLANNER] / fastest:.3f}x ({'<=' if ttft[PLANNER] <= BAR * fastest else '>'} {BAR}x) | "
             f"{'yes' if ttft[PLANNER] < fastest else 'no'} | {diff:+.1f} | {planner.get('computed_share_counts')} | "
+            f"{planner.get('load_all_requests', '-')} | {planner.get('held_share_mean', float('nan')):.2f} | "
             f"{'-' if error is None else f'{error:.1%}'} | "
-            f"{', '.join(f'{c / 1e6:.1f}' for c in crossover) or '-'} |")
+            f"{', '.join(f'{c / 1e6:.1f}' if c else 'any' for c in crossover) or '-'} |")
         measured_rate = _rate_of(rate, results)
         if measured_rate and "spec" in ttft and "recompute" in ttft:
             points.append((measured_rate, ttft["spec"], ttft["recompute"]))
     lines += ["", _measured_crossover(points), "",
               "`planner / fastest other`: its mean TTFT over the fastest mean of the other systems in the same run; "
-              "`plans`: how many requests computed what share of their stored prefix (0: SPEC's plan, 1: recompute); "
+              "`plans`: how many requests computed what share of their stored prefix (0: loaded, 1: recompute); "
+              "`loaded whole`: how many of them loaded the whole stored prefix (as_full's way) rather than SPEC's "
+              "selection; `held share`: the mean share of a plan's loaded tokens the caches held when it was planned; "
               "prediction error: |predicted - measured| / measured per request; predicted crossover: the disk rate "
-              "above which loading the stored prefix (SPEC's plan) is predicted to beat recomputing it, per stored "
-              "prefix length (the model at the run's end)."]
+              "above which loading a stored prefix the caches do not hold (SPEC's plan or everything) is predicted to "
+              "beat recomputing it, per stored prefix length (the model at the run's end; `any`: its waits do not grow "
+              "with the bytes, so loading wins at every rate)."]
     return "\n".join(lines) + "\n"
 
 

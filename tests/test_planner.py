@@ -9,7 +9,7 @@ import tensorstore as ts
 
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine.planner import CostModel, Plan, PlannerEngine, WaitFit, prediction_errors
+from specjax.engine.planner import CostModel, Plan, PlannerEngine, LinearFit, prediction_errors
 from specjax.stores import KVStore
 
 EXACT = 1e-5  # fp32, against the engine's recompute
@@ -91,7 +91,7 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     engine.calibrate([req])
     plans = engine.costs.candidates(128, STORE_CHUNK)
     assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
-    assert engine.costs.bytes_per_missing_token(False) > 0 and engine.costs.bytes_per_missing_token(True) > 0
+    assert sum(engine.costs.reads[False].coefficients()) > 0 and engine.costs.reads[True].coefficients()[0] > 0
     r = engine.run(req)
     assert r.plan["predicted_ttft_ms"] is not None
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
@@ -121,8 +121,8 @@ def test_cost_model_prediction_and_crossover():
                                 (1000, Plan(1000)): 50.0}
     assert costs.waits[False].coefficients() == pytest.approx((0.5, 0.01))
     assert costs.waits[True].coefficients() == pytest.approx((2.0, 0.0), abs=1e-9)
-    assert costs.bytes_per_missing_token(False) == pytest.approx(1000.0)
-    assert costs.bytes_per_missing_token(True) == pytest.approx(4000.0)
+    assert costs.reads[False].coefficients() == pytest.approx((1000.0, 0.0), abs=1e-6)
+    assert costs.reads[True].coefficients() == pytest.approx((4000.0, 0.0), abs=1e-6)
     assert costs.predict(1000, Plan(0), 10e6) == pytest.approx(10.0 + 50.0 + 10.0)
     assert costs.predict(1000, Plan(0), 10e6, held=0.5) == pytest.approx(10.0 + 25.0 + 10.0)
     assert costs.predict(1000, Plan(500), 10e6) == pytest.approx(30.0 + 25.0 + 5.0)
@@ -153,8 +153,14 @@ def test_cost_model_prediction_and_crossover():
     assert flat.crossover_rate(100) == pytest.approx(0.0, abs=1.0)  # bytes/s
 
 
-def test_the_wait_fit_keeps_its_terms_non_negative_and_follows_recent_requests():
-    fit = WaitFit()
+def test_the_fits_keep_their_terms_non_negative_and_follow_recent_requests():
+    # SPEC's reads that do not follow what the tiers hold of the whole prefix (probe keys, the chunks its selection
+    # misses): the per-loaded-token term alone
+    reads = LinearFit()
+    for held in (0.0, 0.5, 0.9):
+        reads.add(1000 * (1 - held), 1000, 8e6)
+    assert reads.coefficients() == pytest.approx((0.0, 8000.0))
+    fit = LinearFit()
     assert fit.coefficients() is None
     # waits that fall as the bytes grow: no negative rate, the per-token term alone
     for bytes_ms, wait in ((10.0, 50.0), (100.0, 40.0), (200.0, 30.0)):

@@ -10,9 +10,10 @@ measured rates, never typed-in ones, and of what the caches hold for this prefix
 - C(plan): the request's time with its waits for reads taken out (compute, identification, host work), measured
   per plan and stored prefix length: `calibrate` runs every candidate plan on the warm-up requests (its first run
   compiles the plan's programs and is not counted), and each later request of a plan that compiled nothing updates it.
-- disk bytes(plan) = the loaded tokens the cache tiers do not hold (looked up per layer and chunk at planning) x the
-  disk bytes such a token costs, measured per way of loading (selected or all) on this run's requests (fallbacks,
-  probe keys and speculation's misses are in it).
+- disk bytes(plan) = p x the loaded tokens the cache tiers do not hold (looked up per layer and chunk at planning) +
+  q x the loaded tokens, fitted per way of loading (selected or all) by least squares over its measured requests:
+  loading everything reads exactly what the tiers lack (q = 0); SPEC's probe keys, fallbacks and the chunks its
+  selection misses follow the tiers' share of the whole prefix only in part.
 - the disk rate: the read scheduler's, measured online (an emulated link's when throttled).
 - a, b: the waits for reads, fitted per way of loading by least squares over its measured requests (recent ones
   weigh more): a per second of the bytes' time at the disk's rate (below 1 where compute hides reading), b per loaded
@@ -65,25 +66,25 @@ class Plan:
 
 
 @dataclasses.dataclass
-class WaitFit:
-    """One way of loading's waits for reads, wait_ms = a x bytes_ms + b x tokens (bytes_ms: the request's disk bytes'
-    time at the disk's rate; tokens: the stored tokens it loaded), least squares with a, b >= 0 over the requests
-    observed, each earlier one's weight multiplied by _FORGET at every new one."""
+class LinearFit:
+    """y = c0 x0 + c1 x1 with c0, c1 >= 0, least squares over the observations, each earlier one's weight multiplied
+    by _FORGET at every new one. The planner fits a way of loading's waits for reads (x: the bytes' time at the disk's
+    rate, ms; loaded tokens) and its disk bytes (x: loaded tokens the caches did not hold; loaded tokens)."""
 
     xx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((2, 2)))
     xy: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2))
     yy: float = 0.0
 
-    def add(self, bytes_ms: float, tokens: float, wait_ms: float) -> None:
-        x = np.array([bytes_ms, tokens], np.float64)
+    def add(self, x0: float, x1: float, y: float) -> None:
+        x = np.array([x0, x1], np.float64)
         self.xx = _FORGET * self.xx + np.outer(x, x)
-        self.xy = _FORGET * self.xy + x * wait_ms
-        self.yy = _FORGET * self.yy + wait_ms * wait_ms
+        self.xy = _FORGET * self.xy + x * y
+        self.yy = _FORGET * self.yy + y * y
 
     def coefficients(self) -> tuple[float, float] | None:
-        """(a, b): of the non-negative fits (a alone, b alone, both where the requests tell the terms apart), the one
-        of least squared error, a alone where they tie (a single request, or bytes in step with tokens: waits for
-        reads are the bytes' until the requests say otherwise); None before any request."""
+        """(c0, c1): of the non-negative fits (c0 alone, c1 alone, both where the observations tell the terms apart),
+        the one of least squared error, c0 alone where they tie (a single observation, or x0 in step with x1: waits are
+        the bytes', bytes are the missing tokens', until the observations say otherwise); None before any."""
         if not self.xx.any():
             return None
         candidates = []
@@ -105,13 +106,12 @@ class WaitFit:
 @dataclasses.dataclass
 class CostModel:
     """The planner's measured rates. `compute_ms[(m, plan)]`: a plan's time with its waits for reads taken out, for a
-    stored prefix of m tokens (recompute: its whole time); per way of loading (`load_all`): the disk bytes per loaded
-    token the caches did not hold (`disk_bytes`/`missing_tokens`, sums weighted as the fits are) and the fit of its
-    waits (`waits`)."""
+    stored prefix of m tokens (recompute: its whole time); per way of loading (`load_all`), fits of its disk bytes
+    (`reads`: per loaded token the caches did not hold, and per loaded token whatever they held: SPEC's probe keys and
+    the chunks its selection misses do not follow what the tiers hold of the whole prefix) and of its waits (`waits`)."""
 
     compute_ms: dict = dataclasses.field(default_factory=dict)
-    disk_bytes: dict = dataclasses.field(default_factory=dict)
-    missing_tokens: dict = dataclasses.field(default_factory=dict)
+    reads: dict = dataclasses.field(default_factory=dict)
     waits: dict = dataclasses.field(default_factory=dict)
 
     def candidates(self, m: int, chunk_tokens: int) -> list[Plan]:
@@ -129,14 +129,21 @@ class CostModel:
         if plan.head >= m:
             return
         way, loaded = plan.load_all, m - plan.head
-        self.disk_bytes[way] = _FORGET * self.disk_bytes.get(way, 0.0) + disk_bytes
-        self.missing_tokens[way] = _FORGET * self.missing_tokens.get(way, 0.0) + loaded * (1.0 - held)
+        self.reads.setdefault(way, LinearFit()).add(loaded * (1.0 - held), loaded, disk_bytes)
         if rate:
-            self.waits.setdefault(way, WaitFit()).add(disk_bytes / rate * 1e3, loaded, wait_ms)
+            self.waits.setdefault(way, LinearFit()).add(disk_bytes / rate * 1e3, loaded, wait_ms)
 
-    def bytes_per_missing_token(self, load_all: bool) -> float | None:
-        missing = self.missing_tokens.get(load_all)
-        return self.disk_bytes[load_all] / missing if missing else None
+    def disk_bytes(self, m: int, plan: Plan, held: float = 0.0) -> float | None:
+        """The predicted disk bytes of `plan` for m stored tokens when the caches hold a share `held` of what it
+        loads."""
+        if plan.head >= m:
+            return 0.0
+        fit = self.reads.get(plan.load_all)
+        coefficients = fit.coefficients() if fit is not None else None
+        if coefficients is None:
+            return None
+        loaded = m - plan.head
+        return coefficients[0] * loaded * (1.0 - held) + coefficients[1] * loaded
 
     def _compute(self, m: int, plan: Plan) -> float | None:
         """C(plan) for m stored tokens: measured for m, else scaled from the nearest m measured for the same way of
@@ -155,13 +162,12 @@ class CostModel:
         """The predicted wait for reads of `plan` (ms) when the caches hold a share `held` of what it loads."""
         if plan.head >= m:
             return 0.0
-        per_token, fit = self.bytes_per_missing_token(plan.load_all), self.waits.get(plan.load_all)
+        nbytes, fit = self.disk_bytes(m, plan, held), self.waits.get(plan.load_all)
         coefficients = fit.coefficients() if fit is not None else None
-        if per_token is None or coefficients is None or not rate:
+        if nbytes is None or coefficients is None or not rate:
             return None
         a, b = coefficients
-        loaded = m - plan.head
-        return a * per_token * loaded * (1.0 - held) / rate * 1e3 + b * loaded
+        return a * nbytes / rate * 1e3 + b * (m - plan.head)
 
     def predict(self, m: int, plan: Plan, rate: float | None, held: float = 0.0) -> float | None:
         """Predicted TTFT (ms) of `plan` for m stored tokens at `rate` disk bytes/s, the caches holding a share `held`
@@ -185,11 +191,13 @@ class CostModel:
 
     def summary(self, rate: float | None) -> dict:
         ms = sorted({m for m, _ in self.compute_ms})
-        fits = {way: fit.coefficients() for way, fit in self.waits.items()}
+        waits = {way: fit.coefficients() for way, fit in self.waits.items()}
+        reads = {way: fit.coefficients() for way, fit in self.reads.items()}
         return {"disk_rate_bytes_per_s": rate,
-                "disk_bytes_per_missing_token": {_WAYS[w]: self.bytes_per_missing_token(w) for w in self.disk_bytes},
-                "wait_per_bytes_time": {_WAYS[w]: c[0] for w, c in fits.items() if c},
-                "wait_ms_per_loaded_token": {_WAYS[w]: c[1] for w, c in fits.items() if c},
+                "disk_bytes_per_missing_token": {_WAYS[w]: c[0] for w, c in reads.items() if c},
+                "disk_bytes_per_loaded_token": {_WAYS[w]: c[1] for w, c in reads.items() if c},
+                "wait_per_bytes_time": {_WAYS[w]: c[0] for w, c in waits.items() if c},
+                "wait_ms_per_loaded_token": {_WAYS[w]: c[1] for w, c in waits.items() if c},
                 "compute_ms": {str(m): {p.label: c for (mm, p), c in sorted(self.compute_ms.items()) if mm == m}
                                for m in ms},
                 "crossover_bytes_per_s": {str(m): self.crossover_rate(m) for m in ms}}
@@ -207,7 +215,7 @@ class PlannerEngine(Engine):
 
     def calibrate(self, requests: list[Request], repeats: int = 2) -> None:
         """Run every candidate plan on each request once to compile its programs, then `repeats` times measuring
-        C(plan), the bytes a loaded token costs and the share of reading waited for; at warm-up, never in a timed
+        C(plan), the bytes a loaded token costs and the waits for reads; at warm-up, never in a timed
         request. The caches and speculation start empty afterwards, so the warm-up that follows is every system's."""
         try:
             for request in requests:
