@@ -220,3 +220,28 @@ def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importa
         assert observations() == 0
     _forced(engine, req, 0)
     assert observations() == 128
+
+
+def test_the_planner_measures_its_plans_on_the_store_the_timed_requests_find():
+    """The eval's warm-up: the planner calibrates after the store's repack (before it SPEC's plan reads far more), and
+    then gets both passes like every system; a system without plans gets the two passes around the repack."""
+    from specjax.eval.engine_systems import warm_up
+
+    class Recorder:
+        def __init__(self, planner):
+            self.calls, self.system = [], type("S", (), {"reorder": True})()
+            if planner:
+                self.calibrate = lambda requests: self.calls.append(("calibrate", len(requests)))
+
+        def run(self, request):
+            self.calls.append(("run", request))
+
+        def reorder(self):
+            self.calls.append(("reorder",))
+
+    spec, planner = Recorder(planner=False), Recorder(planner=True)
+    warm_up(spec, ["a", "b"])
+    warm_up(planner, ["a", "b"])
+    runs = [("run", "a"), ("run", "b")]
+    assert spec.calls == runs + [("reorder",)] + runs
+    assert planner.calls == runs + [("reorder",), ("calibrate", 2)] + runs + runs
