@@ -223,8 +223,8 @@ def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importa
 
 
 def test_the_planner_measures_its_plans_on_the_store_the_timed_requests_find():
-    """The eval's warm-up: the planner calibrates after the store's repack (before it SPEC's plan reads far more), and
-    then gets both passes like every system; a system without plans gets the two passes around the repack."""
+    """The eval's warm-up: the planner calibrates after the store's repack (before it SPEC's plan reads far more), then
+    makes the second pass as every system does (the repack drops from the caches what the first pass placed)."""
     from specjax.eval.engine_systems import warm_up
 
     class Recorder:
@@ -244,4 +244,4 @@ def test_the_planner_measures_its_plans_on_the_store_the_timed_requests_find():
     warm_up(planner, ["a", "b"])
     runs = [("run", "a"), ("run", "b")]
     assert spec.calls == runs + [("reorder",)] + runs
-    assert planner.calls == runs + [("reorder",), ("calibrate", 2)] + runs + runs
+    assert planner.calls == runs + [("reorder",), ("calibrate", 2)] + runs
