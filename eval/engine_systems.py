@@ -147,15 +147,14 @@ class BlendSystem(EngineSystem):
 def warm_up(engine, requests: list[Request]) -> None:
     """The warm-up every measured engine gets: two passes over `requests` (one per distinct prefix, in arrival
     order). Systems that reorder repack the store between the passes (from the importance the first pass
-    observed; the repack frees the old chunks), so the second pass fills their caches with the repacked chunks;
-    every system gets both passes, so their caches see the same warm-up traffic.
+    observed; the repack frees the old chunks, and the caches drop them), so the second pass places the repacked
+    chunks; every system gets both passes, so their caches see the same warm-up traffic.
 
-    The planner measures its plans (`PlannerEngine.calibrate`, which empties the caches after) on the store as the
-    timed requests find it, after the repack (measured before it, on PIQA, SPEC's plan read ~25 MB a request, where
-    spec's timed requests read 8.4 MB: the important tokens did not share chunks yet), and then makes the second pass:
-    the repack drops from the caches every chunk a first pass read, so the caches of every system that reorders start
-    their timed requests with what one pass over the repacked store placed (given both passes anew, the planner's
-    caches would start warmer than spec's)."""
+    The planner measures its plans (`PlannerEngine.calibrate`) on the store as the timed requests find it, after the
+    repack (measured before it, on PIQA, SPEC's plan read ~25 MB a request, where spec's timed requests read 8.4 MB:
+    the important tokens did not share chunks yet), on caches of its own: its caches and speculation are then spec's.
+    (They matter: at 50 MB/s on PIQA, spec given empty caches and speculation after the repack read 4.5 MB a request,
+    with them kept 8.4 MB; a calibration that emptied the planner's made its SPEC plan look twice as cheap.)"""
     for r in requests:
         engine.run(r)
     if engine.system.reorder:

@@ -170,8 +170,8 @@ class TieredCache:
     def held(self, keys) -> np.ndarray:
         """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""
         with self._lock:
-            tiers = [tier.items for tier in self.tiers.values()]
-            return np.fromiter((any(key in items for items in tiers) for key in keys), bool, len(keys))
+            device, host = self.tiers[DEVICE].items, self.tiers[HOST].items
+            return np.fromiter((key in device or key in host for key in keys), bool, len(keys))
 
     def score(self, key):
         return self._score_fn(self.stats[key])

@@ -260,6 +260,10 @@ class KVStore(ChunkReads):
         """Call `callback(chunk_ids)` when chunks are deleted (caches drop them)."""
         self._free_callbacks.append(callback)
 
+    def off_free(self, callback) -> None:
+        """Stop calling `callback` (given to `on_free`) when chunks are deleted."""
+        self._free_callbacks.remove(callback)
+
     def _delete_segment(self, seg: Segment, on_disk: bool = True, callbacks: bool = True) -> None:
         chunk_ids = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
         for cb in self._free_callbacks if callbacks else ():
@@ -403,6 +407,20 @@ class KVStore(ChunkReads):
                 chunks[sel] = seg.first_chunk + stored // c
                 offsets[sel] = stored % c
         return Locations(chunks, offsets)
+
+    def chunks_by_layer(self, match: Match) -> np.ndarray:
+        """`[layers, match.length]`: the chunk id holding each matched position at every layer (`locate` of every
+        position, for all layers at once)."""
+        layers, c = self.layout.num_layers, self.layout.chunk_tokens
+        out = np.empty((layers, match.length), np.int64)
+        with self._lock:
+            for step in match.steps:
+                seg = self._segments[step.seg_id]
+                original = step.seg_start + np.arange(step.length)
+                stored = seg.mapping[:, original] if seg.mapping is not None and seg.mapping.ndim == 2 else \
+                    seg.stored(original, None)
+                out[:, step.prefix_start:step.prefix_start + step.length] = seg.first_chunk + stored // c
+        return out
 
     def extent_of(self, layer: int, kind: int, chunk: int) -> tuple[str, int]:
         """(key under the store's kvstore, byte offset) of a chunk: its segment's extent of that layer and kind

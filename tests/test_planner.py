@@ -104,6 +104,27 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     assert engine.plan(128)[0] == min(plans, key=lambda p: engine.costs.compute_ms[(128, p)])
 
 
+def test_calibration_leaves_the_caches_and_speculation_the_timed_requests_find(model):
+    """The calibration's many runs go to caches of their own: the engine's hold what they held, with the same
+    statistics, and the store no longer keeps the calibration's caches (nor tells them of freed chunks)."""
+    req = _request(model, prefix_len=128)
+    engine = _planner(model, gpu_cache_bytes=1 << 14, cpu_cache_bytes=1 << 16)  # holds a part of the prefix
+    engine.warm(req.prefix)
+    engine.run(req)
+    cache, speculator, callbacks = engine.cache, engine.speculator, list(engine.store._free_callbacks)
+    held = {name: set(tier.items) for name, tier in cache.tiers.items()}
+    stats = {key: (s.freq, s.important_fraction) for key, s in cache.stats.items()}
+    assert held["device"] or held["host"]
+    engine.calibrate([req])
+    assert engine.cache is cache and engine.speculator is speculator
+    assert {name: set(tier.items) for name, tier in cache.tiers.items()} == held
+    assert {key: (s.freq, s.important_fraction) for key, s in cache.stats.items()} == stats
+    assert engine.store._free_callbacks == callbacks
+    engine.empty_caches()  # a new start lets the old caches go as well
+    assert engine.cache is not cache and len(engine.store._free_callbacks) == len(callbacks)
+    assert cache.invalidate not in engine.store._free_callbacks
+
+
 def test_cost_model_prediction_and_crossover():
     costs = CostModel()
     # SPEC's plan: 10 ms of compute, 1,000 disk bytes per loaded token the caches do not hold, waits for half the
@@ -224,7 +245,7 @@ def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importa
 
 def test_the_planner_measures_its_plans_on_the_store_the_timed_requests_find():
     """The eval's warm-up: the planner calibrates after the store's repack (before it SPEC's plan reads far more), then
-    makes the second pass as every system does (the repack drops from the caches what the first pass placed)."""
+    makes the second pass as every system does (the calibration on caches of its own)."""
     from specjax.eval.engine_systems import warm_up
 
     class Recorder:

@@ -181,6 +181,7 @@ def test_reorder_packs_each_layers_important_tokens(memory_location, per_layer):
     imp = np.zeros((layers, 96))
     for layer, idx in enumerate(important):
         imp[layer, idx] = 1.0
+    longer = np.concatenate([tokens, rng.integers(0, 1000, 40)])  # a node below the reordered one, in prefix order
     with KVStore.open(location, fp, context=ctx) as store:
         store.insert(tokens, kv)
         with store.match(tokens) as m:
@@ -188,11 +189,16 @@ def test_reorder_packs_each_layers_important_tokens(memory_location, per_layer):
             node = m.steps[0].node_id
         assert reorder_node(store, node, per_layer=per_layer)
         assert_serves(store, tokens, kv)
+        store.insert(longer, random_kv(rng, 40), base=store.match(longer))
         with store.match(tokens) as m:
             chunks = [len(store.locate(m, idx, layer).unique_chunks()) for layer, idx in enumerate(important)]
             if per_layer:
                 with pytest.raises(ValueError, match="needs the layer"):
                     store.locate(m, important[0])
+        with store.match(longer) as m:  # every layer's chunk of every position at once, as `locate` gives them
+            assert len(m.steps) == 2
+            np.testing.assert_array_equal(store.chunks_by_layer(m), np.stack(
+                [store.locate(m, np.arange(136), layer).chunks for layer in range(layers)]))
     if per_layer:
         assert chunks == [1] * layers
     else:

@@ -9,6 +9,7 @@ prefix tokens' KV behind. A `System` decides what each layer loads; the loop is 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 
@@ -125,13 +126,36 @@ class Engine:
 
     def empty_caches(self) -> None:
         """Start the device and host tiers empty, and speculation with nothing learned."""
-        store, system, config = self.store, self.system, self.config
         if self.prefetcher is not None:
             self.prefetcher.close()
-        self.cache = TieredCache(config.gpu_cache_bytes, self._host_cache_bytes, system.cache_policy,
-                                 metrics=store.metrics)
-        self.prefetcher = Prefetcher(store, self.cache, pcie_bandwidth=config.pcie_bandwidth)
-        self.speculator = Speculator(store, self.cache) if system.prefetch == "speculative" else None
+            self._let_go(self.cache, self.speculator)
+        self.cache, self.prefetcher, self.speculator = self._new_caches()
+
+    @contextlib.contextmanager
+    def scratch_caches(self):
+        """Within: device and host tiers and speculation of their own, empty at first; after: the engine's, untouched
+        by what ran within (e.g. the planner's calibration, which must not warm the caches that timed requests find).
+        Meanwhile the device holds both device tiers' pages."""
+        saved = self.cache, self.prefetcher, self.speculator
+        self.cache, self.prefetcher, self.speculator = self._new_caches()
+        try:
+            yield
+        finally:
+            self.prefetcher.close()
+            self._let_go(self.cache, self.speculator)
+            self.cache, self.prefetcher, self.speculator = saved
+
+    def _new_caches(self) -> tuple[TieredCache, Prefetcher, Speculator | None]:
+        store, system, config = self.store, self.system, self.config
+        cache = TieredCache(config.gpu_cache_bytes, self._host_cache_bytes, system.cache_policy, metrics=store.metrics)
+        prefetcher = Prefetcher(store, cache, pcie_bandwidth=config.pcie_bandwidth)
+        return cache, prefetcher, Speculator(store, cache) if system.prefetch == "speculative" else None
+
+    def _let_go(self, cache: TieredCache, speculator: Speculator | None) -> None:
+        """Caches the engine no longer uses: the store stops telling them of freed chunks (and so stops keeping them)."""
+        self.store.off_free(cache.invalidate)
+        if speculator is not None:
+            self.store.off_free(speculator.usage.forget)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe

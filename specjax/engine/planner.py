@@ -74,17 +74,24 @@ class LinearFit:
     xx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((2, 2)))
     xy: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2))
     yy: float = 0.0
+    _fitted: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # (coefficients,) until `add`
 
     def add(self, x0: float, x1: float, y: float) -> None:
         x = np.array([x0, x1], np.float64)
         self.xx = _FORGET * self.xx + np.outer(x, x)
         self.xy = _FORGET * self.xy + x * y
         self.yy = _FORGET * self.yy + y * y
+        self._fitted = None
 
     def coefficients(self) -> tuple[float, float] | None:
         """(c0, c1): of the non-negative fits (c0 alone, c1 alone, both where the observations tell the terms apart),
         the one of least squared error, c0 alone where they tie (a single observation, or x0 in step with x1: waits are
         the bytes', bytes are the missing tokens', until the observations say otherwise); None before any."""
+        if self._fitted is None:
+            self._fitted = (self._fit(),)
+        return self._fitted[0]
+
+    def _fit(self) -> tuple[float, float] | None:
         if not self.xx.any():
             return None
         candidates = []
@@ -216,19 +223,20 @@ class PlannerEngine(Engine):
     def calibrate(self, requests: list[Request], repeats: int = 2) -> None:
         """Run every candidate plan on each request once to compile its programs, then `repeats` times measuring
         C(plan), the bytes a loaded token costs and the waits for reads; at warm-up, never in a timed
-        request. The caches and speculation start empty afterwards, so the warm-up that follows is every system's."""
+        request. It runs on caches and speculation of its own (`scratch_caches`): the engine's are left as they
+        were, so the planner's requests find them warmed as every system's are."""
         try:
-            for request in requests:
-                with self.store.match([int(t) for t in request.prefix]) as match:
-                    m = match.length
-                for plan in self.costs.candidates(m, self.store.layout.chunk_tokens) if m else []:
-                    self._forced = plan
-                    for i in range(1 + repeats):
-                        self._observing = i > 0
-                        self.run(request)
+            with self.scratch_caches():
+                for request in requests:
+                    with self.store.match([int(t) for t in request.prefix]) as match:
+                        m = match.length
+                    for plan in self.costs.candidates(m, self.store.layout.chunk_tokens) if m else []:
+                        self._forced = plan
+                        for i in range(1 + repeats):
+                            self._observing = i > 0
+                            self.run(request)
         finally:
             self._forced, self._observing = None, True
-        self.empty_caches()
 
     def rate(self) -> float | None:
         return self.store.scheduler.rate_bytes_per_s()
@@ -237,16 +245,14 @@ class PlannerEngine(Engine):
         """Per stored position of `match`, the share of its K and V over the layers that the cache tiers hold now
         (what a plan loading it would not read from disk; looked up per layer and chunk, the store's reordering
         included)."""
-        m, layers = match.length, self.cfg.num_layers
-        held = np.zeros(m)
-        if not m:
-            return held
-        positions = np.arange(m)
-        for layer in range(layers):
-            chunks, inverse = np.unique(self.store.locate(match, positions, layer).chunks, return_inverse=True)
-            for kind in (K, V):
-                held += self.cache.held([(layer, kind, int(c)) for c in chunks])[inverse]
-        return held / (2 * layers)
+        if not match.length:
+            return np.zeros(0)
+        chunks, inverse = np.unique(self.store.chunks_by_layer(match), return_inverse=True)
+        layers = np.arange(self.cfg.num_layers)
+        keys = [(int(layer), kind, int(c)) for layer in layers for kind in (K, V) for c in chunks]
+        held = self.cache.held(keys).reshape(len(layers), 2, len(chunks))  # [layer, kind, chunk]
+        inverse = inverse.reshape(len(layers), match.length)
+        return held[layers[:, None], :, inverse].mean(axis=(0, 2))
 
     def plan(self, m: int, held: np.ndarray | None = None) -> tuple[Plan, dict, dict]:
         """The plan for m stored tokens, the prediction of every candidate (ms; None: unknown) and the share of each
