@@ -8,7 +8,7 @@ only the ranking, so if it does not beat the built selection, a better deviation
 
     python benchmarks/cacheblend_oracle.py --ratios 0.15,0.3 --limit 80
 
-The oracle swaps `specjax.engine.blend._blend_layer` for a wrapper that replaces the deviation it returns; it is
+The oracle answers the engine's `blend_layer` event (`specjax.engine.events`) with the deviation to rank by; it is
 a measurement aid, not a system. It needs the model's full-prefill KV per request (one extra forward pass each,
 untimed). Prints one JSON line per (ratio, selection) with accuracy and the requests answered wrongly.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from specjax.engine import blend
+from specjax.engine import events
 from specjax.engine.systems import BLEND_FILTERS
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
@@ -41,7 +41,7 @@ class _Oracle:
     """Holds the current request's full-prefill KV per layer and ranks rows by their true deviation."""
 
     def __init__(self):
-        self.kv, self.layer, self.m = None, 0, 0
+        self.kv, self.m = None, 0
 
     def prepare(self, model, request) -> None:
         cfg, params = model.config, model.params
@@ -55,20 +55,18 @@ class _Oracle:
         for lp in params["layers"]:
             h, k, v = T.self_attention_layer(cfg, lp, h, positions, positions < len(tokens), rotary)
             self.kv.append((k, v))
-        self.layer, self.m = 0, len(request.prefix_ids)
+        self.m = len(request.prefix_ids)
 
-    def wrap(self, layer_fn):
-        def oracle_layer(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviation="value"):
-            h, mixed_k, mixed_v, _ = layer_fn(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviation)
-            full_k, full_v = self.kv[self.layer]
-            self.layer += 1
-            keys = T.rotate(reused_k, *rotation)
-            size = keys.shape[1]
-            true = (jnp.square(full_k[:, :size].astype(jnp.float32) - keys.astype(jnp.float32)).sum((0, 2))
-                    + jnp.square(full_v[:, :size].astype(jnp.float32) - reused_v.astype(jnp.float32)).sum((0, 2)))
-            true = jnp.where(jnp.arange(size) < self.m, true, 0.0)
-            return h, mixed_k, mixed_v, jnp.take(true, rows, mode="fill", fill_value=0.0)
-        return oracle_layer
+    def deviation(self, layer, reused_k, reused_v, rotation, rows, deviation):
+        """The `blend_layer` event: each recomputed row's true deviation instead of the built estimate."""
+        del deviation
+        full_k, full_v = self.kv[layer]
+        keys = T.rotate(reused_k, *rotation)
+        size = keys.shape[1]
+        true = (jnp.square(full_k[:, :size].astype(jnp.float32) - keys.astype(jnp.float32)).sum((0, 2))
+                + jnp.square(full_v[:, :size].astype(jnp.float32) - reused_v.astype(jnp.float32)).sum((0, 2)))
+        true = jnp.where(jnp.arange(size) < self.m, true, 0.0)
+        return jnp.take(true, rows, mode="fill", fill_value=0.0)
 
 
 def _accuracy(model, workload, ratio, oracle: _Oracle | None) -> dict:
@@ -79,7 +77,7 @@ def _accuracy(model, workload, ratio, oracle: _Oracle | None) -> dict:
     system = systems_lib.make_system("cacheblend", model, settings)
     wrong = []
     with tempfile.TemporaryDirectory(prefix="specjax-oracle-") as tmp:
-        system.populate(tmp, runner._stored_sequences(system, runner.warmup_requests(workload)))
+        system.populate(tmp, runner.stored_sequences(system, runner.warmup_requests(workload)))
         system.open(tmp)
         try:
             for i, request in enumerate(workload.requests):
@@ -101,15 +99,11 @@ def main(argv):
     tokenizer, _ = tokenizer_for(model)
     workload = workload_lib.build_workload(tasks_lib.load_task("rag", None, None), tokenizer,
                                            workload_lib.WorkloadSpec(limit=FLAGS.limit, seed=0))
-    built = blend._blend_layer
     for ratio in (float(r) for r in FLAGS.ratios.split(",")):
         print(json.dumps(_accuracy(model, workload, ratio, None)), flush=True)
         oracle = _Oracle()
-        blend._blend_layer = oracle.wrap(built)
-        try:
+        with events.subscribed("blend_layer", oracle.deviation):
             print(json.dumps(_accuracy(model, workload, ratio, oracle)), flush=True)
-        finally:
-            blend._blend_layer = built
 
 
 if __name__ == "__main__":

@@ -20,15 +20,15 @@ import numpy as np
 
 from specjax.bench import device_name
 from specjax.stores.kvarray import Layout
-from specjax.stores.pool import _bits, _write  # the pool's own write step, on either element type
+from specjax.stores.pool import page_dtype, write_pages  # the pool's own write step, on either element type
 
 
 def write_ms(pages: jax.Array, slots: np.ndarray, data: jax.Array, repeats: int) -> tuple[float, jax.Array]:
-    pages = _write(pages, slots, data).block_until_ready()  # compiles
+    pages = write_pages(pages, slots, data).block_until_ready()  # compiles
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        pages = _write(pages, slots, data).block_until_ready()
+        pages = write_pages(pages, slots, data).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3, pages
 
@@ -50,11 +50,11 @@ def main(argv=None) -> dict:
     values = rng.standard_normal((args.pages, *shape)).astype(dtype)
     out = {"device": device_name(), "jax": jax.__version__, "dtype": args.dtype, "pool_bytes": 0,
            "pages_written": args.pages, "repeats": args.repeats}
-    for name, as_type in (("store_dtype", dtype), ("bits", _bits(dtype))):
+    for name, as_type in (("store_dtype", dtype), ("bits", page_dtype(dtype))):
         pages = jax.device_put(np.zeros((args.slots + 1, *shape), as_type))
         out["pool_bytes"] = pages.nbytes
         ms, pages = write_ms(pages, slots, jax.device_put(values.view(as_type)), args.repeats)
-        assert np.array_equal(np.asarray(pages[slots]).view(dtype).view(_bits(dtype)), values.view(_bits(dtype)))
+        assert np.array_equal(np.asarray(pages[slots]).view(dtype).view(page_dtype(dtype)), values.view(page_dtype(dtype)))
         out[f"{name}_ms"] = ms
     print(f"{out['device']}: {args.pages} pages into a {out['pool_bytes'] / 1e6:.0f} MB pool of {args.dtype}: "
           f"{out['store_dtype_ms']:.2f} ms as {args.dtype}, {out['bits_ms']:.2f} ms as its bits")

@@ -15,8 +15,8 @@ previous layer's set (`--thresholds`). With the same caches, impress would read 
     python benchmarks/speculation_waste.py --task piqa --data_dir ../shared/data --limit 24 \\
         --prefix_tokens 1024 --systems spec --retention 0.25 --output_dir /tmp/waste
 
-It wraps `specjax.engine.layer_io.LayerIO.after_selection` to look, never to change what is read; a measurement
-aid, not a system. Prints the table and writes OUTPUT_DIR/speculation_waste.json.
+It subscribes to the engine's `selection` event (`specjax.engine.events`) to look, never to change what is read; a
+measurement aid, not a system. Prints the table and writes OUTPUT_DIR/speculation_waste.json.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
+import weakref
 
 from absl import app, flags
 
-from specjax.engine import layer_io
-from specjax.engine import speculation
+from specjax.engine import events, speculation
 from specjax.eval import __main__ as eval_main
 from specjax.stores import K, V
 
@@ -39,17 +39,17 @@ FLAGS = flags.FLAGS
 _counts: collections.Counter = collections.Counter()
 
 
-def _look(thresholds):
-    after_selection = layer_io.LayerIO.after_selection
+def _looking(thresholds):
+    """The `selection` event's subscriber: counts each spec layer that had a guess against its real set."""
+    previous_of = weakref.WeakKeyDictionary()  # a request's LayerIO -> its previous layer's set
 
     def looking(io, layer, chosen):
-        previous = getattr(io, "_waste_previous", None)
+        previous = previous_of.get(io)
         if io.engine.system.prefetch == "speculative" and previous is not None and layer in io.prefetched:
             _count(io, layer, previous, chosen, thresholds)
-        io._waste_previous = chosen
-        return after_selection(io, layer, chosen)
+        previous_of[io] = chosen
 
-    layer_io.LayerIO.after_selection = looking
+    return looking
 
 
 def _count(io, layer, previous, chosen, thresholds):
@@ -90,9 +90,9 @@ def _report(output_dir, thresholds):
 
 def main(argv):
     thresholds = [float(t) for t in FLAGS.thresholds.split(",") if t]
-    _look(thresholds)
     try:
-        eval_main.main(argv)
+        with events.subscribed("selection", _looking(thresholds)):
+            eval_main.main(argv)
     finally:
         _report(FLAGS.output_dir, thresholds)
 

@@ -138,9 +138,8 @@ class BlendSystem(EngineSystem):
     def run(self, request) -> Outcome:
         r = self.engine.run(request.engine_request())
         outcome = _outcome(r, request)
-        recomputed = r.layers.get("recomputed", [1.0] * self.model.config.num_layers)  # else recomputed all
-        outcome.layers["recomputed"] = [float(x) for x in recomputed]
-        outcome.counters["recomputed_tokens"] = float(np.mean(recomputed) * len(request.prefix_ids))
+        outcome.layers["recomputed"] = [float(x) for x in r.layers["recomputed"]]
+        outcome.counters["recomputed_tokens"] = float(np.mean(r.layers["recomputed"]) * len(request.prefix_ids))
         return outcome
 
 

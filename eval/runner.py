@@ -96,7 +96,7 @@ def compile_requests(workload: Workload) -> list:
     return extra
 
 
-def _stored_sequences(system, warm: list) -> list:
+def stored_sequences(system, warm: list) -> list:
     """What a base store is written from: each unique prefix, unless the system says otherwise (text chunks)."""
     if hasattr(system, "stored_sequences"):
         return system.stored_sequences(warm)
@@ -199,7 +199,7 @@ class StoreFolder:
         if base not in self.bases:
             base.mkdir(parents=True, exist_ok=True)
             with self._locked(base, fcntl.LOCK_EX):
-                counts = system.populate(str(base), _stored_sequences(system, warm))
+                counts = system.populate(str(base), stored_sequences(system, warm))
             self.bases[base] = {"base": base.name, **_populated(counts)}
         return base
 

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
 from specjax.engine.types import EngineConfig
 from specjax.eval.errors import EvalError
 from specjax.stores import Layout
@@ -158,28 +159,6 @@ class System(Protocol):
     def close(self) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class SystemInfo:
-    name: str
-    description: str
-    uses_retention: bool  # accuracy / TTFT depend on --retention
-
-
-KNOWN_SYSTEMS = {s.name: s for s in (
-    SystemInfo("recompute", "full prefill of prefix + query (ReComp)", False),
-    SystemInfo("as_full", "AttentionStore-like: load all prefix KV, LRU caches", False),
-    SystemInfo("as_h2o_lru", "AS + H2O: all keys, important values, LRU", True),
-    SystemInfo("as_h2o_lfu", "AS + H2O: all keys, important values, LFU", True),
-    SystemInfo("impress", "IMPRESS: probe-head keys, important KV, score cache", True),
-    SystemInfo("spec", "SPEC: IMPRESS + layer-aware speculative prefetch", True),
-    SystemInfo("spec_gqa", "SPEC with KV-head probes and a per-query-head guard (grouped-query models)", True),
-    SystemInfo("contiguous_kv", "ContiguousKV: 16-token chunks, periods, I x F cache", True),
-    SystemInfo("cake", "Cake: compute from the front, load from the back", False),
-    SystemInfo("planner", "SPEC computing the head of the prefix a cost model of measured rates picks", True),
-    SystemInfo("cacheblend", "CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)", False),
-    SystemInfo("full_reuse", "reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)", False),
-)}
-
 # the SPEC paper's line-up, what `--systems default` runs
 DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
 
@@ -221,8 +200,9 @@ def resolve(spec: str) -> list[str]:
 
 
 def uses_retention(name: str) -> bool:
-    info = KNOWN_SYSTEMS.get(name)
-    return True if info is None else info.uses_retention
+    """Whether the system keeps a share of the prefix (`--retention`); a plugin's is assumed to."""
+    system = KNOWN_SYSTEMS.get(name)
+    return True if system is None else system.prunes
 
 
 def make_system(name: str, model, settings: SystemSettings) -> System:

@@ -3,17 +3,16 @@ online-softmax and column-sum steps that both kernels run on their tiles."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from specjax.impl_choice import ImplChoice
 
 IMPLS = ("auto", "pallas", "reference")
 IMPL_ENV_VAR = "SPECJAX_KERNEL_IMPL"
@@ -23,23 +22,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Older/newer Pallas spell a squeezed block dimension differently; both accept this.
 SQUEEZED = getattr(pl, "squeezed", None)
 
-_impl_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "specjax_kernel_impl", default=None)
-
-
-@contextlib.contextmanager
-def kernel_impl(impl: str):
-    """Within the block, kernels called with impl="auto" use `impl` instead.
-
-    The choice is made when a function is traced: a jitted caller traced before entering
-    the block keeps its old choice.
-    """
-    _check_impl(impl)
-    token = _impl_override.set(impl)
-    try:
-        yield
-    finally:
-        _impl_override.reset(token)
+CHOICE = ImplChoice("kernel", IMPLS, IMPL_ENV_VAR, lambda backend: "pallas" if backend == "gpu" else "reference")
+kernel_impl = CHOICE.using  # within the block, kernels called with impl="auto" use the given impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,24 +34,7 @@ class Dispatch:
 
 def resolve_impl(impl: str) -> Dispatch:
     """impl argument > kernel_impl() context > $SPECJAX_KERNEL_IMPL > Pallas on GPU only."""
-    _check_impl(impl)
-    chosen = impl
-    if chosen == "auto":
-        chosen = _impl_override.get() or "auto"
-    if chosen == "auto":
-        chosen = os.environ.get(IMPL_ENV_VAR, "auto").strip().lower() or "auto"
-        if chosen not in IMPLS:
-            raise ValueError(
-                f"${IMPL_ENV_VAR}={chosen!r} is not one of {IMPLS}; unset it or pick one.")
-    on_gpu = jax.default_backend() == "gpu"
-    if chosen == "auto":
-        chosen = "pallas" if on_gpu else "reference"
-    return Dispatch(use_pallas=chosen == "pallas", interpret=not on_gpu)
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+    return Dispatch(use_pallas=CHOICE.resolve(impl) == "pallas", interpret=jax.default_backend() != "gpu")
 
 
 # ----------------------------------------------------------------------------- checks

@@ -36,13 +36,13 @@ MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of 
 WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
 
 
-def _bits(dtype) -> np.dtype:
+def page_dtype(dtype) -> np.dtype:
     """The unsigned integer type of `dtype`'s width: the page arrays' element type."""
     return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write(pages, slots, data):
+def write_pages(pages, slots, data):
     """pages with data[i] at slot slots[i]; slots beyond the array are padding, dropped."""
     return pages.at[slots].set(data, mode="drop")
 
@@ -95,7 +95,7 @@ class DevicePool:
         for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
             slots = int(device_bytes) // (heads * c * d * layout.np_dtype.itemsize)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
-            array = jax.device_put(np.zeros((slots + 1, heads, c, d), _bits(layout.np_dtype)), device)
+            array = jax.device_put(np.zeros((slots + 1, heads, c, d), page_dtype(layout.np_dtype)), device)
             self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
 
@@ -223,7 +223,7 @@ class DevicePool:
             for j, (_, chunk) in enumerate(part):
                 data[j] = chunk.view(data.dtype)
             slots = padded(np.array([slot for slot, _ in part]), n, pages.array.shape[0])
-            pages.array = _write(pages.array, slots.astype(np.int32), self._to_device(data))
+            pages.array = write_pages(pages.array, slots.astype(np.int32), self._to_device(data))
 
     def _to_device(self, host: np.ndarray) -> jax.Array:
         if self.pcie is not None:
@@ -250,7 +250,7 @@ class DevicePool:
             if (pages.array.shape, n) not in self._compiled:
                 empty = np.full(n, pages.array.shape[0], np.int32)  # every slot out of range: nothing written
                 data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), pages.array.dtype), self.device)
-                pages.array = _write(pages.array, empty, data)
+                pages.array = write_pages(pages.array, empty, data)
                 self._compiled.add((pages.array.shape, n))
 
 

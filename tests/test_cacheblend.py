@@ -232,6 +232,22 @@ def test_deviations_choose_different_tokens(model):
     assert not np.array_equal(chosen["value"], chosen["key"])
 
 
+def test_a_blend_layer_subscriber_may_rank_by_its_own_deviation(model):
+    """`blend_layer` (specjax.engine.events): an oracle's deviation replaces the built one in the ranking; here one
+    that ranks later tokens first, so the first filtered layer recomputes the prefix's last tokens."""
+    from specjax.engine import events
+
+    req = _request(model)
+    m = len(req.prefix)
+    counts = recompute_counts(model.config.num_layers, m, 0.3, filtering="gradual")
+    built = _engine(model, "cacheblend", 0.3, req.chunks).run(req).selections[CHECK_LAYER + 1]
+    with events.subscribed("blend_layer", lambda rows, **_: rows.astype(jnp.float32)):
+        later = _engine(model, "cacheblend", 0.3, req.chunks).run(req)
+    np.testing.assert_array_equal(later.selections[CHECK_LAYER + 1], np.arange(m - counts[CHECK_LAYER + 1], m))
+    assert not np.array_equal(built, later.selections[CHECK_LAYER + 1])
+    assert later.layers["recomputed"][CHECK_LAYER + 1] == counts[CHECK_LAYER + 1] / m
+
+
 def test_bad_blend_settings_are_refused():
     with pytest.raises(SpecjaxError, match="unknown cacheblend setting 'values'"):
         make_system("cacheblend", blend_deviation="values")

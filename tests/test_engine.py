@@ -583,3 +583,49 @@ def test_spec_records_what_each_layer_needed_and_does_not_speculate_what_it_neve
     likely = [int(c) for c in ranked if 2 * (usage.counts(layer, int(c))[1] + 1) >= usage.counts(layer, int(c))[0] + 2]
     assert chosen == likely and len(likely) == len(ranked) - 1  # the others were needed each time
     match.close()
+
+
+def test_the_selection_event_shows_each_layers_set_and_guess_and_changes_nothing(model):
+    """A measurement subscribes to `selection` (specjax.engine.events) instead of patching LayerIO: it sees every
+    layer's chosen set while the speculation made for it is still there, and the request is the same."""
+    from specjax.engine import events
+
+    req = _request(model)
+    engine = _engine(model, "spec", retention=0.25)
+    engine.warm(req.prefix)
+    seen = []
+
+    def look(io, layer, chosen):
+        seen.append((layer, np.array(chosen), layer in io.prefetched))
+
+    with events.subscribed("selection", look):
+        r = engine.run(req)
+    assert not events.emit("selection", io=None, layer=0, chosen=None)  # unsubscribed after the block
+    assert [layer for layer, _, _ in seen] == list(range(model.config.num_layers))
+    for layer, chosen, _ in seen:
+        np.testing.assert_array_equal(np.unique(chosen), np.unique(r.selections[layer]))
+    assert any(guessed for _, _, guessed in seen[1:])  # the guess of a later layer is still held at the event
+    again = engine.run(req)
+    np.testing.assert_array_equal(again.first_token_logits, r.first_token_logits)
+    with pytest.raises(ValueError, match="no engine event"):
+        with events.subscribed("selected", look):
+            pass
+
+
+def test_every_system_returns_one_layer_record(model):
+    """Every engine's per-layer record has the same fields (`LayerRecord`), read as a mapping."""
+    from specjax.engine.types import LayerRecord
+
+    req = _request(model)
+    layers = model.config.num_layers
+    for name in ("recompute", "as_full", "spec"):
+        r = _run(model, name, req, retention=0.25)
+        assert isinstance(r.layers, LayerRecord) and len(r.layers["retained"]) == layers
+        assert set(r.layers) == {"prefix_tokens", "retained", "loaded_tokens", "recomputed", "fallback", "jaccard",
+                                 "threshold", "head_share"}
+        assert r.layers["recomputed"] == [1.0 if name == "recompute" else 0.0] * layers
+    with pytest.raises(KeyError):
+        r.layers["retention"]
+    split = LayerRecord.split(layers, 100, 40)
+    assert split["retained"] == [0.6] * layers and split["recomputed"] == [0.4] * layers
+    assert split["loaded_tokens"] == [60] * layers

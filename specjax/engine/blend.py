@@ -39,10 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.engine import events
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, fingerprint
 from specjax.engine.layer_io import Clock, LayerIO
-from specjax.engine.types import RequestResult
+from specjax.engine.types import LayerRecord, RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -221,6 +222,9 @@ class BlendEngine(Engine):
                     reused_k = reused_v = zeros
                 h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
                                                              rotation, total, self.system.blend_deviation)
+                for instead in events.emit("blend_layer", layer=layer, reused_k=reused_k, reused_v=reused_v,
+                                           rotation=rotation, rows=rows_dev, deviation=deviation):
+                    deviation = deviation if instead is None else instead
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):
@@ -244,7 +248,7 @@ class BlendEngine(Engine):
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
             reused_tokens=m, computed_tokens=n + len(traced[-1]), io={},
-            layers=_layer_report(counts, loads, m), prefetch=io.prefetch_report(),
+            layers=_layer_record(counts, loads, m), prefetch=io.prefetch_report(),
             selections=traced if self.config.trace else None)
 
     def stored_keys(self, request) -> list[list[int]]:
@@ -264,15 +268,8 @@ class BlendEngine(Engine):
         return match
 
 
-def _layer_report(counts: list[int], loads: list[bool], m: int) -> dict:
-    """Per layer: reused fraction of the context (the rest recomputed), tokens read; no ITF measurements."""
-    num_layers = len(counts)
-    return {
-        "retained": [1.0 - c / max(m, 1) for c in counts],
-        "recomputed": [c / max(m, 1) for c in counts],
-        "fallback": [False] * num_layers,
-        "jaccard": [float("nan")] * num_layers,
-        "threshold": [float("nan")] * num_layers,
-        "loaded_tokens": [m if load else 0 for load in loads],
-        "prefix_tokens": m,
-    }
+def _layer_record(counts: list[int], loads: list[bool], m: int) -> LayerRecord:
+    """Per layer: the reused share of the context (the rest recomputed), tokens read; no ITF measurements."""
+    nan = [float("nan")] * len(counts)
+    return LayerRecord(m, [1.0 - c / max(m, 1) for c in counts], [m if load else 0 for load in loads],
+                       [c / max(m, 1) for c in counts], [False] * len(counts), nan, nan, nan)

@@ -20,7 +20,7 @@ from specjax.engine import steps as S
 from specjax.engine.engine import Engine
 from specjax.engine.layer_io import Clock
 from specjax.engine.speculation import prefetch_report
-from specjax.engine.types import EngineConfig, LayerKV, Request, RequestResult
+from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request, RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -264,7 +264,7 @@ class CakeEngine(Engine):
         computed = min(split * c, m)
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n + computed, io={}, layers=_layer_report(cfg.num_layers, m, computed),
+            reused_tokens=m, computed_tokens=n + computed, io={}, layers=LayerRecord.split(cfg.num_layers, m, computed),
             prefetch=prefetch_report(),
             recomputed_bad_chunks=meeting.bad_chunk,
             split={"stored_tokens": m, "computed_prefix_tokens": computed, "loaded_prefix_tokens": m - computed,
@@ -328,14 +328,6 @@ class CakeEngine(Engine):
                                                               c)
         rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
-
-
-def _layer_report(num_layers: int, m: int, computed: int) -> dict:
-    """The engine's per-layer record: every layer used all of R, of which the loaded part came from the store."""
-    loaded = m - computed
-    nan = [float("nan")] * num_layers
-    return {"retained": [loaded / max(m, 1)] * num_layers, "fallback": [False] * num_layers, "jaccard": nan,
-            "threshold": list(nan), "loaded_tokens": [loaded] * num_layers, "prefix_tokens": m}
 
 
 __all__ = ["CakeEngine", "check_chunk_tokens"]

@@ -25,7 +25,7 @@ from specjax.engine.layer_io import BadChunk, Clock, LayerIO
 from specjax.engine.replay import Recorder, Replay
 from specjax.engine.speculation import Speculator
 from specjax.engine.systems import System
-from specjax.engine.types import EngineConfig, LayerKV, Request, RequestResult
+from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request, RequestResult
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -298,7 +298,7 @@ class Engine:
         conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
         return RequestResult(
             first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n + head, io={}, layers=_layer_report(state, r),
+            reused_tokens=m, computed_tokens=n + head, io={}, layers=_layer_record(state, r, head),
             prefetch=io.prefetch_report(), selections=traced if self.config.trace else None, host_exposed_ms=exposed)
 
     def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix, head=0):
@@ -417,15 +417,11 @@ class Engine:
         return float(logprobs[np.arange(c), target].sum()), bool((logits.argmax(-1) == target).all())
 
 
-def _layer_report(state: st.ImportanceState, m: int) -> dict:
+def _layer_record(state: st.ImportanceState, r: int, head: int) -> LayerRecord:
+    """The record of a request whose layers identified among the r loaded stored tokens (after a computed `head`)."""
     retained = np.asarray(state.retained)
-    loaded = np.asarray(state.count) / max(m, 1)
-    return {
-        "retained": np.where(np.isnan(retained), loaded, retained).tolist(),
-        "fallback": np.asarray(state.fallback).tolist(),
-        "jaccard": np.asarray(state.jaccard).tolist(),
-        "threshold": np.asarray(state.threshold).tolist(),
-        "head_share": np.asarray(state.head_share).tolist(),
-        "loaded_tokens": np.asarray(state.count).tolist(),
-        "prefix_tokens": m,
-    }
+    loaded = np.asarray(state.count) / max(r, 1)
+    recomputed = [head / (head + r) if head + r else 1.0] * len(retained)
+    return LayerRecord(r, np.where(np.isnan(retained), loaded, retained).tolist(), np.asarray(state.count).tolist(),
+                       recomputed, np.asarray(state.fallback).tolist(), np.asarray(state.jaccard).tolist(),
+                       np.asarray(state.threshold).tolist(), np.asarray(state.head_share).tolist())

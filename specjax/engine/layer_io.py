@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from specjax.engine import events
 from specjax.engine.speculation import prefetch_report
 from specjax.stores import K, PROBE, V, Locations
 
@@ -207,6 +208,7 @@ class LayerIO:
         guessed (scored after the first token, `after_first_token`), then, off this thread (`_read_ahead_of`),
         queue the guess of the next layer's selection (spec) while this one computes. (Certain reads were all
         planned at the request's start.)"""
+        events.emit("selection", io=self, layer=layer, chosen=chosen)
         self._join_ahead()
         self._selected.append((layer, chosen, self.prefetched.pop(layer, None), self._behind.pop(layer, [])))
         self._read_ahead_of(layer, chosen)

@@ -34,10 +34,9 @@ import time
 import numpy as np
 
 from specjax.compiles import CompileCounter
-from specjax.engine.cake import _layer_report
 from specjax.engine.engine import Engine
 from specjax.engine.identify import policy
-from specjax.engine.types import EngineConfig, Request, RequestResult
+from specjax.engine.types import EngineConfig, LayerRecord, Request, RequestResult
 from specjax.stores.kvarray import K, V
 
 # The heads a plan may compute, as fractions of the stored prefix (rounded down to whole store chunks); 1.0 is
@@ -279,7 +278,7 @@ class PlannerEngine(Engine):
         if m and plan.head >= m:
             result = super()._run(request, reuse=False)
             result.reused_tokens = m  # stored, and computed instead of loaded (as cake reports a computed share)
-            result.layers = _layer_report(self.cfg.num_layers, m, m)
+            result.layers = LayerRecord.split(self.cfg.num_layers, m, m)
         elif plan.load_all:
             with self._loading_all():
                 result = super()._run(request, reuse=True)

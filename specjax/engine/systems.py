@@ -50,6 +50,7 @@ class System:
     # spec_gqa on grouped-query models: a shared set must keep at least this share of every query head's own
     # top-k attention, else the layer falls back (None: SPEC's test alone)
     min_head_share: float | None = None
+    description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
         for field, value, known in (("identify", self.identify, IDENTIFY), ("prefetch", self.prefetch, PREFETCH),
@@ -70,33 +71,46 @@ class System:
 
     @property
     def prunes(self) -> bool:
+        """It keeps a share of the stored prefix (`--retention`): accuracy and TTFT depend on the retention."""
         return self.identify != "none"
 
 
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        System("recompute", reuse=False),
-        System("as_full", identify="none", prefetch="certain", cache_policy="lru"),
-        System("as_h2o_lru", identify="h2o", prefetch="certain", cache_policy="lru"),
-        System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu"),
-        System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True),
-        System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True),
+        System("recompute", reuse=False,
+               description="full prefill of prefix + query (ReComp)"),
+        System("as_full", identify="none", prefetch="certain", cache_policy="lru",
+               description="AttentionStore-like: load all prefix KV, LRU caches"),
+        System("as_h2o_lru", identify="h2o", prefetch="certain", cache_policy="lru",
+               description="AS + H2O: all keys, important values, LRU"),
+        System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu",
+               description="AS + H2O: all keys, important values, LFU"),
+        System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True,
+               description="IMPRESS: probe-head keys, important KV, score cache"),
+        System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+               description="SPEC: IMPRESS + layer-aware speculative prefetch"),
         # grouped-query-aware identification (issue 22): probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
         System("spec_gqa", identify="gqa_itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
-               min_head_share=0.9, chunk_tokens=16),
+               min_head_share=0.9, chunk_tokens=16,
+               description="SPEC with KV-head probes and a per-query-head guard (grouped-query models)"),
         System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
-               chunk_tokens=16),
-        System("cake", identify="none", cache_policy="lru", schedule="cake"),
+               chunk_tokens=16,
+               description="ContiguousKV: 16-token chunks, periods, I x F cache"),
+        System("cake", identify="none", cache_policy="lru", schedule="cake",
+               description="Cake: compute from the front, load from the back"),
         # SPEC, computing per request the head of the stored prefix a cost model of measured rates says to (design
         # 5.2): head 0 is spec, the whole prefix recompute
         System("planner", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
-               schedule="planner"),
+               schedule="planner",
+               description="SPEC computing the head of the prefix a cost model of measured rates picks"),
         # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
-        System("full_reuse", prefetch="certain", cache_policy="lru", blend=0.0),
-        System("cacheblend", prefetch="certain", cache_policy="lru", blend=0.15),
+        System("cacheblend", prefetch="certain", cache_policy="lru", blend=0.15,
+               description="CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)"),
+        System("full_reuse", prefetch="certain", cache_policy="lru", blend=0.0,
+               description="reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)"),
     )
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import jax
@@ -34,6 +35,43 @@ class Request:
     index: int | None = None  # its place in its workload (a selection trace is recorded and replayed by it)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerRecord(collections.abc.Mapping):
+    """What a request did per layer, the same fields whatever the system (`RequestResult.layers`); NaN where a system
+    does not measure a field. A read-only mapping of its fields, as results.json keeps them."""
+
+    prefix_tokens: int  # stored tokens the layers took theirs from (m; after a planner's computed head, the rest)
+    retained: list[float]  # share of the m whose stored KV the layer attended to (the rest: skipped or computed)
+    loaded_tokens: list[int]  # of the m, those the layer took from storage (caches or disk)
+    recomputed: list[float]  # share of the stored prefix computed instead of loaded (1 where nothing was stored)
+    fallback: list[bool]  # identification fell back to every key (per-head sets)
+    jaccard: list[float]  # probe heads' mean pairwise Jaccard (SPEC's ITF)
+    threshold: list[float]  # SPEC's t = j^alpha
+    head_share: list[float]  # least share of a head's own top-k the shared set keeps (spec_gqa)
+
+    @classmethod
+    def split(cls, num_layers: int, m: int, computed: int) -> "LayerRecord":
+        """Every layer used all m stored tokens: the first `computed` computed, the rest loaded whole (cake; the
+        planner's plan that computes them all)."""
+        nan = [float("nan")] * num_layers
+        return cls(m, [(m - computed) / max(m, 1)] * num_layers, [m - computed] * num_layers,
+                   [computed / max(m, 1) if m else 1.0] * num_layers, [False] * num_layers, nan, nan, nan)
+
+    def __getitem__(self, key: str):
+        if key not in _LAYER_FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(_LAYER_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_LAYER_FIELDS)
+
+
+_LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerRecord))
+
+
 @dataclasses.dataclass
 class RequestResult:
     first_token_logits: np.ndarray  # fp32 [vocab]: logits after prefix + query
@@ -43,7 +81,7 @@ class RequestResult:
     reused_tokens: int
     computed_tokens: int
     io: dict  # store metrics accumulated during the request (disk bytes, chunks, hits, ...)
-    layers: dict  # per-layer lists: retained, fallback, jaccard, threshold
+    layers: LayerRecord
     prefetch: dict  # prefetch_report: speculative prefetch in tokens
     recomputed_bad_chunks: bool = False
     # tensor parallel: disk bytes each device's reader read of its own heads during the request (empty when no

@@ -17,15 +17,13 @@ A key is visible to a query when its position is not later and `kv_valid` allows
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.impl_choice import ImplChoice
 from specjax.kernels import online_softmax_step
 
 NEG_INF = -1e30  # finite, so fully masked padded rows stay NaN-free
@@ -34,37 +32,13 @@ IMPL_ENV_VAR = "SPECJAX_ATTENTION_IMPL"
 BLOCK_Q, BLOCK_K = 256, 512  # on a 2-core CPU at 4096 tokens, 128-512 each way are within 15% of each other
 _LOG2_E = 1.4426950408889634
 
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("specjax_attention_impl", default=None)
-
-
-@contextlib.contextmanager
-def attention_impl(impl: str):
-    """Within the block, `attention(impl="auto")` uses `impl`. The choice is made when a caller is traced: a jitted
-    step traced before entering the block keeps its old choice."""
-    _check(impl)
-    token = _override.set(impl)
-    try:
-        yield
-    finally:
-        _override.reset(token)
+CHOICE = ImplChoice("attention", IMPLS, IMPL_ENV_VAR, lambda backend: "cudnn" if backend == "gpu" else "blocked")
+attention_impl = CHOICE.using  # within the block, attention(impl="auto") uses the given impl
 
 
 def resolve_impl(impl: str = "auto") -> str:
     """impl argument > attention_impl() context > $SPECJAX_ATTENTION_IMPL > cudnn on GPU, blocked elsewhere."""
-    _check(impl)
-    chosen = impl
-    if chosen == "auto":
-        chosen = _override.get() or os.environ.get(IMPL_ENV_VAR, "auto").strip().lower() or "auto"
-        if chosen not in IMPLS:
-            raise ValueError(f"${IMPL_ENV_VAR}={chosen!r} is not one of {IMPLS}; unset it or pick one.")
-    if chosen == "auto":
-        chosen = "cudnn" if jax.default_backend() == "gpu" else "blocked"
-    return chosen
-
-
-def _check(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}.")
+    return CHOICE.resolve(impl)
 
 
 def attention(q, k, v, q_positions, kv_positions, kv_valid=None, *, self_causal: bool = False, impl: str = "auto"):
