@@ -54,7 +54,8 @@ def main(argv=None) -> dict:
         pages = jax.device_put(np.zeros((args.slots + 1, *shape), as_type))
         out["pool_bytes"] = pages.nbytes
         ms, pages = write_ms(pages, slots, jax.device_put(values.view(as_type)), args.repeats)
-        assert np.array_equal(np.asarray(pages[slots]).view(dtype).view(page_dtype(dtype)), values.view(page_dtype(dtype)))
+        bits = page_dtype(dtype)
+        assert np.array_equal(np.asarray(pages[slots]).view(dtype).view(bits), values.view(bits))
         out[f"{name}_ms"] = ms
     print(f"{out['device']}: {args.pages} pages into a {out['pool_bytes'] / 1e6:.0f} MB pool of {args.dtype}: "
           f"{out['store_dtype_ms']:.2f} ms as {args.dtype}, {out['bits_ms']:.2f} ms as its bits")

@@ -152,7 +152,7 @@ class Engine:
         return cache, prefetcher, Speculator(store, cache) if system.prefetch == "speculative" else None
 
     def _let_go(self, cache: TieredCache, speculator: Speculator | None) -> None:
-        """Caches the engine no longer uses: the store stops telling them of freed chunks (and so stops keeping them)."""
+        """Caches the engine no longer uses: the store stops telling them of freed chunks (and stops keeping them)."""
         self.store.off_free(cache.invalidate)
         if speculator is not None:
             self.store.off_free(speculator.usage.forget)
