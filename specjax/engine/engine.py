@@ -127,8 +127,7 @@ class Engine:
     def empty_caches(self) -> None:
         """Start the device and host tiers empty, and speculation with nothing learned."""
         if self.prefetcher is not None:
-            self.prefetcher.close()
-            self._let_go(self.cache, self.speculator)
+            self._let_go_of_caches()
         self.cache, self.prefetcher, self.speculator = self._new_caches()
 
     @contextlib.contextmanager
@@ -141,8 +140,7 @@ class Engine:
         try:
             yield
         finally:
-            self.prefetcher.close()
-            self._let_go(self.cache, self.speculator)
+            self._let_go_of_caches()
             self.cache, self.prefetcher, self.speculator = saved
 
     def _new_caches(self) -> tuple[TieredCache, Prefetcher, Speculator | None]:
@@ -151,11 +149,13 @@ class Engine:
         prefetcher = Prefetcher(store, cache, pcie_bandwidth=config.pcie_bandwidth)
         return cache, prefetcher, Speculator(store, cache) if system.prefetch == "speculative" else None
 
-    def _let_go(self, cache: TieredCache, speculator: Speculator | None) -> None:
-        """Caches the engine no longer uses: the store stops telling them of freed chunks (and stops keeping them)."""
-        self.store.off_free(cache.invalidate)
-        if speculator is not None:
-            self.store.off_free(speculator.usage.forget)
+    def _let_go_of_caches(self) -> None:
+        """The engine stops using its caches: the last request's reads are settled, and the store stops telling them
+        of freed chunks (and stops keeping them)."""
+        self.prefetcher.close()
+        self.store.off_free(self.cache.invalidate)
+        if self.speculator is not None:
+            self.store.off_free(self.speculator.usage.forget)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe
