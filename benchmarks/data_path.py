@@ -13,7 +13,7 @@ this VM's disk has a cache below the guest: compare second reads with second rea
 rates are both reported, by two readers: `os.preadv` on a thread pool and TensorStore's file kvstore (the engine's
 reader). The disk's rate is the best second-read rate. For each system: mean TTFT, disk bytes per request, those
 bytes' time at the disk's rate, TTFT / that time, the device-side identification time, and the host time per request
-that no disk read or device wait overlapped (`host_exposed_ms`, an upper bound: see `layer_io.Clock`).
+that no disk read, device wait or device work overlapped (`host_exposed_ms`: see `layer_io.Clock`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +328,7 @@ class Engine:
             if m == 0:  # nothing reused: the plain forward's layer (as models.inference.forward_hidden)
                 prefix_k = prefix_v = self._no_prefix
                 selection = self._no_selection
+                dispatched = time.monotonic()
                 h, own_k, own_v = T.self_attention_layer(cfg, lp, h, positions, positions < n, rotary)
             else:
                 q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
@@ -339,8 +341,10 @@ class Engine:
                     prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
                 importance.append(imp)
                 traced.append(chosen)
+                dispatched = time.monotonic()
                 h = S.finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
                             impl=self.config.kernel_impl)
+            io.clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
             if m:
                 # Dispatched: the next layer's reads are issued while the device computes this one.
                 io.after_selection(layer, np.unique(chosen))

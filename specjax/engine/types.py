@@ -89,8 +89,8 @@ class RequestResult:
     disk_bytes_by_device: list[int] = dataclasses.field(default_factory=list)
     selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
     split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
-    # the request's host time that no disk read or device wait overlapped (layer_io.Clock.exposed_host_ms); None
-    # where the engine does not measure it
+    # the request's host time that no disk read, device wait or device work overlapped
+    # (layer_io.Clock.exposed_host_ms); None where the engine does not measure it
     host_exposed_ms: float | None = None
     # the planner (specjax.engine.planner): the stored head computed instead of loaded, its predicted TTFT and every
     # candidate plan's prediction
