@@ -44,7 +44,7 @@ def _every_head_scores(engine: Engine, io: LayerIO, layer, q, keys, own_k, n, co
     """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed); or of
     the positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
     columns = io.all_positions if columns is None else columns
-    scores = io.clock.timed("identify", S.scores, q, keys, own_k, len(columns), n,
+    scores = io.identify(S.scores, q, keys, own_k, len(columns), n,
                             kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
     return _seen(engine, io, layer, range(engine.cfg.num_heads), "heads", columns, scores)
 
@@ -89,7 +89,7 @@ class H2O:
         m = io.m
         keys = io.take_all(layer, K) if keys is None else keys
         scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
-        state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
+        state, per_head = io.identify(st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
         chosen = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(chosen), lambda slots: slots)
         return state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen
@@ -113,7 +113,7 @@ class ITF(H2O):
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m = io.m
         probe_k = io.take_all(layer, PROBE, phase="probe_io")
-        scores = io.clock.timed("identify", S.scores, q, probe_k, own_k, m, n, kv_head_of_probe=engine.kv_of_probe,
+        scores = io.identify(S.scores, q, probe_k, own_k, m, n, kv_head_of_probe=engine.kv_of_probe,
                                 impl=engine.config.kernel_impl, q_heads=tuple(map(int, engine.probe_q)),
                                 kv_heads=tuple(map(int, engine.probe_kv)))
         scores = _seen(engine, io, layer, engine.probe_q, "probes", io.all_positions, scores)
@@ -221,7 +221,7 @@ class GroupedITF:
             raise BadChunk()
         summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.array.shape[1:], got.array.dtype)
         summaries[: len(chunks)] = got.array
-        mass = io.clock.timed("identify", quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
+        mass = io.identify(quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
                               kv_of_head=engine.kv_of_head)
         keep = covering(ranked_chunks(np.asarray(mass)[:, : len(chunks)]), np.bincount(slot_of),
                         math.ceil(budget * k))
@@ -241,7 +241,7 @@ class GroupedITF:
         probe_k = io.take(layer, PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
         keys = every = None  # every KV head's keys of the candidates, and every query head's scores, once known
         if stored_probe and not engine.probe_is_k:
-            scores = io.clock.timed("identify", S.scores, q, probe_k, own_k, c, n,
+            scores = io.identify(S.scores, q, probe_k, own_k, c, n,
                                     kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
                                     kv_heads=probe_kv)
             scores = _seen(engine, io, layer, heads, "probes", cand, scores)
@@ -249,7 +249,7 @@ class GroupedITF:
             keys = probe_k
             every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
             scores = every[: len(heads)]
-        probes = io.clock.timed("identify", st.kv_head_scores, scores, c, groups=len(probe_kv))
+        probes = io.identify(st.kv_head_scores, scores, c, groups=len(probe_kv))
         # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
         state, shared, use_shared = io.clock.timed(
             "identify", st.itf_select, state, layer, probes, k, c, engine.system.alpha, k_cap=k_cap, kept_of=m)
@@ -258,7 +258,7 @@ class GroupedITF:
             keys = io.take(layer, K, cand, c_pad)
             every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
         if guarded:
-            state, use_shared = io.clock.timed("identify", st.guard_shared, state, layer, every, shared, k, c,
+            state, use_shared = io.identify(st.guard_shared, state, layer, every, shared, k, c,
                                                use_shared, engine.system.min_head_share, k_cap=k_cap)
         if bool(use_shared):
             chosen = cand[np.asarray(shared)[:k]]
@@ -271,7 +271,7 @@ class GroupedITF:
             selection = SharedIndices(iota(k_cap), k)
             return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
                     chosen[None])
-        state, per_head = io.clock.timed("identify", st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
+        state, per_head = io.identify(st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
                                          kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])

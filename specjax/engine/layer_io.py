@@ -369,6 +369,15 @@ class LayerIO:
         if len(behind):
             self._behind.setdefault(layer, []).append(guess[np.isin(loc.chunks, behind)])
 
+    def identify(self, fn, *args, **kwargs):
+        """An identification step fn(*args, **kwargs), timed as "identify" once the device has done the work its
+        inputs come from. That wait is the engine's pacing, not the clock's (an untimed engine waits too): without
+        it the request's thread runs on to the next take while the device still computes, and on the 2-core CPU
+        spec_gqa then made twice the reads and took 1.25x as long (timing-qwen2.5-7b, needle 4k, O_DIRECT, caches
+        off: 1,694 reads and 2,582 ms against 837 and 2,027 ms with the wait, `benchmarks/results/cpu/data_path`)."""
+        self.clock.device_wait(args)
+        return self.clock.timed("identify", fn, *args, **kwargs)
+
     def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
         return self.take(layer, kind, self.all_positions, self.m_pad, phase)
 
