@@ -1,5 +1,9 @@
 """Gathered attention: the computed tokens attend to a selected subset of the prefix KV plus,
 causally, to themselves, flash-style; optionally returns the selected tokens' new importance.
+
+The prefix KV is either one array per KV head ([H_kv, M, d]) or pages of whole chunks ([P, H_kv, C, d]: a device
+pool's pages or a landing buffer as it crossed), which the kernels read in place through the selection's token
+indices (a BlockTable's blocks are then page numbers).
 """
 
 from __future__ import annotations
@@ -19,11 +23,22 @@ from specjax.kernels.selections import Selection
 # ----------------------------------------------------------------------------- kernels
 
 
+def _prefix_rows(tokens, kv_head, *, num_tokens, pages):
+    """Rows of the prefix refs holding `tokens` of KV head `kv_head`: the tokens themselves for that head's block
+    [M, d]; for pages (`pages` = (kv_heads, chunk_tokens): the whole page array as rows [P * H_kv * C, d]) token t
+    is row t % C of page t // C. Padding entries may hold anything: clipping keeps the gather in bounds."""
+    tokens = jnp.clip(tokens, 0, num_tokens - 1)
+    if pages is None:
+        return tokens
+    kv_heads, chunk = pages
+    return ((tokens // chunk) * kv_heads + kv_head) * chunk + tokens % chunk
+
+
 def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_ref,
                       q_len_ref, o_ref, m_ref, l_ref, *, scale, block_q, block_k,
-                      blocks_per_split, num_tokens):
+                      blocks_per_split, num_tokens, pages, group):
     """One query tile of one head over this split's selected tiles (+ causal own keys)."""
-    q_block, split = pl.program_id(1), pl.program_id(2)
+    kv_head, q_block, split = pl.program_id(0) // group, pl.program_id(1), pl.program_id(2)
     count, q_len = count_ref[0], q_len_ref[0]
     q = q_ref[...]
     rows = q_block * block_q + jnp.arange(block_q)
@@ -34,10 +49,12 @@ def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_
         return m, l, acc * correction[:, None] + c.dot_nn(p, values)
 
     def selected_tile(j, carry):
-        # Padding entries may hold anything; clipping keeps the gather in bounds.
-        tokens = jnp.clip(idx_ref[pl.ds(j * block_k, block_k)], 0, num_tokens - 1)
-        valid = (j * block_k + jnp.arange(block_k) < count)[None, :]
-        return attend(carry, k_ref[tokens], v_ref[tokens], valid)
+        tokens = _prefix_rows(idx_ref[pl.ds(j * block_k, block_k)], kv_head, num_tokens=num_tokens, pages=pages)
+        valid = j * block_k + jnp.arange(block_k) < count
+        # rows past the count may hold anything (a reused page, a landing buffer's tail): weight 0 times
+        # a NaN is NaN, so their values are zeroed too
+        values = jnp.where(valid[:, None], v_ref[tokens], jnp.zeros((), v_ref.dtype))
+        return attend(carry, k_ref[tokens], values, valid[None, :])
 
     def own_tile(j, carry):
         own = pl.ds(j * block_q, block_q)
@@ -59,11 +76,11 @@ def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_
 
 
 def _importance_kernel(q_ref, lse_ref, idx_ref, count_ref, k_ref, q_len_ref, out_ref, *,
-                       scale, block_q, block_k, num_tokens):
+                       scale, block_q, block_k, num_tokens, pages, group):
     """Column sums of the final softmax weights over one tile of selected tokens."""
     count, q_len = count_ref[0], q_len_ref[0]
     first = pl.program_id(1) * block_k
-    keys = k_ref[jnp.clip(idx_ref[...], 0, num_tokens - 1)]
+    keys = k_ref[_prefix_rows(idx_ref[...], pl.program_id(0) // group, num_tokens=num_tokens, pages=pages)]
     col_valid = first + jnp.arange(block_k) < count
     out_ref[...] = c.column_sums(q_ref, lse_ref, keys, col_valid, first < count, q_len,
                                  scale=scale, block_q=block_q)
@@ -77,10 +94,11 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
                               interpret, num_warps=4, num_stages=2):
     """Pallas gathered attention over token-index rows idx[R, K] (R = 1 shared, or H).
 
-    count: int32[R] valid entries per row; q_len: int32 scalar. Both may be traced.
+    count: int32[R] valid entries per row; q_len: int32 scalar. Both may be traced. prefix_k / prefix_v:
+    [H_kv, M, d], or pages [P, H_kv, C, d] read in place (token t: row t % C of page t // C).
     """
     num_heads, n_q, head_dim = q.shape
-    num_kv, num_tokens = prefix_k.shape[:2]
+    num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
     group = num_heads // num_kv
     rows_per_head = idx.shape[0] > 1
     capacity = idx.shape[1]
@@ -95,16 +113,22 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
     def row(h):  # which selection row head h reads
         return h if rows_per_head else h * 0
 
+    if pages is None:  # each head's [M, d] block of prefix_k / prefix_v
+        prefix_spec = pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, *_: (h // group, 0, 0))
+    else:  # the pages as rows, every program reading its own KV head's (`_prefix_rows`)
+        prefix_k, prefix_v = (x.reshape(-1, head_dim) for x in (prefix_k, prefix_v))
+        prefix_spec = pl.BlockSpec(prefix_k.shape, lambda *_: (0, 0))
+
     o_parts, m_parts, l_parts = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, block_q=block_q, block_k=block_k,
-                          blocks_per_split=blocks_per_split, num_tokens=num_tokens),
+                          blocks_per_split=blocks_per_split, num_tokens=num_tokens, pages=pages, group=group),
         grid=(num_heads, q_blocks, k_splits),
         in_specs=[
             pl.BlockSpec((SQUEEZED, block_q, head_dim), lambda h, i, s: (h, i, 0)),
             pl.BlockSpec((SQUEEZED, k_pad), lambda h, i, s: (row(h), 0)),
             pl.BlockSpec((1,), lambda h, i, s: (row(h),)),
-            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, i, s: (h // group, 0, 0)),
-            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            prefix_spec,
+            prefix_spec,
             pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
             pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
             pl.BlockSpec((1,), lambda h, i, s: (0,)),
@@ -130,14 +154,14 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
 
     importance = pl.pallas_call(
         functools.partial(_importance_kernel, scale=scale, block_q=block_q, block_k=block_k,
-                          num_tokens=num_tokens),
+                          num_tokens=num_tokens, pages=pages, group=group),
         grid=(num_heads, k_blocks),
         in_specs=[
             pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, j: (h, 0, 0)),
             pl.BlockSpec((SQUEEZED, n_q_pad), lambda h, j: (h, 0)),
             pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (row(h), j)),
             pl.BlockSpec((1,), lambda h, j: (row(h),)),
-            pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, j: (h // group, 0, 0)),
+            prefix_spec,
             pl.BlockSpec((1,), lambda h, j: (0,)),
         ],
         out_specs=pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (h, j)),
@@ -156,7 +180,7 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
                                  q_len=None, scale=None, return_importance=False):
     """Plain jnp: gathers the selected K/V and materialises the [H, n_q, k + n_q] softmax."""
     num_heads, n_q, head_dim = q.shape
-    num_kv, num_tokens = prefix_k.shape[:2]
+    num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
     scale = c.default_scale(head_dim, scale)
     q_len = c.length_or_full(q_len, n_q)
     idx, count = selection.token_indices(num_heads)
@@ -165,17 +189,25 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
     count = jnp.broadcast_to(count, (num_heads,))
     kv_head = jnp.arange(num_heads) // (num_heads // num_kv)
     tokens = jnp.clip(idx, 0, num_tokens - 1)
+    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [H, K]: entries within each row's count
 
-    def keys_of(prefix, own):
-        return jnp.concatenate([prefix[kv_head[:, None], tokens], own[kv_head]],
-                               axis=1).astype(jnp.float32)
+    def rows_of(prefix, masked):  # [H, K, d]: each head's selected rows
+        if pages is None:
+            rows = prefix[kv_head[:, None], tokens]
+        else:
+            rows = prefix[tokens // pages[1], kv_head[:, None], tokens % pages[1]]
+        # pages past the count may hold anything: a value there times its weight 0 must not give NaN (a key's
+        # score there is masked anyway)
+        return jnp.where(counted[..., None], rows, jnp.zeros((), prefix.dtype)) if masked else rows
 
-    keys, values = keys_of(prefix_k, own_k), keys_of(prefix_v, own_v)
+    def keys_of(prefix, own, masked=False):
+        return jnp.concatenate([rows_of(prefix, masked), own[kv_head]], axis=1).astype(jnp.float32)
+
+    keys, values = keys_of(prefix_k, own_k), keys_of(prefix_v, own_v, masked=pages is not None)
     scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), keys,
                         precision=lax.Precision.HIGHEST) * scale
     rows = jnp.arange(n_q)
-    selected_valid = ((jnp.arange(capacity)[None, None, :] < count[:, None, None])
-                      & (rows < q_len)[None, :, None])
+    selected_valid = counted[:, None, :] & (rows < q_len)[None, :, None]
     own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (num_heads, n_q, n_q))
     valid = jnp.concatenate([selected_valid, own_valid], axis=2)
     weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
@@ -200,7 +232,10 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
     Args:
       q: [H, n_q, d] unscaled queries of the computed tokens (new prefix tokens + query).
       prefix_k, prefix_v: [H_kv, M, d] prefix keys (already position-encoded) and values;
-        the selection indexes their token axis M (M may be a whole device cache pool).
+        the selection indexes their token axis M (M may be a whole device cache pool). Or pages
+        [P, H_kv, C, d], read where they are (a device pool's pages, a landing buffer of whole
+        chunks): token t is row t % C of page t // C, so a BlockTable's blocks are page numbers
+        and M = P * C. Rows the selection does not count may hold anything.
       own_k, own_v: [H_kv, n_q, d] keys and values of the computed tokens.
       selection: SharedIndices, PerHeadIndices or BlockTable (see selections.py).
       q_len: valid query rows (may be traced); outputs of later rows are don't-care.
@@ -216,12 +251,12 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
     """
     _check_attention_args(q, prefix_k, prefix_v, own_k, own_v)
     num_heads, n_q, head_dim = q.shape
-    num_tokens = prefix_k.shape[1]
+    num_tokens = _prefix_geometry(prefix_k)[1]
     selection.check(num_heads, num_tokens, check_indices)
     c.check_length("q_len", q_len, n_q)
     scale = c.default_scale(head_dim, scale)
-    if num_tokens == 0:  # nothing to gather from: a zero row keeps the gathers well formed
-        prefix_k, prefix_v = (c.pad_axis(x, 1, 1) for x in (prefix_k, prefix_v))
+    if num_tokens == 0:  # nothing to gather from: a zero row (a zero page) keeps the gathers well formed
+        prefix_k, prefix_v = (c.pad_axis(x, 0 if x.ndim == 4 else 1, 1) for x in (prefix_k, prefix_v))
     dispatch = c.resolve_impl(impl)
     if not dispatch.use_pallas:
         return gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection,
@@ -237,16 +272,26 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
         k_splits=k_splits, interpret=interpret)
 
 
+def _prefix_geometry(prefix) -> tuple[int, int, tuple[int, int] | None]:
+    """(KV heads, tokens, None) of prefix arrays [H_kv, M, d]; (KV heads, P * C, (KV heads, C)) of pages [P, H_kv, C,
+    d]."""
+    if prefix.ndim == 4:
+        pages, kv_heads, chunk = prefix.shape[:3]
+        return kv_heads, pages * chunk, (kv_heads, chunk)
+    return prefix.shape[0], prefix.shape[1], None
+
+
 def _check_attention_args(q, prefix_k, prefix_v, own_k, own_v) -> None:
     c.check_rank("q", q, 3, "[H, n_q, d]")
-    c.check_rank("prefix_k", prefix_k, 3, "[H_kv, M, d]")
+    if jnp.ndim(prefix_k) != 4:
+        c.check_rank("prefix_k", prefix_k, 3, "[H_kv, M, d] or pages [P, H_kv, C, d]")
     num_heads, n_q, head_dim = q.shape
-    num_kv = prefix_k.shape[0]
-    if (jnp.shape(prefix_v) != prefix_k.shape or prefix_k.shape[2] != head_dim
+    num_kv = _prefix_geometry(prefix_k)[0]
+    if (jnp.shape(prefix_v) != prefix_k.shape or prefix_k.shape[-1] != head_dim
             or jnp.shape(own_k) != (num_kv, n_q, head_dim) or jnp.shape(own_v) != own_k.shape):
         raise ValueError(
             f"shapes disagree: q {q.shape}, prefix_k {prefix_k.shape}, prefix_v "
             f"{jnp.shape(prefix_v)}, own_k {jnp.shape(own_k)}, own_v {jnp.shape(own_v)}; want "
-            "q [H, n_q, d], prefix_k/v [H_kv, M, d], own_k/v [H_kv, n_q, d].")
+            "q [H, n_q, d], prefix_k/v [H_kv, M, d] or pages [P, H_kv, C, d], own_k/v [H_kv, n_q, d].")
     if num_kv == 0 or num_heads % num_kv:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv} KV heads evenly.")

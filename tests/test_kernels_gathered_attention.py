@@ -173,6 +173,52 @@ def test_traced_selection_and_lengths_under_jit():
     assert rel_err(importance[:, :6], np.stack(expected_imp)) <= 1e-5
 
 
+def as_pages(prefix, chunk_tokens=16):
+    """[H_kv, M, d] as pages [M / C, H_kv, C, d]: token t is row t % C of page t // C."""
+    kv_heads, tokens, d = prefix.shape
+    return prefix.reshape(kv_heads, tokens // chunk_tokens, chunk_tokens, d).transpose(1, 0, 2, 3)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("kind", ["shared", "per_head", "block_table"])
+def test_pages_read_in_place_equal_the_same_tokens_as_arrays(kind, impl):
+    """Pages [P, H_kv, C, d] (a pool's or a landing buffer's) give what the same tokens give as [H_kv, M, d],
+    for every selection kind (a block table's blocks are page numbers), and the float64 oracle; rows that no
+    selection counts hold NaN there and change nothing."""
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(12, 13, 96)
+    selection = random_selections(np.random.default_rng(12), 96, 48, 32)[kind]
+    idx, count = selection.token_indices(HEADS)
+    counted = np.zeros(96, bool)
+    for row, n in zip(np.atleast_2d(np.asarray(idx)), np.broadcast_to(np.asarray(count), (idx.shape[0],))):
+        counted[row[:n]] = True
+    poisoned_k, poisoned_v = (jnp.where(jnp.asarray(counted)[None, :, None], x, jnp.nan)
+                              for x in (prefix_k, prefix_v))
+    args = dict(q_len=10, return_importance=True, impl=impl)
+    if impl == "pallas":
+        args.update(block_q=8, block_k=16, k_splits=2)
+    as_arrays = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, **args)
+    in_pages = gathered_attention(q, as_pages(poisoned_k), as_pages(poisoned_v), own_k, own_v, selection, **args)
+    for ours, theirs in zip(in_pages, as_arrays):
+        assert bool(jnp.all(jnp.isfinite(ours)))
+        assert rel_err(ours, theirs) <= 1e-6
+    rows = np.broadcast_to(np.atleast_2d(np.asarray(idx)), (HEADS, idx.shape[1]))
+    counts = np.broadcast_to(np.asarray(count), (HEADS,))
+    expected_out, expected_imp = numpy_attention(q, prefix_k, prefix_v, own_k, own_v,
+                                                 [rows[h, :counts[h]] for h in range(HEADS)], 10)
+    assert rel_err(in_pages[0][:, :10], expected_out) <= TOLERANCE[jnp.float32]
+    for h in range(HEADS):
+        assert rel_err(in_pages[1][h, :counts[h]], expected_imp[h]) <= TOLERANCE[jnp.float32]
+
+
+def test_pages_with_a_block_table_out_of_range_or_disagreeing_shapes_raise():
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(13, 4, 64)
+    pages_k, pages_v = as_pages(prefix_k), as_pages(prefix_v)  # 4 pages of 16 tokens
+    with pytest.raises(ValueError, match="out of range"):
+        gathered_attention(q, pages_k, pages_v, own_k, own_v, BlockTable(jnp.asarray([1, 4]), chunk_tokens=16))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        gathered_attention(q, pages_k, pages_v[:, :1], own_k, own_v, SharedIndices(jnp.asarray([1, 2])))
+
+
 @pytest.mark.parametrize("selection, match", [
     (SharedIndices(jnp.asarray([3, 7, 3])), "appears more than once"),
     (SharedIndices(jnp.asarray([3, 64])), "out of range"),
@@ -220,9 +266,12 @@ def test_reference_matches_float64_oracle_on_larger_shapes():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kind", ["shared", "per_head", "block_table"])
 @pytest.mark.parametrize("n_q", [1, 128, 512])
-def test_gpu_compiled_matches_reference(n_q, kind, dtype):
+@pytest.mark.parametrize("layout", ["arrays", "pages"])
+def test_gpu_compiled_matches_reference(n_q, kind, dtype, layout):
     tokens = 8192
     q, *kv = make_inputs(12, n_q, tokens, heads=32, kv_heads=8, d=128, dtype=dtype)
+    if layout == "pages":  # 128 pages of 64 tokens, read in place
+        kv[:2] = [as_pages(x, 64) for x in kv[:2]]
     rng = np.random.default_rng(12)
     selection = {
         "shared": SharedIndices(jnp.asarray(rng.permutation(tokens)[:2100]), 2050),

@@ -228,7 +228,8 @@ class BlendEngine(Engine):
                 contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
                 keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
                 if keep < len(recomputed):
-                    order = np.asarray(clock.timed("identify", _rank, deviation, len(recomputed)))
+                    # ranked once the layer's deviation is computed (as `LayerIO.identify` paces identification)
+                    order = np.asarray(clock.timed("identify", _rank, clock.device_wait(deviation), len(recomputed)))
                     kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
                     recomputed = recomputed[kept]
                     index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])

@@ -45,7 +45,7 @@ def _every_head_scores(engine: Engine, io: LayerIO, layer, q, keys, own_k, n, co
     the positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
     columns = io.all_positions if columns is None else columns
     scores = io.identify(S.scores, q, keys, own_k, len(columns), n,
-                            kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
+                         kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
     return _seen(engine, io, layer, range(engine.cfg.num_heads), "heads", columns, scores)
 
 
@@ -69,7 +69,9 @@ class LoadAll:
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m, m_pad = io.m, io.m_pad
-        keys, values = io.take_all(layer, K), io.take_all(layer, V)
+        # read by the attention only, which takes a landing buffer's pages in place (token t of the stored order
+        # is page t // C's row t % C, so the same selection serves either)
+        keys, values = io.take_all(layer, K, as_pages=True), io.take_all(layer, V, as_pages=True)
         state = st.record_union(state, layer, iota(m_pad), m)
         selection = SharedIndices(iota(m_pad), m)
         return state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None]
@@ -114,11 +116,11 @@ class ITF(H2O):
         m = io.m
         probe_k = io.take_all(layer, PROBE, phase="probe_io")
         scores = io.identify(S.scores, q, probe_k, own_k, m, n, kv_head_of_probe=engine.kv_of_probe,
-                                impl=engine.config.kernel_impl, q_heads=tuple(map(int, engine.probe_q)),
-                                kv_heads=tuple(map(int, engine.probe_kv)))
+                             impl=engine.config.kernel_impl, q_heads=tuple(map(int, engine.probe_q)),
+                             kv_heads=tuple(map(int, engine.probe_kv)))
         scores = _seen(engine, io, layer, engine.probe_q, "probes", io.all_positions, scores)
-        state, shared, use_shared = io.clock.timed(
-            "identify", st.itf_select, state, layer, scores, k, m, engine.system.alpha, k_cap=k_cap)
+        state, shared, use_shared = io.identify(st.itf_select, state, layer, scores, k, m, engine.system.alpha,
+                                                k_cap=k_cap)
         if not bool(use_shared):  # all keys: the probe keys already are, when they are every KV head's
             return super().select(engine, io, state, layer, q, own_k, n, k, k_cap,
                                   keys=probe_k if engine.probe_is_k else None)
@@ -151,8 +153,8 @@ class Chunks:
         if layer == first:
             keys = io.take_all(layer, K)
             scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
-            state, positions, count, importance = io.clock.timed(
-                "identify", st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
+            state, positions, count, importance = io.identify(
+                st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
             chosen, io.period_importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
             io.credit(layer, K, chosen)
@@ -222,7 +224,7 @@ class GroupedITF:
         summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.array.shape[1:], got.array.dtype)
         summaries[: len(chunks)] = got.array
         mass = io.identify(quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
-                              kv_of_head=engine.kv_of_head)
+                           kv_of_head=engine.kv_of_head)
         keep = covering(ranked_chunks(np.asarray(mass)[:, : len(chunks)]), np.bincount(slot_of),
                         math.ceil(budget * k))
         return io.all_positions[np.isin(slot_of, keep)]
@@ -242,8 +244,8 @@ class GroupedITF:
         keys = every = None  # every KV head's keys of the candidates, and every query head's scores, once known
         if stored_probe and not engine.probe_is_k:
             scores = io.identify(S.scores, q, probe_k, own_k, c, n,
-                                    kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
-                                    kv_heads=probe_kv)
+                                 kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
+                                 kv_heads=probe_kv)
             scores = _seen(engine, io, layer, heads, "probes", cand, scores)
         else:  # the probe keys are every KV head's
             keys = probe_k
@@ -251,15 +253,15 @@ class GroupedITF:
             scores = every[: len(heads)]
         probes = io.identify(st.kv_head_scores, scores, c, groups=len(probe_kv))
         # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
-        state, shared, use_shared = io.clock.timed(
-            "identify", st.itf_select, state, layer, probes, k, c, engine.system.alpha, k_cap=k_cap, kept_of=m)
+        state, shared, use_shared = io.identify(st.itf_select, state, layer, probes, k, c, engine.system.alpha,
+                                                k_cap=k_cap, kept_of=m)
         guarded = group > 1 and engine.system.min_head_share is not None
         if every is None and (guarded or not bool(use_shared)):  # the guard and the fallback score every head
             keys = io.take(layer, K, cand, c_pad)
             every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
         if guarded:
             state, use_shared = io.identify(st.guard_shared, state, layer, every, shared, k, c,
-                                               use_shared, engine.system.min_head_share, k_cap=k_cap)
+                                            use_shared, engine.system.min_head_share, k_cap=k_cap)
         if bool(use_shared):
             chosen = cand[np.asarray(shared)[:k]]
             state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
@@ -272,7 +274,7 @@ class GroupedITF:
             return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
                     chosen[None])
         state, per_head = io.identify(st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
-                                         kept_of=m)
+                                      kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
