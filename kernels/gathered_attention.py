@@ -192,10 +192,9 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
     counted = jnp.arange(capacity)[None, :] < count[:, None]  # [H, K]: entries within each row's count
 
     def rows_of(prefix, masked):  # [H, K, d]: each head's selected rows
-        if pages is None:
-            rows = prefix[kv_head[:, None], tokens]
-        else:
-            rows = prefix[tokens // pages[1], kv_head[:, None], tokens % pages[1]]
+        if pages is not None:  # token t at page t // C, row t % C: the pages' rows in token order, per KV head
+            prefix = jnp.swapaxes(prefix, 0, 1).reshape(num_kv, num_tokens, head_dim)
+        rows = prefix[kv_head[:, None], tokens]
         # pages past the count may hold anything: a value there times its weight 0 must not give NaN (a key's
         # score there is masked anyway)
         return jnp.where(counted[..., None], rows, jnp.zeros((), prefix.dtype)) if masked else rows

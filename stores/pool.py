@@ -99,11 +99,6 @@ class DevicePool:
             self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
 
-    @property
-    def aliases_host(self) -> bool:
-        """Does the device read aligned host buffers where they are (a CPU device), so crossing costs nothing?"""
-        return (self.device or jax.devices()[0]).platform == "cpu"
-
     def _of(self, key) -> _Pages:
         return self._pages[self.layout.heads(key[1])]
 
@@ -198,22 +193,14 @@ class DevicePool:
             self._write_pending(pages)
             return _gather(pages.array, table, staged)
 
-    def gather_extent(self, kind: int, extent: np.ndarray, table: np.ndarray, *, pages: np.ndarray | None = None
-                      ) -> jax.Array:
+    def gather_extent(self, kind: int, extent: np.ndarray, table: np.ndarray) -> jax.Array:
         """`[heads, size, d]` on the device from a host buffer of whole chunks `[n, heads, chunk_tokens, d]` (pages:
         one read's landing buffer): the buffer crosses in one copy (none on a CPU device, which aliases an aligned
-        buffer) and the device gathers row i from chunk table[0, i] at offset table[1, i] (zeros where < 0).
-
-        `pages`: the whole buffer `extent` begins (`stores.reads.Extent.pages`), given by a caller whose attention
-        reads pages in place (`specjax.kernels.gathered_attention`). Where the device aliases host memory and the take
-        is the buffer's tokens in stored order, those pages `[P, heads, chunk_tokens, d]` are returned as they are:
-        nothing copied or reshaped (a GPU would copy the unread tail pages across, so it reshapes as before)."""
+        buffer) and the device gathers row i from chunk table[0, i] at offset table[1, i] (zeros where < 0)."""
         count = int((table[0] >= 0).sum())
         c = self.layout.chunk_tokens
         stored_order = np.arange(count)
         if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
-            if pages is not None and self.aliases_host:
-                return self._to_device(pages)
             return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
         zeros = _zeros((extent.shape[1], table.shape[1], extent.shape[3]), extent.dtype)
         return _gather(self._to_device(extent), table, zeros)

@@ -190,15 +190,14 @@ class Prefetcher:
         return not pending
 
     def take(self, match: Match, layer: int, kind: int, positions, *, importance=None,
-             pad_to: int | None = None, loc: Locations | None = None, as_pages: bool = False) -> Taken:
+             pad_to: int | None = None, loc: Locations | None = None) -> Taken:
         """Vectors of `positions` on the device; waits only for reads still in flight.
 
         `importance` (per position, optional) feeds the `attention_score` policy; the important fraction of
         each chunk for `spec_score` is taken as the share of its tokens requested here. `pad_to` >= the number
         of positions gives an array of that many tokens (zeros after the requested ones), so a caller that
         buckets its sizes compiles each device op once per bucket. `loc`: the positions' locations at `layer`,
-        if the caller has them. `as_pages`: the caller's attention reads pages in place, so a take of a whole landing
-        buffer in stored order may come back as its pages `[P, heads, chunk_tokens, d]` (`DevicePool.gather_extent`).
+        if the caller has them.
 
         The host work is per disk read, not per chunk: the take waits for each run read (its chunks verified on the
         I/O thread that landed it) and copies the rows it needs out of it in one indexing step; with both cache
@@ -236,8 +235,7 @@ class Prefetcher:
         concurrent.futures.wait([run.verified for run in runs.values()])
         waited_ms = (time.perf_counter() - start) * 1e3
         try:
-            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, list(runs.values()),
-                                       as_pages)
+            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, list(runs.values()))
         finally:
             with self._lock:
                 self._release_keys(demand_keys)
@@ -251,7 +249,7 @@ class Prefetcher:
         return self.cache is not None and any(t.budget_bytes > 0 for t in self.cache.tiers.values())
 
     def _assemble(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, offsets: np.ndarray,
-                  size: int, cached: dict, runs, as_pages: bool = False) -> tuple[jax.Array, np.ndarray]:
+                  size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray]:
         """The take's `[heads, size, d]` on the device and its `ok` rows.
 
         Rows of cache hits come from their device pages (block table) where the device tier keeps them, else from a
@@ -305,8 +303,7 @@ class Prefetcher:
                     extent_table[0, rows] = run.first_chunk - extent.first_chunk + index
                     extent_table[1, rows] = offsets[rows]
             if extent is not None:
-                read = self.pool.gather_extent(kind, extent.array, extent_table,
-                                               pages=extent.pages if as_pages and not self.caching else None)
+                read = self.pool.gather_extent(kind, extent.array, extent_table)
                 if not self.caching:
                     return read, ok
                 # through the pool even with no row in a page: its first take of this size compiles every step a

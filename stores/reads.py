@@ -15,7 +15,6 @@ import weakref
 
 import numpy as np
 
-from specjax.shapes import bucket
 from specjax.stores import kvarray
 from specjax.stores.landing import BUFFERS
 from specjax.stores.manifest import chunk_checksums
@@ -50,17 +49,10 @@ class Gathered:
 class Extent:
     """A preallocated, page-aligned host buffer `[n, heads, chunk_tokens, head_dim]` for chunks `first_chunk ..
     first_chunk + n - 1` of one segment (layer and kind), which the runs of one read call land in; `whole` when it
-    spans its whole segment, as a layer's certain reads do (a take of it can cross to the device as it is).
-    `pages`: the whole buffer `array` begins, a bucket of chunks (the rest never read), so that a device that reads
-    it in place sees few shapes (`stores.pool.DevicePool.gather_extent`)."""
-    pages: np.ndarray
-    n: int
+    spans its whole segment, as a layer's certain reads do (a take of it can cross to the device as it is)."""
+    array: np.ndarray
     first_chunk: int
     whole: bool
-
-    @property
-    def array(self) -> np.ndarray:
-        return self.pages[:self.n]
 
 
 @dataclasses.dataclass(eq=False)
@@ -194,8 +186,7 @@ class ChunkReads:
         for seg, first, n in runs:
             lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
             spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
-        return {seg_id: Extent(BUFFERS.empty((bucket(hi - lo, minimum=1), lay.heads(kind), lay.chunk_tokens,
-                                              lay.head_dim), lay.np_dtype), hi - lo,
+        return {seg_id: Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype),
                                lo,
                                lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
                 for seg_id, (seg, lo, hi) in spans.items()}

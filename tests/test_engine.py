@@ -99,42 +99,6 @@ def test_full_retention_equals_recompute(model, name):
                                [c for c, _ in base.continuation_logprobs], atol=EXACT, rtol=0)
 
 
-@pytest.mark.parametrize("caches", [0, 64 << 10])
-def test_a_whole_layer_crosses_as_pages_the_attention_reads_in_place(model, caches, monkeypatch):
-    """On a device that aliases host memory (this CPU), as_full's takes of a layer's landing buffer in stored order
-    reach the attention as the buffer's pages [P, H_kv, C, d], nothing copied, and give recompute's outputs; with the
-    caches on, a take goes through the device pool's gather as rows [H_kv, M, d]."""
-    from specjax.engine import steps as S
-    from specjax.shapes import bucket
-
-    req = _request(model)
-    base = _run(model, "recompute", req)
-    engine = _engine(model, "as_full")
-    engine = Engine(model, engine.system, engine.store,
-                    EngineConfig(retention=1.0, gpu_cache_bytes=caches, cpu_cache_bytes=caches))
-    engine.warm(req.prefix)
-    seen = []
-    finish = S.finish
-
-    def recording(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, *args, **kwargs):
-        seen.append((prefix_k.shape, prefix_v.shape))
-        return finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, *args, **kwargs)
-
-    monkeypatch.setattr(S, "finish", recording)
-    r = engine.run(req)
-    layers = model.config.num_layers
-    c, kv, d = engine.store.layout.chunk_tokens, model.config.num_kv_heads, model.config.head_dim
-    if caches:
-        assert all(len(k) == 3 for k, _ in seen[:layers])
-    else:
-        pages = bucket(-(-len(req.prefix) // c), minimum=1)  # the landing buffer: a bucket of chunks
-        assert [k for k, _ in seen[:layers]] == [(pages, kv, c, d)] * layers
-        assert [v for _, v in seen[:layers]] == [(pages, kv, c, d)] * layers
-    np.testing.assert_allclose(r.first_token_logits, base.first_token_logits, atol=EXACT, rtol=0)
-    np.testing.assert_allclose([c for c, _ in r.continuation_logprobs],
-                               [c for c, _ in base.continuation_logprobs], atol=EXACT, rtol=0)
-
-
 def test_second_request_reuses_the_stored_prefix(model):
     req = _request(model)
     engine = _engine(model, "as_full")

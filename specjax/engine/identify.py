@@ -69,9 +69,7 @@ class LoadAll:
 
     def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
         m, m_pad = io.m, io.m_pad
-        # read by the attention only, which takes a landing buffer's pages in place (token t of the stored order
-        # is page t // C's row t % C, so the same selection serves either)
-        keys, values = io.take_all(layer, K, as_pages=True), io.take_all(layer, V, as_pages=True)
+        keys, values = io.take_all(layer, K), io.take_all(layer, V)
         state = st.record_union(state, layer, iota(m_pad), m)
         selection = SharedIndices(iota(m_pad), m)
         return state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None]

@@ -342,12 +342,9 @@ class LayerIO:
         chunks, chunk_of = self.locate(layer, self.all_positions).chunk_index
         self.prefetched[layer] = self.all_positions[np.isin(chunks, guess)[chunk_of]]
 
-    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None,
-             as_pages: bool = False):
+    def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
-        `importance` (per position) feeds the attention-score cache. `as_pages`: only the layer's attention reads
-        them, which takes pages in place, so a whole landing buffer in stored order may come back as its pages
-        [P, heads, C, d] (token t: row t % C of page t // C; `DevicePool.gather_extent`)."""
+        `importance` (per position) feeds the attention-score cache."""
         self._wait_planned(layer)
         if kind != PROBE:  # the layer's K/V: its guess has been issued; what did it get ahead?
             self._join_ahead()
@@ -357,8 +354,7 @@ class LayerIO:
             if layer in self.prefetched:
                 self._note_behind(layer, kind)
         taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
-                                 importance=importance, pad_to=pad_to, loc=self.locate(layer, positions),
-                                 as_pages=as_pages and self.engine.mesh is None)
+                                 importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
         return self.engine.place_kv(taken.array)
@@ -382,8 +378,8 @@ class LayerIO:
         self.clock.device_wait(args)
         return self.clock.timed("identify", fn, *args, **kwargs)
 
-    def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall", as_pages: bool = False):
-        return self.take(layer, kind, self.all_positions, self.m_pad, phase, as_pages=as_pages)
+    def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
+        return self.take(layer, kind, self.all_positions, self.m_pad, phase)
 
     def prefetch_report(self) -> dict:
         return prefetch_report(**self.stats)

@@ -111,18 +111,6 @@ def gather_tokens(x, idx):
     return jnp.take(x, idx, axis=1, mode="fill", fill_value=0)
 
 
-def token_rows(x):
-    """Prefix K or V as rows [H, M, d]: pages [P, H, C, d] read in place by the attention (a landing buffer's, token
-    t at page t // C, row t % C) become their P * C tokens in order; rows [H, M, d] are returned as they are."""
-    return _pages_as_rows(x) if x.ndim == 4 else x
-
-
-@jax.jit
-def _pages_as_rows(pages):
-    n, heads, c, d = pages.shape
-    return jnp.swapaxes(pages, 0, 1).reshape(heads, n * c, d)
-
-
 def normalised_importance(scores, m: int) -> np.ndarray:
     """Per-token importance of R averaged over heads, each head normalised to sum 1 (for reordering)."""
     s = np.asarray(scores, np.float64)[:, :m]
@@ -139,7 +127,6 @@ def join(prefix, own, width: int):
 def with_head(head_k, head_v, head: int, prefix_k, prefix_v, selection):
     """The computed first `head` stored tokens (rows [0, head) of head_k / head_v [H, W, d]) in front of a layer's
     loaded prefix arrays, with a selection that keeps every head row and the loaded rows `selection` keeps."""
-    prefix_k, prefix_v = token_rows(prefix_k), token_rows(prefix_v)
     width = head_k.shape[1] + prefix_k.shape[1]
     keys, values = join(head_k, prefix_k, width), join(head_v, prefix_v, width)
     count = selection.idx.shape[-1] if selection.count is None else selection.count
@@ -161,10 +148,9 @@ def context_for_continuation(kv: LayerKV, n: int):
     The arrays are padded to a bucket of their joint width and the selection to that same width, so scoring a
     continuation compiles once per (continuation bucket, context bucket), not per combination of the prefix's,
     the computed tokens' and the selection's sizes."""
-    prefix_k, prefix_v = token_rows(kv.prefix_k), token_rows(kv.prefix_v)
-    M = prefix_k.shape[1]
+    M = kv.prefix_k.shape[1]
     width = bucket(M + kv.own_k.shape[1])
-    keys, values = join(prefix_k, kv.own_k, width), join(prefix_v, kv.own_v, width)
+    keys, values = join(kv.prefix_k, kv.own_k, width), join(kv.prefix_v, kv.own_v, width)
     own = np.arange(M, M + n, dtype=np.int32)
     sel = kv.selection
     count = int(np.max(np.asarray(sel.count))) if sel.count is not None else sel.idx.shape[-1]
