@@ -62,12 +62,12 @@ def test_a_failed_device_step_counts_as_no_device_work_and_does_not_hang_the_clo
 def test_device_work_counts_from_its_dispatch_or_the_previous_work_done_whichever_is_later():
     clock = Clock()
     t0 = clock.start_monotonic
+    clock._watched = 3  # as if handed over by `device_work`; the watcher's notes follow
     clock._noted(t0 + 1.0, t0 + 2.0)
     clock._noted(t0 + 0.5, t0 + 3.0)  # queued behind the first: its device time starts when the first is done
     clock._noted(t0 + 3.5, t0 + 4.0)
     assert clock._device_busy == [(t0 + 1.0, t0 + 2.0), (t0 + 2.0, t0 + 3.0), (t0 + 3.5, t0 + 4.0)]
     clock.end_monotonic = t0 + 5.0
-    clock._watched = 0
     # uncovered: [0, 1), [3, 3.5), [4, 5); a disk read in flight over [0, 0.5)
     assert abs(clock.exposed_host_ms([(t0 - 1.0, t0 + 0.5)]) - 2000.0) < 1e-6
 
