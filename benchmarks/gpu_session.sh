@@ -30,7 +30,7 @@
 # Dropped: the `--against transformers` prefill comparison at OPT-6.7B's shape did not finish within its share of a
 # call twice. Its transformers side builds the random 6.7B weights on the host with JAX, converts them to a torch
 # model and checks fp32 logits on the CPU before moving to the GPU: minutes of host work before the first timing.
-# `python -m specjax.bench --against transformers` still runs it, outside these phases.
+# `python benchmarks/prefill.py --against transformers` still runs it, outside these phases.
 set -u
 [ $# -gt 0 ] || { sed -n '2,18p' "$0" >&2; exit 2; }
 OUT=${OUT:-/tmp/specjax_gpu}
@@ -119,7 +119,7 @@ for phase in "$@"; do
     step gpu_tests 400 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention.py \
       tests/test_kernels_gathered_attention.py tests/test_kernels_probe_scores.py ;;
   kernels)
-    step kernels 200 $PY -m specjax.kernels.bench --prefix_tokens 8192,32768 --query_tokens 16,512 \
+    step kernels 200 $PY benchmarks/kernel_bench.py --prefix_tokens 8192,32768 --query_tokens 16,512 \
       --retention 0.25,1.0 --output_dir "$RESULTS/kernels" ;;
   *)
     echo "unknown phase $phase" >&2 ;;

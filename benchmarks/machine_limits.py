@@ -8,7 +8,7 @@ matrix product. Every ratio a GPU session reports is against these (issue 40).
   and TensorStore, all reads issued at once; a cold first read, then second reads; the best second read is the rate).
 - host to device: `jax.device_put` of pageable host memory (numpy), and of the same bytes from memory already
   faulted in, median of repeats.
-- matmul: bf16 [n, n] @ [n, n] on JAX's default device (`specjax.bench.matmul_tflops`).
+- matmul: bf16 [n, n] @ [n, n] on JAX's default device (`benchmarks/_common.py`'s `matmul_tflops`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import data_path  # noqa: E402  (benchmarks/data_path.py: the disk measurement)
-from specjax.bench import device_name, matmul_tflops  # noqa: E402
+from _common import device_name, matmul_tflops  # noqa: E402
 
 
 def host_to_device_GBps(nbytes: int, repeats: int) -> dict:

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
 import numpy as np
 
-from specjax.bench import device_name
-from specjax.stores.kvarray import Layout
-from specjax.stores.pool import page_dtype, write_pages  # the pool's own write step, on either element type
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _common import device_name  # noqa: E402  (benchmarks/_common.py)
+from specjax.stores.kvarray import Layout  # noqa: E402
+# the pool's own write step, on either element type
+from specjax.stores.pool import page_dtype, write_pages  # noqa: E402
 
 
 def write_ms(pages: jax.Array, slots: np.ndarray, data: jax.Array, repeats: int) -> tuple[float, jax.Array]:

@@ -1,6 +1,6 @@
 """The same weights as a Hugging Face transformers (PyTorch) model: a specjax config and params mapped back to a
 transformers config and state dict, the inverse of `specjax.config.from_hf_config` and `specjax.convert.hf_params`
-(OPT, Llama, Qwen2). `python -m specjax.bench --against transformers` times it beside specjax; torch and
+(OPT, Llama, Qwen2). `python benchmarks/prefill.py --against transformers` times it beside specjax; torch and
 transformers are imported only when a model is built.
 """
 

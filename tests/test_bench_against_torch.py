@@ -1,4 +1,4 @@
-"""`python -m specjax.bench --against transformers`: the transformers model built from specjax params computes
+"""`python benchmarks/prefill.py --against transformers`: the transformers model built from specjax params computes
 specjax's function (tiny random OPT / Llama / Qwen2), and the side-by-side benchmark returns a record per length."""
 
 import os
@@ -11,13 +11,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
-from specjax import bench, host_memory, torch_ref  # noqa: E402
+from specjax import host_memory, torch_ref  # noqa: E402
 from specjax.api import Model  # noqa: E402
 from specjax.config import from_hf_config  # noqa: E402
 from specjax.convert import hf_params  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.models.params import init_params  # noqa: E402
 
+import bench_scripts  # noqa: E402  (tests/bench_scripts.py)
+
+bench = bench_scripts.load("prefill.py", "prefill")
 TOL = 1e-4
 SHAPES = {  # beyond the registered tiny-llama / tiny-opt: the other mapping branches
     "tiny-qwen2": {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2,

@@ -1,25 +1,14 @@
 """benchmarks/data_path.py on a tiny random model: the disk's rate and each system's TTFT, bytes and host time."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "data_path.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("data_path_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+import bench_scripts  # tests/bench_scripts.py
 
 
 def test_systems_are_measured_against_the_disks_own_rate_in_the_same_run(tmp_path):
-    data_path = _load_script()
+    data_path = bench_scripts.load("data_path.py", "data_path_bench")
     out = tmp_path / "data_path.json"
     data_path.main(["--model", "tiny-llama", "--dtype", "float32", "--prefix_tokens", "256", "--limit", "3",
                     "--systems", "as_full,spec", "--disk_mb", "8", "--read_mb", "1", "--store", str(tmp_path),

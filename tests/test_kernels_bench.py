@@ -1,11 +1,12 @@
-"""The kernel benchmark runs end to end on tiny shapes and labels CPU numbers as such."""
+"""benchmarks/kernel_bench.py runs end to end on tiny shapes and labels CPU numbers as such."""
 
 import json
 
-from specjax.kernels import bench
+import bench_scripts  # tests/bench_scripts.py
 
 
 def test_quick_bench_writes_labelled_results(tmp_path):
+    bench = bench_scripts.load("kernel_bench.py", "kernels_bench")
     rows = bench.main(["--quick", "--retention", "0.5", "--selections", "shared,block_table",
                        "--reps", "1", "--output_dir", str(tmp_path)])
     assert {r["kernel"] for r in rows} == {"probe_scores", "gathered_attention"}

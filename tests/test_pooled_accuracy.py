@@ -1,22 +1,11 @@
 """benchmarks/pooled_accuracy.py on a hand-written two-task run: pairing per task and pooled, bytes, per-layer
 ITF pass rates (and spec_gqa's head shares) weighted by each task's requests."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "pooled_accuracy.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("pooled_accuracy_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+import bench_scripts  # tests/bench_scripts.py
 
 
 def _row(system, request_id, right, disk_bytes, layers=0, fallbacks=0):
@@ -33,7 +22,7 @@ def _task(directory, name, rows, systems):
 
 
 def test_pairs_per_task_and_pooled_and_weights_layers_by_requests(tmp_path, capsys):
-    pooled = _load_script()
+    pooled = bench_scripts.load("pooled_accuracy.py", "pooled_accuracy_bench")
     # task a: 2 requests; new right on both, reference on the first only; task b: 1 request, the reverse.
     _task(tmp_path, "a", [
         _row("ref", 0, True, 100), _row("new", 0, True, 10, 2, 1),
@@ -65,7 +54,7 @@ def test_pairs_per_task_and_pooled_and_weights_layers_by_requests(tmp_path, caps
 
 
 def test_runs_of_several_retentions_pair_with_the_reference_at_their_own(tmp_path):
-    pooled = _load_script()
+    pooled = bench_scripts.load("pooled_accuracy.py", "pooled_accuracy_bench")
     _task(tmp_path, "a", [
         _row("ref@r=0.1", 0, False, 10), _row("ref@r=0.5", 0, True, 50),
         _row("new@r=0.1", 0, True, 1), _row("new@r=0.5", 0, True, 5),

@@ -1,9 +1,9 @@
 """Kernel benchmark: probe scoring and gathered attention, Pallas vs the jnp/XLA reference vs
 dense `jax.nn.dot_product_attention` over the full prefix, timed side by side in one run.
 
-    python -m specjax.kernels.bench                      # OPT-6.7B heads, full grid (GPU)
-    python -m specjax.kernels.bench --quick              # small shapes, CPU smoke run
-    python -m specjax.kernels.bench --output_dir benchmarks/results
+    python benchmarks/kernel_bench.py                         # OPT-6.7B heads, full grid (GPU)
+    python benchmarks/kernel_bench.py --quick                 # small shapes, CPU smoke run
+    python benchmarks/kernel_bench.py --output_dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def write_results(output_dir: pathlib.Path, rows, device, config) -> list[pathli
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, pathlib.Path | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/kernel_bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="small shapes that run on CPU in seconds (a smoke run)")
     defaults = BenchConfig()

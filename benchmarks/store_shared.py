@@ -1,4 +1,4 @@
-"""`python -m specjax.stores.bench_shared`: commit latency of one store shared by 1..N processes.
+"""`python benchmarks/store_shared.py`: commit latency of one store shared by 1..N processes.
 
 Each process inserts `--commits` small prefixes of its own (chunks written and durable first) and times
 `commit()` alone: adopting others' generations, merging, publishing. Protocols compared on the local disk:
@@ -82,7 +82,7 @@ def run(protocol: str, procs: int, commits: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specjax.stores.bench_shared", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/store_shared.py", description=__doc__.splitlines()[0])
     parser.add_argument("--protocols", default="dir,kvstore,ocdbt")
     parser.add_argument("--procs", default="1,4")
     parser.add_argument("--commits", type=int, default=50)

@@ -3,10 +3,10 @@
 --against transformers, also of Hugging Face transformers' PyTorch model built from the same params (checked to
 give the same first-token logits first), side by side.
 
-    python -m specjax.bench --model smollm2-135m --tokens 2048
-    python -m specjax.bench --model smollm2-135m --against transformers --tokens 256,1024,4096 --threads 2 --output_dir benchmarks/results/cpu
-    python -m specjax.bench --model smollm2-135m --tokens 1024 --engine
-    python -m specjax.bench --model opt-1.3b --init random --tokens 2048 --output_dir benchmarks/results
+    python benchmarks/prefill.py --model smollm2-135m --tokens 2048
+    python benchmarks/prefill.py --model smollm2-135m --against transformers --tokens 256,1024,4096 --threads 2 --output_dir benchmarks/results/cpu
+    python benchmarks/prefill.py --model smollm2-135m --tokens 1024 --engine
+    python benchmarks/prefill.py --model opt-1.3b --init random --tokens 2048 --output_dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -18,24 +18,26 @@ import math
 import multiprocessing
 import os
 import pathlib
-import platform
 import re
 import shlex
 import statistics
 import sys
-import time
 
 import jax
 import numpy as np
 from absl import flags
 
-from specjax import host_memory, torch_ref
-from specjax.api import load_model
-from specjax.cli import run
-from specjax.errors import SpecjaxError
-from specjax.models import inference
-from specjax.models.params import param_specs
-from specjax.models import transformer as T
+# benchmarks/ on sys.path: for _common, and for the spawned workers of --against, which import this script by name
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _common import device_name, matmul_tflops, wall_seconds  # noqa: E402
+from specjax import host_memory, torch_ref  # noqa: E402
+from specjax.api import load_model  # noqa: E402
+from specjax.cli import run  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.models import inference  # noqa: E402
+from specjax.models.params import param_specs  # noqa: E402
+from specjax.models import transformer as T  # noqa: E402
 
 FLAGS = flags.FLAGS
 CHECK_TOKENS = 16  # the prompt on which specjax and transformers must give the same first-token logits
@@ -65,13 +67,6 @@ def define_flags() -> None:
                         "(--against: prefill_vs_transformers_<device>.jsonl, and the table as .md).")
 
 
-def device_name() -> str:
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return f"cpu ({platform.processor() or platform.machine()}, {jax.local_device_count()} device)"
-    return dev.device_kind
-
-
 def prompt_ids(vocab_size: int, n_tokens: int) -> np.ndarray:
     """The timed prompt: n_tokens random ids (seed 0), the same for every system timed."""
     return np.random.default_rng(0).integers(0, vocab_size, n_tokens)
@@ -91,19 +86,13 @@ def torch_prefill_logits(hf_model, ids):
         return hf_model(torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=1).logits[0]
 
 
-def _seconds(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
 def time_prefill(model, n_tokens: int, repeats: int) -> list[float]:
     """Seconds per prefill of n_tokens random ids, through first-token logits ready on the device (after one
     warm-up run that compiles)."""
     ids = prompt_ids(model.config.vocab_size, n_tokens)
     forward = lambda: prefill_logits(model.config, model.params, ids).block_until_ready()  # noqa: E731
     forward()
-    return [_seconds(forward) for _ in range(repeats)]
+    return [wall_seconds(forward) for _ in range(repeats)]
 
 
 def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | None = None
@@ -122,7 +111,7 @@ def time_engine_prefill(model, n_tokens: int, repeats: int, chunk_tokens: int | 
     engine_s, forward_s = [], []
     for _ in range(repeats):
         engine_s.append(engine.run(request).ttft_ms / 1e3)
-        forward_s.append(_seconds(forward))
+        forward_s.append(wall_seconds(forward))
     return engine_s, forward_s
 
 
@@ -167,15 +156,6 @@ def prefill_flops(cfg, n_tokens: int) -> float:
     visible_pairs = n_tokens * (n_tokens + 1) / 2
     attention = 2 * 2 * cfg.num_heads * cfg.head_dim * visible_pairs
     return cfg.num_layers * (2 * n_tokens * matrices + attention) + 2 * cfg.embed_dim * cfg.vocab_size
-
-
-def matmul_tflops(size: int = 8192, repeats: int = 10) -> float:
-    """The measured dense bfloat16 matrix-product rate of JAX's default device (size^3, median of `repeats`)."""
-    a, b = (jax.random.normal(jax.random.key(i), (size, size), jax.numpy.bfloat16) for i in (1, 2))
-    product = jax.jit(lambda x, y: x @ y)
-    product(a, b).block_until_ready()
-    seconds = statistics.median(_seconds(lambda: product(a, b).block_until_ready()) for _ in range(repeats))
-    return 2 * size**3 / seconds / 1e12
 
 
 def side_setup(side: str, spec: ModelSpec, threads: int | None, torch_device: str = "cpu") -> dict:
@@ -226,7 +206,7 @@ def side_seconds(n_tokens: int) -> float:
     if ids is None:
         ids = _SIDE["ids"][n_tokens] = prompt_ids(_SIDE["vocab_size"], n_tokens)
         _SIDE["prefill"](ids)
-    return _seconds(lambda: _SIDE["prefill"](ids))
+    return wall_seconds(lambda: _SIDE["prefill"](ids))
 
 
 SPECJAX_GPU_MEMORY_FRACTION = 0.6  # of the GPU, for the specjax worker: bf16 + fp32 (check) params of a 7B model
@@ -378,7 +358,7 @@ def main(argv):
         spec = ModelSpec(FLAGS.model, FLAGS.init, FLAGS.dtype, seed=0)
         records = compare_prefill(spec, lengths, FLAGS.repeats, FLAGS.threads, FLAGS.check_tol, FLAGS.torch_device,
                                   FLAGS.peak_tflops)
-        command = shlex.join(["python", "-m", "specjax.bench", *sys.argv[1:]])
+        command = shlex.join(["python", "benchmarks/prefill.py", *sys.argv[1:]])
         records = [r | {"command": command} for r in records]
         table = markdown_table(records)
         print(table, end="")
