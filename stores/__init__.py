@@ -5,9 +5,10 @@ Knows nothing of models or evaluation: the model fingerprint is an opaque dict; 
 """
 
 from specjax.stores.errors import DiskFullError, ManifestError, StoreError, StoreMismatchError
-from specjax.stores.kvarray import K, PROBE, V, Layout, Throttle
+from specjax.stores.kvarray import K, PROBE, V, Layout
 from specjax.stores.metrics import StoreMetrics
+from specjax.stores.scheduler import Link
 from specjax.stores.store import Gathered, KVStore, Locations, Match, PrefixWriter
 
 __all__ = ["DiskFullError", "ManifestError", "StoreError", "StoreMismatchError", "K", "V", "PROBE", "Layout",
-           "Throttle", "StoreMetrics", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter"]
+           "Link", "StoreMetrics", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter"]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
-import time
 
 import numpy as np
 import tensorstore as ts
@@ -70,30 +68,6 @@ def _bfloat16():
     import ml_dtypes  # shipped with jax
 
     return ml_dtypes.bfloat16
-
-
-class Throttle:
-    """Token-bucket emulation of a link of `bytes_per_s`: each transfer is given the time it would finish."""
-
-    def __init__(self, bytes_per_s: float):
-        if bytes_per_s <= 0:
-            raise ValueError(f"throttle bandwidth must be > 0 bytes/s, got {bytes_per_s}")
-        self.bytes_per_s = float(bytes_per_s)
-        self._free_at = 0.0
-        self._lock = threading.Lock()
-
-    def reserve(self, nbytes: int) -> float:
-        """Book the link for `nbytes`; returns the monotonic time at which they have crossed it."""
-        with self._lock:
-            start = max(time.monotonic(), self._free_at)
-            self._free_at = start + nbytes / self.bytes_per_s
-            return self._free_at
-
-    def consume(self, nbytes: int) -> None:
-        """Block the calling thread until `nbytes` have crossed the emulated link."""
-        delay = self.reserve(nbytes) - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
 
 
 def _under(kvstore: dict, path: str) -> dict:

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.shapes import bucket, padded
-from specjax.stores.kvarray import Layout, Throttle
+from specjax.stores.kvarray import Layout
 from specjax.stores.metrics import StoreMetrics
+from specjax.stores.scheduler import Link
 
 MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of the same take)
 WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
@@ -84,7 +85,7 @@ class DevicePool:
                  pcie_bandwidth: float | None = None, device: jax.Device | None = None):
         self.layout = layout
         self.metrics = metrics if metrics is not None else StoreMetrics()
-        self.pcie = Throttle(pcie_bandwidth) if pcie_bandwidth else None
+        self.pcie = Link(pcie_bandwidth) if pcie_bandwidth else None
         # None: the default device, arrays left uncommitted (a committed array gives every jitted step that touches
         # it a second executable for the same shapes)
         self.device = device

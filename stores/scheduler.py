@@ -1,5 +1,6 @@
 """One read queue per disk: demand reads before speculative ones (and among them, those of the earliest layer first),
-bounded bytes in flight, and the disk's delivered rate measured online. An emulated disk (`bytes_per_s`) is a bandwidth model inside the same queue.
+bounded bytes in flight, and the disk's delivered rate measured online. An emulated disk (`bytes_per_s`) is a `Link`
+inside the same queue, the one model of an emulated link (the device pool's host-to-device copies use it too).
 
 A read waits in the queue until the bytes in flight leave room for it; only then is it issued to the disk. So a
 speculative read that is superseded while it waits (`withdraw`) is never read, and one that becomes needed
@@ -28,6 +29,32 @@ MIN_INFLIGHT_BYTES = 32 << 20  # a real disk: at least this much in flight (larg
 INFLIGHT_S = 0.05  # ...or as much as the disk delivers in this long at its measured rate, if more
 MAX_READ_BYTES = 8 << 20  # one read of adjacent chunks is at most this large (a segment's layer: a few MiB)...
 MAX_READ_S = 0.002  # ...and on an emulated link, which moves one read at a time, holds it at most this long
+
+
+class Link:
+    """An emulated link of `bytes_per_s` that moves transfers one after another: each is booked from when it is ready
+    (or when the previous one has crossed, if later) for its bytes' time at that rate."""
+
+    def __init__(self, bytes_per_s: float):
+        if bytes_per_s <= 0:
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+        self.bytes_per_s = float(bytes_per_s)
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def book(self, nbytes: int, ready_at: float | None = None) -> float:
+        """Book the link for `nbytes` ready at monotonic time `ready_at` (default: now); returns the monotonic time at
+        which they have crossed it."""
+        with self._lock:
+            start = max(time.monotonic() if ready_at is None else ready_at, self._free_at)
+            self._free_at = start + nbytes / self.bytes_per_s
+            return self._free_at
+
+    def consume(self, nbytes: int) -> None:
+        """Block the calling thread until `nbytes`, ready now, have crossed the link."""
+        delay = self.book(nbytes) - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,8 +103,6 @@ class ReadScheduler:
     always may be); with `bytes_per_s` the link moves one read's bytes after another at that rate."""
 
     def __init__(self, *, max_inflight_bytes: int | None = None, bytes_per_s: float | None = None):
-        if bytes_per_s is not None and bytes_per_s <= 0:
-            raise ValueError(f"disk bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         if max_inflight_bytes is not None and max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
         # An emulated link moves one read at a time by default, so queued reads keep their order and stay
@@ -85,19 +110,18 @@ class ReadScheduler:
         # disk keeps max(MIN_INFLIGHT_BYTES, INFLIGHT_S at its measured rate) in flight (`inflight_limit`).
         self._fixed_inflight = int(max_inflight_bytes) if max_inflight_bytes is not None else (0 if bytes_per_s else None)
         self.max_inflight_bytes = self._fixed_inflight if self._fixed_inflight is not None else MIN_INFLIGHT_BYTES
-        self.bytes_per_s = bytes_per_s
         self._demand = _ByOrder()
         self._speculative: collections.deque = collections.deque()
         self._background: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._inflight = 0          # reads issued, not yet delivered
         self._inflight_bytes = 0
-        self._link_free_at = 0.0
+        self.link = Link(bytes_per_s) if bytes_per_s is not None else None  # an emulated disk
         self._busy_since: float | None = None  # rate: delivered bytes over the time reads were in flight
         self._busy_s = 0.0
         self._busy_log: collections.deque = collections.deque(maxlen=4096)  # recent (start, end) with reads in flight
         self._delivered_bytes = 0
-        self._timer = _Timer() if bytes_per_s else None
+        self._timer = _Timer() if self.link is not None else None
 
     # -- the queue -----------------------------------------------------------------------------
 
@@ -160,11 +184,10 @@ class ReadScheduler:
                 self._busy_since = time.monotonic()
             self._inflight += 1
             self._inflight_bytes += read.nbytes
-            if self.bytes_per_s:
+            if self.link is not None:
                 # The link moves queued reads back to back, as a device working through its queue: a read
                 # waiting when the previous one's bytes crossed starts then, not when the host got to it.
-                start = max(read.queued_at, self._link_free_at)
-                self._link_free_at = read.deliver_at = start + read.nbytes / self.bytes_per_s
+                read.deliver_at = self.link.book(read.nbytes, ready_at=read.queued_at)
             ready.append(read)
         return ready
 
@@ -236,8 +259,8 @@ class ReadScheduler:
     def max_read_bytes(self) -> int:
         """How large one read may be: MAX_READ_BYTES; on an emulated link, which moves one read at a time, less where
         it would spend more than MAX_READ_S on it (callers still read at least one chunk)."""
-        if self.bytes_per_s:
-            return int(min(MAX_READ_BYTES, self.bytes_per_s * MAX_READ_S))
+        if self.link is not None:
+            return int(min(MAX_READ_BYTES, self.link.bytes_per_s * MAX_READ_S))
         return MAX_READ_BYTES
 
     def queued_bytes(self) -> int:

@@ -406,21 +406,27 @@ def test_disk_throttle_within_five_percent(memory_location):
             elapsed = time.perf_counter() - start
     assert got.ok.all()
     rate = got.array.nbytes / elapsed
-    # Never faster than the emulated link; on a loaded machine it may be slower, so the lower bound is loose
-    # (the exact schedule is checked in test_throttle_books_the_link_back_to_back; the benchmark measures it).
+    # Never faster than the emulated link; on a loaded machine it may be slower, so the lower bound is loose (the
+    # exact schedule is checked in test_link_books_transfers_back_to_back_from_when_each_is_ready; the benchmark
+    # measures it).
     assert 0.5 * bandwidth < rate <= 1.05 * bandwidth, f"throttled rate {rate / 1e6:.2f} MB/s"
 
 
-def test_throttle_books_the_link_back_to_back():
-    """Transfers booked together finish at start + cumulative bytes / bandwidth."""
-    from specjax.stores import Throttle
+def test_link_books_transfers_back_to_back_from_when_each_is_ready():
+    """Transfers booked together finish at start + cumulative bytes / bandwidth; one ready after the link is free
+    starts when it is ready, one ready before waits for the link."""
+    from specjax.stores import Link
 
-    throttle = Throttle(10e6)
+    link = Link(10e6)
     before = time.monotonic()
-    finish = [throttle.reserve(1_000_000) for _ in range(5)]
+    finish = [link.book(1_000_000) for _ in range(5)]
     after = time.monotonic()
     np.testing.assert_allclose(np.diff(finish), 0.1, rtol=1e-9)
     assert before + 0.1 <= finish[0] <= after + 0.1
+    assert link.book(1_000_000, ready_at=finish[-1] + 1.0) == pytest.approx(finish[-1] + 1.1)
+    assert link.book(1_000_000, ready_at=0.0) == pytest.approx(finish[-1] + 1.2)
+    with pytest.raises(ValueError, match="link bandwidth must be > 0"):
+        Link(0)
 
 
 def test_a_failure_while_checking_a_read_makes_misses_never_a_reader_that_waits_forever(memory_location, monkeypatch):
