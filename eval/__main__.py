@@ -21,8 +21,9 @@ import numpy as np
 from absl import flags
 
 from specjax import sharding
-from specjax.engine.systems import BLEND_DEVIATIONS, BLEND_FILTERS
+from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
+from specjax.errors import SpecjaxError
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import systems as systems_lib
@@ -34,6 +35,30 @@ from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, pars
 from specjax.stores import Layout
 
 FLAGS = flags.FLAGS
+
+
+def define_option_flags(options=SystemOptions) -> None:
+    """One flag per field of `options`: its name, default and help, typed by the field's type (an enum where it
+    lists choices), checked by building the options from it (their own message on a bad value)."""
+    for field in dataclasses.fields(options):
+        help_text, choices = field.metadata["help"], field.metadata["choices"]
+        if choices is not None:
+            flags.DEFINE_enum(field.name, field.default, choices, help_text)
+        else:
+            define = {"bool": flags.DEFINE_bool, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
+                      "str": flags.DEFINE_string}[field.type.split(" | ")[0]]
+            define(field.name, field.default, help_text)
+        flags.register_validator(field.name, lambda v, name=field.name: _builds(options, name, v),
+                                 f"is not a value of {options.__name__}.{field.name}")
+
+
+def _builds(options, name: str, value) -> bool:
+    try:
+        options(**{name: value})
+        return True
+    except SpecjaxError as e:
+        raise flags.ValidationError(str(e)) from None
+
 
 # model
 flags.DEFINE_string("model", "smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...), "
@@ -88,33 +113,14 @@ flags.DEFINE_bool("direct_io", False, "Read the store with O_DIRECT so the page 
 flags.DEFINE_string("inflight_bytes", None, "Most bytes of KV reads the disk's read scheduler keeps in flight (e.g. "
                     "4MiB); unset: 4MiB on a real disk, one read at a time on an emulated one. Reads beyond it wait "
                     "in its queue, demand before speculative, where a superseded speculative read is dropped unread.")
-flags.DEFINE_bool("no_itf", False, "spec ablation: no similarity-guided identification (Fig. 18).")
-flags.DEFINE_bool("no_reorder", False, "spec ablation: no KV reordering.")
-flags.DEFINE_bool("no_score_cache", False, "spec ablation: LRU instead of the score-based dual cache.")
-flags.DEFINE_bool("no_prefetch", False, "spec ablation: no layer-aware speculative prefetch.")
-flags.DEFINE_integer("ckv_chunk_tokens", None, "contiguous_kv: tokens per ContiguousChunk, its unit of scoring, "
-                     "storage, transfer and caching (c; default 16, the paper's). It gets a store of its own.")
-flags.DEFINE_integer("period_layers", None, "contiguous_kv: layers sharing the chunk set chosen at a period's "
-                     "first layer (p; default 8).")
-flags.DEFINE_integer("subperiod_layers", None, "contiguous_kv: layers of a period whose KV must arrive before the "
-                     "period computes (sp; default 4, at most p).")
-flags.DEFINE_float("gqa_candidates", None, "spec_gqa: a candidate stage; only the chunks whose key summaries "
-                   "bound the most attention, at least this many times the kept tokens (at least 1), are read and "
-                   "scored; results name the system spec_gqa-candidatesB. 0 or unset: none (every position is a "
-                   "candidate).")
+# what a user may change about a system: one flag per SystemOptions field (specjax.engine.systems)
+define_option_flags()
+OPTION_FLAGS = tuple(f.name for f in dataclasses.fields(SystemOptions))
 flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
                      "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
 flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "
                      "reused (recompute, a cold request): more new tokens than this are computed in chunks of this "
                      "many, each attending to the earlier chunks' KV (exact); 0: one block, as the plain forward.")
-flags.DEFINE_float("blend_ratio", 0.15, "cacheblend: mean fraction of context tokens recomputed per layer after "
-                   "its full check layers (CacheBlend: 15%); 1 recomputes everything.")
-flags.DEFINE_enum("blend_deviation", "value", BLEND_DEVIATIONS, "cacheblend: the deviation between "
-                  "recomputed and reused vectors that ranks tokens (value: CacheBlend's vLLM code; key: LMCache's "
-                  "blender; key_value: the paper's KV deviation).")
-flags.DEFINE_enum("blend_filter", "gradual", BLEND_FILTERS, "cacheblend: each later layer keeps the most "
-                  "deviating part of the previous layer's set (gradual, the paper) or recomputes the check layer's "
-                  "set on every layer (fixed, the authors' code).")
 flags.DEFINE_string("record_selections", None, "Folder to record, for each system that identifies, the attention "
                     "scores its identification decided from (one file per system and retention), to replay in a "
                     "timing run of another shape (--replay_selections; specjax.engine.replay).")
@@ -148,27 +154,20 @@ flags.register_validator("limit", lambda v: v is None or v > 0, "must be a posit
 flags.register_validator("tensor_parallel", lambda v: v >= 1, "must be at least 1 (1: one device)")
 flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
 flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
-for _name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
-    flags.register_validator(_name, lambda v: v is None or v > 0, "must be positive")
 flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive")
 flags.register_validator("prefill_chunk_tokens", lambda v: v >= 0, "must be >= 0 (0: one block)")
 flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
 flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
-flags.register_validator("gqa_candidates", lambda v: v is None or v == 0 or v >= 1, "must be 0 (no candidate stage) "
-                         "or at least 1 (x the kept tokens)")
 flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
-flags.register_validator("blend_ratio", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
 
 NEEDLE_DEFAULT_LIMIT = 16
 # flags that are SystemSettings fields of the same name
-SYSTEM_FLAGS = ("no_itf", "no_reorder", "no_score_cache", "no_prefetch", "ckv_chunk_tokens", "period_layers",
-                "subperiod_layers", "cake_chunk_tokens", "prefill_chunk_tokens", "blend_ratio", "blend_deviation",
-                "blend_filter", "gqa_candidates")
+SYSTEM_FLAGS = ("cake_chunk_tokens", "prefill_chunk_tokens")
 OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
              "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
              "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "store",
              "output_dir", "preset", "revision", "tensor_parallel", "record_selections",
-             "replay_selections") + SYSTEM_FLAGS
+             "replay_selections") + SYSTEM_FLAGS + OPTION_FLAGS
 
 
 def _ok(parse, value) -> bool:
@@ -265,7 +264,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        selections=_selection_setting(values), **{k: values[k] for k in SYSTEM_FLAGS})
+        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values),
+        **{k: values[k] for k in SYSTEM_FLAGS})
 
     code = code_version()
     partial = PartialRuns(output_dir, {

@@ -20,11 +20,7 @@ class EngineSystem:
 
     def __init__(self, name: str, model, settings: SystemSettings):
         s = settings
-        self.system = make_system(name, no_itf=s.no_itf, no_reorder=s.no_reorder, no_score_cache=s.no_score_cache,
-                                  no_prefetch=s.no_prefetch, chunk_tokens=s.ckv_chunk_tokens,
-                                  period_layers=s.period_layers, subperiod_layers=s.subperiod_layers,
-                                  blend_ratio=s.blend_ratio, blend_deviation=s.blend_deviation,
-                                  blend_filter=s.blend_filter, candidates=s.gqa_candidates)
+        self.system = make_system(name, s.options)
         self.name = self.system.name
         self.needs_store = self.system.reuse
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own
@@ -227,7 +223,7 @@ def _layers(r) -> dict:
 def factories() -> dict:
     """name -> factory(model, settings) for every system the engine builds."""
     def factory(name):
-        cls = BlendSystem if engine_systems.SYSTEMS[name].blend is not None else EngineSystem
+        cls = BlendSystem if engine_systems.SYSTEMS[name].schedule == "blend" else EngineSystem
         return lambda model, settings: cls(name, model, settings)
 
     return {name: factory(name) for name in engine_systems.SYSTEMS}

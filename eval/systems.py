@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
+from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
 from specjax.eval.errors import EvalError
 from specjax.stores import Layout
@@ -126,21 +127,7 @@ class SystemSettings:
     direct_io: bool = False
     inflight_bytes: int | None = None  # the read scheduler's bound on bytes in flight (None: its default)
     seed: int = 0
-    # SPEC's ablations (paper Fig. 18)
-    no_itf: bool = False
-    no_reorder: bool = False
-    no_score_cache: bool = False
-    no_prefetch: bool = False
-    # ContiguousKV's chunk, period and sub-period sizes (None: the paper's, as the engine's System declares them)
-    ckv_chunk_tokens: int | None = None
-    period_layers: int | None = None
-    subperiod_layers: int | None = None
-    # CacheBlend's recompute ratio, deviation and filtering (None: the system's own)
-    blend_ratio: float | None = None
-    blend_deviation: str | None = None
-    blend_filter: str | None = None
-    # spec_gqa's candidate stage, x the kept tokens (None or 0: none, the system's default)
-    gqa_candidates: float | None = None
+    options: SystemOptions = SystemOptions()  # what the user changed about the systems (their flags)
     cake_chunk_tokens: int = EngineConfig.cake_chunk_tokens
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
     kernel_impl: str = EngineConfig.kernel_impl

@@ -15,7 +15,7 @@ import tensorstore as ts
 
 import specjax
 from specjax.api import Model
-from specjax.engine import BlendEngine, EngineConfig, Request, fingerprint, make_system
+from specjax.engine import BlendEngine, EngineConfig, Request, SystemOptions, fingerprint, make_system
 from specjax.engine.blend import (CHECK_LAYER, blend_fingerprint, chunk_keys, chunk_sink, recompute_counts,
                                   reposition_keys)
 from specjax.errors import SpecjaxError
@@ -249,7 +249,7 @@ def test_a_blend_layer_subscriber_may_rank_by_its_own_deviation(model):
 
 
 def test_bad_blend_settings_are_refused():
-    with pytest.raises(SpecjaxError, match="unknown cacheblend setting 'values'"):
+    with pytest.raises(SpecjaxError, match="unknown blend_deviation 'values'"):
         make_system("cacheblend", blend_deviation="values")
     with pytest.raises(SpecjaxError, match="choose one of gradual, fixed"):
         make_system("cacheblend", blend_filter="layerwise")
@@ -333,7 +333,8 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
                                          choice_ids=tuple(fold(c) for c in r.choice_ids),
                                          chunk_ids=tuple(fold(c) for c in r.chunk_ids)) for r in wl.requests)
     wl = dataclasses.replace(wl, requests=requests)
-    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20, blend_ratio=1.0)
+    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20,
+                                          options=SystemOptions(blend_ratio=1.0))
     names = ["recompute", "full_reuse", "cacheblend", "as_full"]  # a prefix system runs on rag too
     runs = runner.run_all(base, wl, runner.plan(names, [0.25]), settings, tmp_path)
     by_name = {run.system: run for run in runs}
@@ -352,6 +353,7 @@ def test_eval_options_reach_the_system():
     from specjax.eval import systems as systems_lib
 
     model = specjax.load_model("tiny-llama", init="random", seed=1)
-    settings = systems_lib.SystemSettings(blend_ratio=0.3, blend_deviation="key", blend_filter="fixed")
+    settings = systems_lib.SystemSettings(
+        options=SystemOptions(blend_ratio=0.3, blend_deviation="key", blend_filter="fixed"))
     system = systems_lib.make_system("cacheblend", model, settings).system
-    assert (system.blend, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")
+    assert (system.blend_ratio, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")

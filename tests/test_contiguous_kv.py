@@ -111,7 +111,7 @@ def test_attention_score_cache_credits_the_chosen_chunks(model):
 def test_sizes_and_store_are_checked(model):
     assert (make_system("contiguous_kv").chunk_tokens, make_system("contiguous_kv").period_layers,
             make_system("contiguous_kv").subperiod_layers) == (16, 8, 4)
-    s = make_system("contiguous_kv", chunk_tokens=32, period_layers=4, subperiod_layers=2)
+    s = make_system("contiguous_kv", ckv_chunk_tokens=32, period_layers=4, subperiod_layers=2)
     assert (s.name, s.chunk_tokens, s.period_layers, s.subperiod_layers) == ("contiguous_kv", 32, 4, 2)
     with pytest.raises(SpecjaxError, match="subperiod_layers"):
         make_system("contiguous_kv", period_layers=2, subperiod_layers=4)

@@ -389,6 +389,18 @@ def test_ablations_change_the_policy():
     assert s.name == "spec-no_itf-no_reorder-no_score_cache-no_prefetch"
 
 
+def test_options_change_only_the_systems_they_concern():
+    """A SystemOptions field leaves a system it does not concern as it is, and a system's name tells what changed."""
+    assert make_system("as_full", no_itf=True, alpha=0.8, gqa_candidates=2, blend_ratio=0.5) == make_system("as_full")
+    assert make_system("impress", no_prefetch=True) == make_system("impress")  # it has no speculation to turn off
+    assert make_system("impress", no_itf=True, no_prefetch=True).name == "impress-no_itf"
+    assert make_system("spec_gqa", alpha=0.8).alpha == 0.8 and make_system("spec", alpha=0.8).name == "spec"
+    with pytest.raises(SpecjaxError, match="alpha must be positive"):
+        make_system("spec", alpha=0)
+    with pytest.raises(TypeError, match="no_such_option"):
+        make_system("spec", no_such_option=True)
+
+
 def test_reordered_store_serves_the_same_kv(model):
     """After SPEC's reordering repacks the prefix's chunks, reading through the mapping list is exact."""
     req = _request(model, prefix_len=100, seed=11)

@@ -165,6 +165,9 @@ def test_cli_bad_flag_values(flag):
     ("--pcie_bandwidth=16", "'16' has no unit; give a rate with one, e.g. 16MB/s"),
     ("--cpu_cache=1e400", "'1e400' is too large to be a size"),
     ("--gpu_cache=1e400GB", "'1e400GB' is too large to be a size"),
+    ("--gqa_candidates=0.5", "gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens)"),
+    ("--period_layers=0", "period_layers must be at least 1, got 0"),
+    ("--blend_ratio=2", "blend_ratio must be in [0, 1], got 2.0"),
 ])
 def test_cli_flag_values_that_would_mislead_are_refused_saying_why(flag, message, tmp_path):
     proc = _cli(flag, f"--output_dir={tmp_path}")
@@ -172,6 +175,23 @@ def test_cli_flag_values_that_would_mislead_are_refused_saying_why(flag, message
     errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
     assert len(errors) == 1 and flag.split("=")[0] in errors[0] and message in errors[0], proc.stderr
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_every_system_option_is_a_flag_of_its_name_type_and_help():
+    """A SystemOptions field is all it takes to add an option: the eval's flag, its default and help, and the settings
+    a run records are made from it (README, "Adding a system option")."""
+    import dataclasses
+
+    from specjax.engine.systems import SystemOptions
+
+    for field in dataclasses.fields(SystemOptions):
+        flag = cli.FLAGS[field.name]
+        assert flag.default == field.default and flag.help.endswith(field.metadata["help"]), field.name
+        assert field.name in cli.OUR_FLAGS
+    assert isinstance(cli.FLAGS["no_itf"].value, bool) and cli.FLAGS["gqa_candidates"].flag_type() == "float"
+    assert cli.FLAGS["blend_filter"].flag_type().endswith("enum")
+    recorded = dataclasses.asdict(systems.SystemSettings(options=SystemOptions(no_itf=True)))
+    assert recorded["options"]["no_itf"] is True
 
 
 @pytest.mark.parametrize("flag", ["--store", "--output_dir"])

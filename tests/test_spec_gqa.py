@@ -10,7 +10,7 @@ import pytest
 import tensorstore as ts
 
 import specjax
-from specjax.engine import Engine, EngineConfig, fingerprint, make_system
+from specjax.engine import Engine, EngineConfig, SystemOptions, fingerprint, make_system
 from specjax.errors import SpecjaxError
 from specjax.kernels import quest
 from specjax.stores import K, PROBE, KVStore
@@ -151,7 +151,7 @@ def test_only_candidate_chunks_are_read_and_selections_lie_in_them(model):
     (none: this handle wrote them), then only candidate chunks, at least 2k positions of whole chunks; every
     selected position lies in them."""
     req = _request(model, prefix_len=160, seed=3)
-    engine = _engine(model, make_system("spec_gqa", candidates=2), 0.25)
+    engine = _engine(model, make_system("spec_gqa", gqa_candidates=2), 0.25)
     engine.warm(req.prefix)
     reads = _record_reads(engine)
     r = engine.run(req)
@@ -197,14 +197,14 @@ def test_the_candidate_stage_is_a_setting_and_off_by_default():
     from specjax.eval.systems import SystemSettings
 
     assert make_system("spec_gqa").candidates is None
-    assert make_system("spec_gqa", candidates=0) == make_system("spec_gqa")
-    wide = make_system("spec_gqa", candidates=3)
+    assert make_system("spec_gqa", gqa_candidates=0) == make_system("spec_gqa")
+    wide = make_system("spec_gqa", gqa_candidates=3)
     assert (wide.name, wide.candidates) == ("spec_gqa-candidates3", 3.0)
-    with pytest.raises(SpecjaxError, match="candidates must be at least 1"):
-        make_system("spec_gqa", candidates=0.5)
-    assert make_system("spec", candidates=2) == make_system("spec")
+    with pytest.raises(SpecjaxError, match="gqa_candidates must be 0 .* or at least 1"):
+        make_system("spec_gqa", gqa_candidates=0.5)
+    assert make_system("spec", gqa_candidates=2) == make_system("spec")
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    on = EngineSystem("spec_gqa", model, SystemSettings(gqa_candidates=2)).system
+    on = EngineSystem("spec_gqa", model, SystemSettings(options=SystemOptions(gqa_candidates=2))).system
     assert (on.name, on.candidates) == ("spec_gqa-candidates2", 2.0)
     off = EngineSystem("spec_gqa", model, SystemSettings()).system
     assert (off.name, off.candidates) == ("spec_gqa", None)
@@ -292,7 +292,7 @@ def test_the_host_tier_gives_the_key_summaries_their_bytes():
     lay = store.layout
     assert store.summary_bytes == 10 * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * 4  # 10 chunks
     config = EngineConfig(cpu_cache_bytes=1 << 20)
-    assert Engine(model, make_system("spec_gqa", candidates=2), store, config).cache.tiers[HOST].budget_bytes == \
+    assert Engine(model, make_system("spec_gqa", gqa_candidates=2), store, config).cache.tiers[HOST].budget_bytes == \
         (1 << 20) - store.summary_bytes
     for other in ("spec", "spec_gqa"):  # spec_gqa without its candidate stage reads no summary
         assert Engine(model, make_system(other), store, config).cache.tiers[HOST].budget_bytes == 1 << 20
@@ -300,5 +300,5 @@ def test_the_host_tier_gives_the_key_summaries_their_bytes():
 
 def test_retention_is_reported_of_the_whole_prefix_not_of_the_candidates():
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    r = _run(_engine(model, make_system("spec_gqa", candidates=2), 0.25), _request(model, prefix_len=160, seed=3))
+    r = _run(_engine(model, make_system("spec_gqa", gqa_candidates=2), 0.25), _request(model, prefix_len=160, seed=3))
     np.testing.assert_allclose(r.layers["retained"], math.ceil(0.25 * 160) / 160, rtol=1e-6)

@@ -5,7 +5,7 @@ from specjax.engine.cake import CakeEngine
 from specjax.engine.engine import Engine, fingerprint, shape_key
 from specjax.engine.planner import PlannerEngine
 from specjax.engine.state import ImportanceState
-from specjax.engine.systems import SYSTEMS, System, make_system, system_names
+from specjax.engine.systems import SYSTEMS, System, SystemOptions, make_system, system_names
 from specjax.engine.types import EngineConfig, Request, RequestResult
 
 
@@ -16,11 +16,11 @@ def make_engine(model, system: System, store=None, config: EngineConfig = Engine
         return CakeEngine(model, system, store, config)
     if system.schedule == "planner":
         return PlannerEngine(model, system, store, config)
-    if system.blend is not None:
+    if system.schedule == "blend":
         return BlendEngine(model, system, store, config)
     return Engine(model, system, store, config)
 
 
 __all__ = ["BlendEngine", "CakeEngine", "Engine", "EngineConfig", "ImportanceState", "PlannerEngine", "Request",
-           "RequestResult",
-           "SYSTEMS", "System", "fingerprint", "make_engine", "make_system", "shape_key", "system_names"]
+           "RequestResult", "SYSTEMS", "System", "SystemOptions", "fingerprint", "make_engine", "make_system",
+           "shape_key", "system_names"]

@@ -153,7 +153,7 @@ class BlendEngine(Engine):
     """Runs `full_reuse` / `cacheblend` requests (`Request.chunks`) over a store of independently cached chunks."""
 
     def __init__(self, model, system, store, config=None):
-        if system.blend is None:
+        if system.schedule != "blend":
             raise SpecjaxError(f"system {system.name!r} is not a chunk-reuse system")
         if not model.config.uses_rope:
             raise SpecjaxError(
@@ -194,7 +194,7 @@ class BlendEngine(Engine):
         # the chunk tokens' rows of the joined match (a later chunk's sink row is not read)
         read = np.concatenate([np.zeros(0, np.int64)] + [j + o + np.arange(len(c))
                                                           for j, o, c in zip(joined, stored_at, chunks)])
-        counts = recompute_counts(cfg.num_layers, m, self.system.blend, filtering=self.system.blend_filter)
+        counts = recompute_counts(cfg.num_layers, m, self.system.blend_ratio, filtering=self.system.blend_filter)
         # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
         loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
                  for i in range(cfg.num_layers)]

@@ -1,6 +1,7 @@
 """The systems compared on the one engine, as policies: what a layer loads, what is prefetched, how caches score.
 
-A system is data, not a copy of the engine; `make_system` applies SPEC's ablation switches.
+A system is data, not a copy of the engine; `make_system` applies what a user may change about one
+(`SystemOptions`: SPEC's ablation switches, ContiguousKV's sizes, CacheBlend's settings, ...).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ IDENTIFY = tuple(identify.POLICIES)
 # its selection | ContiguousKV's intra- and inter-period plan
 PREFETCH = ("none", "certain", "speculative", "periods")
 # the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake) | the layer loop computing a planned
-# head of the stored prefix (specjax.engine.planner)
-SCHEDULES = ("layers", "cake", "planner")
+# head of the stored prefix (specjax.engine.planner) | CacheBlend's: the prefix is independently cached text chunks,
+# all their KV is loaded and a share of context tokens recomputed per layer (specjax.engine.blend)
+SCHEDULES = ("layers", "cake", "planner", "blend")
 # CacheBlend's token selection: what deviation ranks tokens (recomputed vs reused vectors), and whether later layers
 # keep filtering the set (the paper) or keep the check layer's set (the authors' reference code)
 BLEND_DEVIATIONS = ("value", "key", "key_value")
@@ -39,9 +41,8 @@ class System:
     period_layers: int = 8  # "chunks": layers sharing the chunk set chosen at the period's first layer
     subperiod_layers: int = 4  # "periods" prefetch: layers of a period loaded before the period computes
     schedule: str = "layers"
-    # CacheBlend (specjax.engine.blend): the prefix is independently cached text chunks, all their KV is loaded
-    # and this fraction of context tokens is recomputed per layer (0: full KV reuse); None: prefix reuse
-    blend: float | None = None
+    # the "blend" schedule: the fraction of context tokens recomputed per layer (0: full KV reuse)
+    blend_ratio: float = 0.15
     blend_deviation: str = "value"
     blend_filter: str = "gradual"
     # spec_gqa: only the chunks whose key summaries bound the most attention, at least this many times the kept
@@ -107,9 +108,9 @@ SYSTEMS: dict[str, System] = {
                schedule="planner",
                description="SPEC computing the head of the prefix a cost model of measured rates picks"),
         # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
-        System("cacheblend", prefetch="certain", cache_policy="lru", blend=0.15,
+        System("cacheblend", prefetch="certain", cache_policy="lru", schedule="blend", blend_ratio=0.15,
                description="CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)"),
-        System("full_reuse", prefetch="certain", cache_policy="lru", blend=0.0,
+        System("full_reuse", prefetch="certain", cache_policy="lru", schedule="blend", blend_ratio=0.0,
                description="reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)"),
     )
 }
@@ -119,59 +120,113 @@ def system_names() -> list[str]:
     return list(SYSTEMS)
 
 
-def make_system(name: str, *, no_itf: bool = False, no_reorder: bool = False, no_score_cache: bool = False,
-                no_prefetch: bool = False, alpha: float | None = None, chunk_tokens: int | None = None,
-                period_layers: int | None = None, subperiod_layers: int | None = None,
-                blend_ratio: float | None = None, blend_deviation: str | None = None,
-                blend_filter: str | None = None, candidates: float | None = None) -> System:
-    """The named system, with SPEC's ablations (paper Fig. 18) applied where they make sense, ContiguousKV's
-    chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio (`blend_ratio`), deviation
-    and filtering (`blend_deviation`, `blend_filter`), and spec_gqa's candidate stage (`candidates` x the kept
-    tokens, named `spec_gqa-candidatesB`; 0: none, every position a candidate, as by default)."""
+def _option(default, help: str, choices: tuple[str, ...] | None = None):
+    """A field of `SystemOptions`: its default and the help of the eval's flag of the same name."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemOptions:
+    """What a user may change about a registered system, one field per option. The eval's flag of the same name, its
+    type, default and help, the run's recorded settings and `make_system`'s keywords are made from these fields, and
+    `apply` gives each its effect, so an option is added here and nowhere else (README, "Adding a system option").
+    An option that does not concern a system leaves it as it is; None: the system's own value."""
+
+    no_itf: bool = _option(False, "spec ablation: no similarity-guided identification (Fig. 18).")
+    no_reorder: bool = _option(False, "spec ablation: no KV reordering.")
+    no_score_cache: bool = _option(False, "spec ablation: LFU (AS+H2O+LFU's, Fig. 18's baseline) instead of the "
+                                   "score-based dual cache.")
+    no_prefetch: bool = _option(False, "spec ablation: no layer-aware speculative prefetch.")
+    alpha: float | None = _option(None, "Systems that identify with ITF (impress, spec, spec_gqa, planner): the "
+                                  "threshold exponent, t = j ** alpha (default: the system's own, 0.6).")
+    ckv_chunk_tokens: int | None = _option(None, "contiguous_kv: tokens per ContiguousChunk, its unit of scoring, "
+                                           "storage, transfer and caching (c; default 16, the paper's). It gets a "
+                                           "store of its own.")
+    period_layers: int | None = _option(None, "contiguous_kv: layers sharing the chunk set chosen at a period's "
+                                        "first layer (p; default 8).")
+    subperiod_layers: int | None = _option(None, "contiguous_kv: layers of a period whose KV must arrive before the "
+                                           "period computes (sp; default 4, at most p).")
+    blend_ratio: float | None = _option(None, "cacheblend: mean fraction of context tokens recomputed per layer "
+                                        "after its full check layers (default: CacheBlend's 15%); 1 recomputes "
+                                        "everything.")
+    blend_deviation: str | None = _option(None, "cacheblend: the deviation between recomputed and reused vectors "
+                                          "that ranks tokens (value, the default: CacheBlend's vLLM code; key: "
+                                          "LMCache's blender; key_value: the paper's KV deviation).",
+                                          choices=BLEND_DEVIATIONS)
+    blend_filter: str | None = _option(None, "cacheblend: each later layer keeps the most deviating part of the "
+                                       "previous layer's set (gradual, the default: the paper) or recomputes the "
+                                       "check layer's set on every layer (fixed, the authors' code).",
+                                       choices=BLEND_FILTERS)
+    gqa_candidates: float | None = _option(None, "spec_gqa: a candidate stage; only the chunks whose key summaries "
+                                           "bound the most attention, at least this many times the kept tokens (at "
+                                           "least 1), are read and scored; results name the system "
+                                           "spec_gqa-candidatesB. 0 or unset: none (every position is a "
+                                           "candidate).")
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value, choices = getattr(self, field.name), field.metadata["choices"]
+            if choices is not None and value is not None and value not in choices:
+                raise SpecjaxError(f"unknown {field.name} {value!r}; choose one of {', '.join(choices)}")
+        for name in ("ckv_chunk_tokens", "period_layers", "subperiod_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SpecjaxError(f"{name} must be at least 1, got {value}")
+        if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
+            raise SpecjaxError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise SpecjaxError(f"alpha must be positive, got {self.alpha}")
+        if self.gqa_candidates and not self.gqa_candidates >= 1:
+            raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
+                               f"got {self.gqa_candidates}")
+
+    def apply(self, system: System) -> System:
+        """`system` with these options: SPEC's ablations (paper Fig. 18, named in the result), ITF's alpha,
+        ContiguousKV's chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio, deviation and
+        filtering, and spec_gqa's candidate stage (`gqa_candidates` x the kept tokens, named
+        `spec_gqa-candidatesB`)."""
+        if system.schedule == "blend":  # full_reuse is CacheBlend at ratio 0 whatever the ratio asked for
+            chosen = {"blend_ratio": self.blend_ratio if system.blend_ratio else None,
+                      "blend_deviation": self.blend_deviation, "blend_filter": self.blend_filter}
+            system = dataclasses.replace(system, **{k: v for k, v in chosen.items() if v is not None})
+        if system.identify == "chunks":
+            return _with_chunk_sizes(system, self.ckv_chunk_tokens, self.period_layers, self.subperiod_layers)
+        if system.identify in ("itf", "gqa_itf") and self.alpha is not None:
+            system = dataclasses.replace(system, alpha=float(self.alpha))
+        if system.identify == "gqa_itf" and self.gqa_candidates:
+            return dataclasses.replace(system, candidates=float(self.gqa_candidates),
+                                       name=f"{system.name}-candidates{self.gqa_candidates:g}")
+        if system.identify != "itf":
+            return system
+        ablations = {"itf": self.no_itf, "reorder": self.no_reorder, "score_cache": self.no_score_cache,
+                     "prefetch": self.no_prefetch and system.prefetch == "speculative"}
+        changes = {}
+        if self.no_itf:
+            changes["identify"] = "h2o"
+        if self.no_reorder:
+            changes["reorder"] = False
+        if self.no_score_cache:
+            changes["cache_policy"] = "lfu"
+        if ablations["prefetch"]:
+            changes["prefetch"] = "certain"
+        if not changes:
+            return system
+        suffix = "".join(f"-no_{flag}" for flag, on in ablations.items() if on)
+        return dataclasses.replace(system, name=system.name + suffix, **changes)
+
+
+def make_system(name: str, options: SystemOptions | None = None, **changes) -> System:
+    """The registered system `name` with `options` (default: none), or with `changes`, SystemOptions fields by name
+    (`make_system("spec", no_itf=True)`)."""
     if name not in SYSTEMS:
         raise SpecjaxError(f"unknown system {name!r}; known systems: {', '.join(system_names())}")
-    system = SYSTEMS[name]
-    if system.blend:
-        if blend_ratio is not None and not 0.0 <= blend_ratio <= 1.0:
-            raise SpecjaxError(f"blend ratio must be in [0, 1], got {blend_ratio}")
-        for value, known in ((blend_deviation, BLEND_DEVIATIONS), (blend_filter, BLEND_FILTERS)):
-            if value is not None and value not in known:
-                raise SpecjaxError(f"unknown cacheblend setting {value!r}; choose one of {', '.join(known)}")
-        chosen = {"blend": blend_ratio, "blend_deviation": blend_deviation, "blend_filter": blend_filter}
-        system = dataclasses.replace(system, **{k: v for k, v in chosen.items() if v is not None})
-    changes = {}
-    if system.identify == "itf":
-        if no_itf:
-            changes["identify"] = "h2o"
-        if no_reorder:
-            changes["reorder"] = False
-        if no_score_cache:
-            changes["cache_policy"] = "lfu"
-        if no_prefetch and system.prefetch == "speculative":
-            changes["prefetch"] = "certain"
-        if alpha is not None:
-            changes["alpha"] = alpha
-    if system.identify == "chunks":
-        return _with_chunk_sizes(system, chunk_tokens, period_layers, subperiod_layers)
-    if system.identify == "gqa_itf" and candidates:
-        return dataclasses.replace(system, candidates=float(candidates), name=f"{name}-candidates{candidates:g}")
-    if changes:
-        suffix = "".join(f"-no_{flag}" for flag, on in
-                         (("itf", no_itf), ("reorder", no_reorder), ("score_cache", no_score_cache),
-                          ("prefetch", no_prefetch)) if on)
-        changes["name"] = name + suffix
-        return dataclasses.replace(system, **changes)
-    return system
+    return dataclasses.replace(options or SystemOptions(), **changes).apply(SYSTEMS[name])
 
 
 def _with_chunk_sizes(system: System, chunk_tokens, period_layers, subperiod_layers) -> System:
     """ContiguousKV with other c / p / sp (None keeps the paper's 16 / 8 / 4); the name stays, results record them."""
     sizes = {"chunk_tokens": chunk_tokens, "period_layers": period_layers, "subperiod_layers": subperiod_layers}
-    sizes = {k: int(v) for k, v in sizes.items() if v is not None}
-    for field, value in sizes.items():
-        if value < 1:
-            raise SpecjaxError(f"{field} must be at least 1, got {value}")
-    system = dataclasses.replace(system, **sizes)
+    system = dataclasses.replace(system, **{k: int(v) for k, v in sizes.items() if v is not None})
     if system.subperiod_layers > system.period_layers:
         raise SpecjaxError(f"subperiod_layers ({system.subperiod_layers}) must not exceed period_layers "
                            f"({system.period_layers})")
