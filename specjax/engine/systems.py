@@ -138,7 +138,8 @@ class SystemOptions:
                                    "score-based dual cache.")
     no_prefetch: bool = _option(False, "spec ablation: no layer-aware speculative prefetch.")
     alpha: float | None = _option(None, "Systems that identify with ITF (impress, spec, spec_gqa, planner): the "
-                                  "threshold exponent, t = j ** alpha (default: the system's own, 0.6).")
+                                  "threshold exponent, t = j ** alpha (default: the system's own, 0.6; 0: t = 1, any "
+                                  "disagreement falls back).")
     ckv_chunk_tokens: int | None = _option(None, "contiguous_kv: tokens per ContiguousChunk, its unit of scoring, "
                                            "storage, transfer and caching (c; default 16, the paper's). It gets a "
                                            "store of its own.")
@@ -174,8 +175,8 @@ class SystemOptions:
                 raise SpecjaxError(f"{name} must be at least 1, got {value}")
         if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise SpecjaxError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
-        if self.alpha is not None and not self.alpha > 0:
-            raise SpecjaxError(f"alpha must be positive, got {self.alpha}")
+        if self.alpha is not None and not self.alpha >= 0:
+            raise SpecjaxError(f"alpha must be >= 0 (0: the threshold is 1), got {self.alpha}")
         if self.gqa_candidates and not self.gqa_candidates >= 1:
             raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
                                f"got {self.gqa_candidates}")
