@@ -37,9 +37,10 @@ from specjax.stores import Layout
 FLAGS = flags.FLAGS
 
 
-def define_option_flags(options=SystemOptions) -> None:
+def define_option_flags(options=SystemOptions) -> tuple[str, ...]:
     """One flag per field of `options`: its name, default and help, typed by the field's type (an enum where it
-    lists choices), checked by building the options from it (their own message on a bad value)."""
+    lists choices), checked by building the options from it (their own message on a bad value). Returns the
+    flags' names."""
     for field in dataclasses.fields(options):
         help_text, choices = field.metadata["help"], field.metadata["choices"]
         if choices is not None:
@@ -48,16 +49,9 @@ def define_option_flags(options=SystemOptions) -> None:
             define = {"bool": flags.DEFINE_bool, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
                       "str": flags.DEFINE_string}[field.type.split(" | ")[0]]
             define(field.name, field.default, help_text)
-        flags.register_validator(field.name, lambda v, name=field.name: _builds(options, name, v),
+        flags.register_validator(field.name, lambda v, name=field.name: _parses(lambda x: options(**{name: x}), v),
                                  f"is not a value of {options.__name__}.{field.name}")
-
-
-def _builds(options, name: str, value) -> bool:
-    try:
-        options(**{name: value})
-        return True
-    except SpecjaxError as e:
-        raise flags.ValidationError(str(e)) from None
+    return tuple(field.name for field in dataclasses.fields(options))
 
 
 # model
@@ -114,8 +108,7 @@ flags.DEFINE_string("inflight_bytes", None, "Most bytes of KV reads the disk's r
                     "4MiB); unset: 4MiB on a real disk, one read at a time on an emulated one. Reads beyond it wait "
                     "in its queue, demand before speculative, where a superseded speculative read is dropped unread.")
 # what a user may change about a system: one flag per SystemOptions field (specjax.engine.systems)
-define_option_flags()
-OPTION_FLAGS = tuple(f.name for f in dataclasses.fields(SystemOptions))
+OPTION_FLAGS = define_option_flags()
 flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
                      "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
 flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "
@@ -183,7 +176,7 @@ def _parses(parse, value) -> bool:
     try:
         parse(value)
         return True
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, SpecjaxError) as e:
         raise flags.ValidationError(f"{e}") from None
 
 

@@ -120,6 +120,11 @@ def system_names() -> list[str]:
     return list(SYSTEMS)
 
 
+# SPEC's ablations (paper Fig. 18): option no_NAME sets the System field to the value (AS+H2O+LFU's, the baseline's)
+ABLATIONS = {"itf": ("identify", "h2o"), "reorder": ("reorder", False), "score_cache": ("cache_policy", "lfu"),
+             "prefetch": ("prefetch", "certain")}
+
+
 def _option(default, help: str, choices: tuple[str, ...] | None = None):
     """A field of `SystemOptions`: its default and the help of the eval's flag of the same name."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
@@ -199,21 +204,12 @@ class SystemOptions:
                                        name=f"{system.name}-candidates{self.gqa_candidates:g}")
         if system.identify != "itf":
             return system
-        ablations = {"itf": self.no_itf, "reorder": self.no_reorder, "score_cache": self.no_score_cache,
-                     "prefetch": self.no_prefetch and system.prefetch == "speculative"}
-        changes = {}
-        if self.no_itf:
-            changes["identify"] = "h2o"
-        if self.no_reorder:
-            changes["reorder"] = False
-        if self.no_score_cache:
-            changes["cache_policy"] = "lfu"
-        if ablations["prefetch"]:
-            changes["prefetch"] = "certain"
-        if not changes:
+        on = [name for name in ABLATIONS if getattr(self, f"no_{name}")
+              and (name != "prefetch" or system.prefetch == "speculative")]  # no speculation: nothing to turn off
+        if not on:
             return system
-        suffix = "".join(f"-no_{flag}" for flag, on in ablations.items() if on)
-        return dataclasses.replace(system, name=system.name + suffix, **changes)
+        return dataclasses.replace(system, name=system.name + "".join(f"-no_{name}" for name in on),
+                                   **dict(ABLATIONS[name] for name in on))
 
 
 def make_system(name: str, options: SystemOptions | None = None, **changes) -> System:
