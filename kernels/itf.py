@@ -53,17 +53,19 @@ def identify(probe_scores: jax.Array, k, prefix_len, alpha, *, k_cap: int) -> Id
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
-def head_share(head_scores: jax.Array, shared: jax.Array, k, prefix_len=None, *, k_cap: int) -> jax.Array:
+def head_share(head_scores: jax.Array, shared: jax.Array, k, prefix_len=None, *, k_cap: int,
+               own_top: jax.Array | None = None) -> jax.Array:
     """The least share, over heads, of a head's own top-k attention that a shared set keeps: for every row of
     head_scores f32 [H, m_pad] (H2O importance over the first `prefix_len` columns), the scores summed over the
     first `k` entries of `shared` int32 [k_cap] divided by the sum of that row's own k highest; the minimum over
     rows. 1.0 when the shared set is every head's own top-k; how much a head loses by sharing, the worst head.
     spec_gqa's guard (`engine.identify.GroupedITF`): heads that share keys agree by Jaccard without agreeing head
-    by head."""
+    by head. `own_top`: every head's own top-k int32 [H, k_cap] (`top_k`), when the caller has it already."""
     valid = jnp.arange(head_scores.shape[-1]) < length_or_full(prefix_len, head_scores.shape[-1])
     scores = jnp.where(valid, head_scores, 0.0)
     first = jnp.arange(k_cap) < k
-    own = jnp.where(first, jnp.take_along_axis(scores, top_k(head_scores, k_cap, prefix_len), -1), 0.0).sum(-1)
+    own_top = top_k(head_scores, k_cap, prefix_len) if own_top is None else own_top
+    own = jnp.where(first, jnp.take_along_axis(scores, own_top, -1), 0.0).sum(-1)
     kept = jnp.where(first, scores[:, shared], 0.0).sum(-1)
     return jnp.min(jnp.where(own > 0, kept / jnp.maximum(own, jnp.finfo(jnp.float32).tiny), 1.0))
 

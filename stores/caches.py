@@ -167,6 +167,13 @@ class TieredCache:
         with self._lock:
             return key in self._read or self.where(key) is not None
 
+    def holds_many(self, layer: int, kind: int, chunks) -> np.ndarray:
+        """`holds` per chunk of (layer, kind), under one lock (bool per chunk)."""
+        keys = [(layer, kind, c) for c in np.asarray(chunks, np.int64).tolist()]
+        with self._lock:
+            device, host, read = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read
+            return np.fromiter((key in read or key in device or key in host for key in keys), bool, len(keys))
+
     def held(self, keys) -> np.ndarray:
         """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""
         with self._lock:

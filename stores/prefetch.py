@@ -83,13 +83,13 @@ class Prefetcher:
         demand for a speculative read in flight expedites it. Returns the keys held."""
         held, new = [], []
         nbytes = self.store.layout.chunk_nbytes(kind)
-        for c in chunks:
-            key = (layer, kind, int(c))
+        for c in np.asarray(chunks, np.int64).tolist():
+            key = (layer, kind, c)
             entry = self._entries.get(key)
             if entry is None:
                 if not demand and self._buffered + nbytes * (len(new) + 1) > self.max_buffer_bytes:
                     continue
-                new.append(int(c))
+                new.append(c)
             else:
                 if demand and entry.speculative:
                     entry.speculative = False
@@ -105,6 +105,7 @@ class Prefetcher:
         return held
 
     def _release_keys(self, keys) -> None:
+        unused: dict = {}  # id(run) -> (run, layer, kind, chunk ids): reads nobody took, offered to the caches per run
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:
@@ -118,17 +119,22 @@ class Prefetcher:
                 if entry.speculative:
                     self.store.withdraw(entry.read)
                 if not entry.taken and self.caching:
-                    entry.read.future.add_done_callback(functools.partial(self._keep_unused, key))
+                    run = entry.read.run
+                    unused.setdefault(id(run), (run, key[0], key[1], []))[3].append(key[2])
+        for run, layer, kind, chunks in unused.values():
+            run.verified.add_done_callback(functools.partial(self._keep_unused, layer, kind, run.first_chunk, chunks))
 
-    def _keep_unused(self, key, future) -> None:
-        """A read nobody took (a speculation the layer's real set superseded) was paid for: the caches place it
-        by its score like any chunk read from disk (at the request's end), so it evicts only what their policy values
-        less."""
-        if future.cancelled():  # withdrawn before it was read
+    def _keep_unused(self, layer: int, kind: int, first: int, chunks: list, verified) -> None:
+        """Reads nobody took (a speculation the layer's real set superseded), chunks `chunks` of the run read from
+        chunk `first` on, were paid for: the caches place them by their scores like any chunk read from disk (at the
+        request's end), so they evict only what their policy values less. One callback per run read, not per
+        chunk."""
+        if verified.cancelled():  # withdrawn before it was read
             return
-        array = future.result()
-        if array is not None:  # a copy: not a view that keeps its whole run's buffer alive until the next `settle`
-            self.cache.admit_later([key], [array.copy()])
+        arrays, ok = verified.result()
+        kept = [c for c in chunks if ok[c - first]]
+        if kept:  # copies: not views that keep the whole run's buffer alive until the next `settle`
+            self.cache.admit_later([(layer, kind, c) for c in kept], [arrays[c - first].copy() for c in kept])
 
     def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
                 speculative: bool = False, background=()) -> Ticket:
@@ -141,8 +147,11 @@ class Prefetcher:
         if chunks is None:
             chunks = self.store.locate(match, positions, layer).unique_chunks()
         if self.caching:
-            chunks = [c for c in chunks if not self.cache.holds((layer, kind, int(c)))]
-            background = [c for c in background if not self.cache.holds((layer, kind, int(c)))]
+            chunks = np.asarray(chunks, np.int64)
+            chunks = chunks[~self.cache.holds_many(layer, kind, chunks)]
+            if len(background):
+                background = np.asarray(background, np.int64)
+                background = background[~self.cache.holds_many(layer, kind, background)]
         with self._lock:
             keys = self._hold(layer, kind, chunks, demand=not speculative)
             if len(background):
@@ -169,14 +178,13 @@ class Prefetcher:
     def ahead(self, layer: int, kind: int, chunks) -> np.ndarray:
         """Per chunk of (layer, kind): is it on its way already, held by a cache tier or its read asked of the disk?
         (False: a take now would have to read it, or expedite a read still waiting in the disk's queue.)"""
+        chunks = np.asarray(chunks, np.int64)
+        out = np.zeros(len(chunks), bool) if self.cache is None else self.cache.holds_many(layer, kind, chunks)
         with self._lock:
-            out = []
-            for c in chunks:
-                key = (layer, kind, int(c))
-                entry = self._entries.get(key)
-                out.append((self.cache is not None and self.cache.holds(key))
-                           or (entry is not None and not self.store.waiting(entry.read)))
-        return np.asarray(out, bool)
+            for i in np.flatnonzero(~out).tolist():
+                entry = self._entries.get((layer, kind, int(chunks[i])))
+                out[i] = entry is not None and not self.store.waiting(entry.read)
+        return out
 
     def wait(self, tickets, timeout: float | None = None) -> bool:
         """Block until every read the tickets started has landed (at most `timeout` seconds); True if they have.

@@ -249,6 +249,42 @@ def test_head_share_is_the_worst_heads_share_of_its_own_top_k_attention():
     assert float(itf.head_share(jnp.asarray(same), jnp.asarray(best), k, m, k_cap=k_cap)) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_one_step_decision_equals_the_steps_it_fuses(guarded):
+    """`state.gqa_select` (one dispatch per layer) gives the state and sets of kv_head_scores -> itf_select ->
+    guard_shared -> per_head_select, on layers whose probes agree, whose guard fails, and whose probes disagree."""
+    from specjax.engine import state as st
+
+    rng = np.random.default_rng(1)
+    H, groups, probe_rows, m, m_pad, k, k_cap = 6, 2, 4, 40, 48, 8, 16
+    base = rng.random(m_pad).astype(np.float32)
+    layers = [np.tile(base, (H, 1)) + 0.01 * rng.random((H, m_pad), np.float32),  # agree: shared
+              rng.random((H, m_pad)).astype(np.float32) ** 8]  # disagree: fallback
+    outcomes = set()
+    for min_share in (0.5, 0.999):
+        for alpha in (0.6, 0.0):
+            seq = fused = st.ImportanceState.init(len(layers), m_pad)
+            for layer, scores in enumerate(layers):
+                every = jnp.asarray(scores)
+                probes = st.kv_head_scores(every[:probe_rows], m, groups=groups)
+                seq, shared, use = st.itf_select(seq, layer, probes, k, m, alpha, k_cap=k_cap, kept_of=m)
+                if guarded:
+                    seq, use = st.guard_shared(seq, layer, every, shared, k, m, use, min_share, k_cap=k_cap)
+                _, per_head = st.per_head_select(seq, layer, every, k, m, k_cap=k_cap, kept_of=m)
+                fused, f_probes, f_shared, f_per_head, f_use = st.gqa_select(
+                    fused, layer, every, k, m, alpha, min_share, groups=groups, probe_rows=probe_rows, k_cap=k_cap,
+                    guarded=guarded, kept_of=m)
+                assert bool(f_use) == bool(use)
+                outcomes.add(bool(use))
+                np.testing.assert_array_equal(np.asarray(f_probes), np.asarray(probes))
+                np.testing.assert_array_equal(np.asarray(f_shared)[:k], np.asarray(shared)[:k])
+                np.testing.assert_array_equal(np.asarray(f_per_head)[:, :k], np.asarray(per_head)[:, :k])
+            for field in ("selected", "count", "jaccard", "threshold", "head_share", "fallback", "retained"):
+                np.testing.assert_array_equal(np.asarray(getattr(fused, field)), np.asarray(getattr(seq, field)),
+                                              err_msg=field)
+    assert outcomes == {True, False}  # both branches were exercised
+
+
 def test_on_a_grouped_query_model_a_shared_set_must_keep_every_heads_share():
     """tiny-gqa (2 query heads per KV head): every layer records the shared set's least head share, and shares its
     set exactly when the probes' Jaccard passes and that share reaches min_head_share; a threshold above layer 0's

@@ -37,6 +37,23 @@ def host_only(policy, chunks=2):
     return TieredCache(0, chunks * CHUNK.nbytes, policy, record_events=True)
 
 
+def test_holds_many_is_holds_per_chunk_for_every_place_a_chunk_can_be():
+    """A device chunk, a host chunk, one this request read (waiting for `settle`) and one nowhere; other layers and
+    kinds are other keys."""
+    cache = TieredCache(CHUNK.nbytes, CHUNK.nbytes, "lru")
+    for i in (1, 2):
+        cache.admit_later([key(i)], [CHUNK])
+    cache.settle()
+    assert {cache.where(key(1)), cache.where(key(2))} == {DEVICE, HOST}
+    cache.admit_later([key(3)], [CHUNK])  # read by this request, not placed yet
+    chunks = np.array([1, 2, 3, 4, 2])
+    want = [cache.holds(key(int(c))) for c in chunks]
+    assert want == [True, True, True, False, True]
+    assert cache.holds_many(0, K, chunks).tolist() == want
+    assert not cache.holds_many(0, V, chunks).any() and not cache.holds_many(1, K, chunks).any()
+    assert cache.holds_many(0, K, []).tolist() == []
+
+
 def test_lru_eviction_order():
     cache = host_only("lru")
     run(cache, [(1, [0]), (2, [0]), (1, [0]), (3, [0]), (4, [0])])

@@ -239,27 +239,30 @@ class GroupedITF:
         heads = tuple(h for g in probe_kv for h in range(g * group, (g + 1) * group))  # the probes' query heads
         stored_probe = self.probe_source(engine) == PROBE
         probe_k = io.take(layer, PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
-        keys = every = None  # every KV head's keys of the candidates, and every query head's scores, once known
+        keys = every = per_head = None  # every KV head's keys of the candidates, every query head's scores and
+        # own top-k, once known
+        guarded = group > 1 and engine.system.min_head_share is not None
         if stored_probe and not engine.probe_is_k:
             scores = io.identify(S.scores, q, probe_k, own_k, c, n,
                                  kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
                                  kv_heads=probe_kv)
             scores = _seen(engine, io, layer, heads, "probes", cand, scores)
-        else:  # the probe keys are every KV head's
+            probes = io.identify(st.kv_head_scores, scores, c, groups=len(probe_kv))
+            # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
+            state, shared, use_shared = io.identify(st.itf_select, state, layer, probes, k, c, engine.system.alpha,
+                                                    k_cap=k_cap, kept_of=m)
+            if guarded or not bool(use_shared):  # the guard and the fallback score every head
+                keys = io.take(layer, K, cand, c_pad)
+                every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
+            if guarded:
+                state, use_shared = io.identify(st.guard_shared, state, layer, every, shared, k, c,
+                                                use_shared, engine.system.min_head_share, k_cap=k_cap)
+        else:  # the probe keys are every KV head's: every head's scores, and the whole decision from them in one step
             keys = probe_k
             every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
-            scores = every[: len(heads)]
-        probes = io.identify(st.kv_head_scores, scores, c, groups=len(probe_kv))
-        # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
-        state, shared, use_shared = io.identify(st.itf_select, state, layer, probes, k, c, engine.system.alpha,
-                                                k_cap=k_cap, kept_of=m)
-        guarded = group > 1 and engine.system.min_head_share is not None
-        if every is None and (guarded or not bool(use_shared)):  # the guard and the fallback score every head
-            keys = io.take(layer, K, cand, c_pad)
-            every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
-        if guarded:
-            state, use_shared = io.identify(st.guard_shared, state, layer, every, shared, k, c,
-                                            use_shared, engine.system.min_head_share, k_cap=k_cap)
+            state, probes, shared, per_head, use_shared = io.identify(
+                st.gqa_select, state, layer, every, k, c, engine.system.alpha, engine.system.min_head_share or 0.0,
+                groups=len(probe_kv), probe_rows=len(heads), k_cap=k_cap, guarded=guarded, kept_of=m)
         if bool(use_shared):
             chosen = cand[np.asarray(shared)[:k]]
             state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
@@ -271,8 +274,8 @@ class GroupedITF:
             selection = SharedIndices(iota(k_cap), k)
             return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
                     chosen[None])
-        state, per_head = io.identify(st.per_head_select, state, layer, every, k, c, k_cap=k_cap,
-                                      kept_of=m)
+        if per_head is None:
+            state, per_head = io.identify(st.per_head_select, state, layer, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)

@@ -21,6 +21,8 @@ on a real disk and not only on a slow emulated one:
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import threading
 import time
@@ -31,42 +33,42 @@ from specjax.stores import K, V
 
 
 class ChunkUsage:
-    """(layer, chunk) -> how many requests matched the chunk and how many of them needed it at that layer."""
+    """(layer, chunk) -> how many requests matched the chunk and how many of them needed it at that layer. Kept per
+    layer, chunk id -> count, so a layer's chunks are looked up in one pass (`likely`, on the I/O worker per layer)."""
 
     def __init__(self):
-        self._matched: dict = {}
-        self._needed: dict = {}
+        self._matched: dict = collections.defaultdict(dict)  # layer -> {chunk: requests that matched it}
+        self._needed: dict = collections.defaultdict(dict)  # layer -> {chunk: requests whose layer needed it}
         self._lock = threading.Lock()
 
     def record(self, layer: int, matched_chunks, needed_chunks) -> None:
         """One request's layer: it matched `matched_chunks` and its important set needed `needed_chunks`."""
         with self._lock:
-            for c in matched_chunks:
-                key = (layer, int(c))
-                self._matched[key] = self._matched.get(key, 0) + 1
-            for c in needed_chunks:
-                key = (layer, int(c))
-                self._needed[key] = self._needed.get(key, 0) + 1
+            for table, chunks in ((self._matched[layer], matched_chunks), (self._needed[layer], needed_chunks)):
+                for c in np.asarray(chunks, np.int64).tolist():
+                    table[c] = table.get(c, 0) + 1
 
     def likely(self, layer: int, chunks) -> np.ndarray:
         """Per chunk: is it at least as likely to be needed as not, (needed + 1) / (matched + 2) >= 1/2?"""
+        ids = np.asarray(chunks, np.int64).tolist()
         with self._lock:
-            matched = np.array([self._matched.get((layer, int(c)), 0) for c in chunks], np.int64)
-            needed = np.array([self._needed.get((layer, int(c)), 0) for c in chunks], np.int64)
+            matched = np.fromiter(map(self._matched[layer].get, ids, itertools.repeat(0)), np.int64, len(ids))
+            needed = np.fromiter(map(self._needed[layer].get, ids, itertools.repeat(0)), np.int64, len(ids))
         return 2 * (needed + 1) >= matched + 2
 
     def counts(self, layer: int, chunk: int) -> tuple[int, int]:
         """(matched, needed) of one chunk at one layer."""
         with self._lock:
-            return self._matched.get((layer, chunk), 0), self._needed.get((layer, chunk), 0)
+            return self._matched[layer].get(chunk, 0), self._needed[layer].get(chunk, 0)
 
     def forget(self, chunk_ids) -> None:
         """The store deleted these chunks (ids are never reused in a process; this frees the memory)."""
         ids = set(chunk_ids)
         with self._lock:
-            for table in (self._matched, self._needed):
-                for key in [key for key in table if key[1] in ids]:
-                    del table[key]
+            for tables in (self._matched, self._needed):
+                for table in tables.values():
+                    for c in ids.intersection(table):
+                        del table[c]
 
 
 def ranking(locate, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,13 +111,13 @@ class Speculator:
 
     def within_budget(self, layer: int, ranked: np.ndarray, budget: float, kinds=(K, V)) -> np.ndarray:
         """The longest head of `ranked` chunks whose uncached bytes of `kinds` fit in `budget`."""
-        lay, spent = self.store.layout, 0
-        for i, chunk in enumerate(ranked):
-            spent += sum(lay.chunk_nbytes(kind) for kind in kinds
-                         if self.cache is None or not self.cache.holds((layer, kind, int(chunk))))
-            if spent > budget:
-                return ranked[:i]
-        return ranked
+        lay = self.store.layout
+        cost = np.zeros(len(ranked), np.int64)
+        for kind in kinds:
+            missing = (np.ones(len(ranked), bool) if self.cache is None
+                       else ~self.cache.holds_many(layer, kind, ranked))
+            cost += lay.chunk_nbytes(kind) * missing
+        return ranked[: int(np.searchsorted(np.cumsum(cost), budget, side="right"))]
 
     def observe_window(self, opened: float) -> None:
         """A layer's K/V are demanded now, its speculation having been issued at `opened` (perf_counter): the

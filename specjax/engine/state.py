@@ -64,17 +64,18 @@ def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha
     the retained fraction is of, when the scores cover only part of it (default `prefix_len`).
     """
     decision = itf.identify(probe_scores, k, prefix_len, alpha, k_cap=k_cap)
-    shared, jaccard, threshold, use_shared = (decision.shared, decision.jaccard, decision.threshold,
-                                              decision.use_shared)
-    state = state.replace(
-        selected=state.selected.at[layer].set(_row(state.selected[layer], shared, k)),
+    return _record_itf(state, layer, decision, k, prefix_len, kept_of), decision.shared, decision.use_shared
+
+
+def _record_itf(state: ImportanceState, layer, decision: itf.Identification, k, prefix_len, kept_of):
+    return state.replace(
+        selected=state.selected.at[layer].set(_row(state.selected[layer], decision.shared, k)),
         count=state.count.at[layer].set(k),
-        jaccard=state.jaccard.at[layer].set(jaccard),
-        threshold=state.threshold.at[layer].set(threshold),
-        fallback=state.fallback.at[layer].set(~use_shared),
+        jaccard=state.jaccard.at[layer].set(decision.jaccard),
+        threshold=state.threshold.at[layer].set(decision.threshold),
+        fallback=state.fallback.at[layer].set(~decision.use_shared),
         retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len if kept_of is None else kept_of, 1)),
     )
-    return state, shared, use_shared
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
@@ -83,10 +84,35 @@ def guard_shared(state: ImportanceState, layer, head_scores, shared, k, prefix_l
     """spec_gqa's guard on a shared set (`itf_select`'s): every query head's scores f32 [H, m_pad] must keep at
     least `min_share` of their own top-k's attention under it (`kernels.itf.head_share`, recorded). Returns
     (state, use_shared and the guard holds)."""
-    share = itf.head_share(head_scores, shared, k, prefix_len, k_cap=k_cap)
+    return _guard(state, layer, head_scores, shared, k, prefix_len, use_shared, min_share, k_cap, None)
+
+
+def _guard(state: ImportanceState, layer, head_scores, shared, k, prefix_len, use_shared, min_share, k_cap, own_top):
+    share = itf.head_share(head_scores, shared, k, prefix_len, k_cap=k_cap, own_top=own_top)
     use_shared = use_shared & (share >= min_share)
     return state.replace(head_share=state.head_share.at[layer].set(share),
                          fallback=state.fallback.at[layer].set(~use_shared)), use_shared
+
+
+@functools.partial(jax.jit, static_argnames=("groups", "probe_rows", "k_cap", "guarded"))
+def gqa_select(state: ImportanceState, layer, head_scores, k, prefix_len, alpha, min_share, *, groups: int,
+               probe_rows: int, k_cap: int, guarded: bool, kept_of=None):
+    """spec_gqa's whole decision for one layer, in one step, from every query head's H2O scores f32 [H, m_pad] (rows
+    grouped by KV head; the first `probe_rows` are the `groups` probe KV heads' query heads): the probes' scores
+    (`kv_head_scores`), ITF's test on them (`itf_select`), with `guarded` its guard (`guard_shared`, threshold
+    `min_share`), and every head's own top-k, which the guard weighs the shared set against and which the layer
+    keeps if it falls back (`per_head_select`'s). The same state and sets as those steps one after the other.
+
+    Returns (state, probes f32 [groups, m_pad], shared int32 [k_cap], per_head int32 [H, k_cap], use_shared)."""
+    probes = kv_head_scores(head_scores[:probe_rows], prefix_len, groups=groups)
+    per_head = itf.top_k(head_scores, k_cap, prefix_len)
+    decision = itf.identify(probes, k, prefix_len, alpha, k_cap=k_cap)
+    state = _record_itf(state, layer, decision, k, prefix_len, kept_of)
+    use_shared = decision.use_shared
+    if guarded:
+        state, use_shared = _guard(state, layer, head_scores, decision.shared, k, prefix_len, use_shared, min_share,
+                                   k_cap, per_head)
+    return state, probes, decision.shared, per_head, use_shared
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
