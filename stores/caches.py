@@ -169,16 +169,18 @@ class TieredCache:
 
     def holds_many(self, layer: int, kind: int, chunks) -> np.ndarray:
         """`holds` per chunk of (layer, kind), under one lock (bool per chunk)."""
-        keys = [(layer, kind, c) for c in np.asarray(chunks, np.int64).tolist()]
-        with self._lock:
-            device, host, read = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read
-            return np.fromiter((key in read or key in device or key in host for key in keys), bool, len(keys))
+        return self._in_memory([(layer, kind, c) for c in np.asarray(chunks, np.int64).tolist()], pending=True)
 
     def held(self, keys) -> np.ndarray:
         """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""
+        return self._in_memory(keys, pending=False)
+
+    def _in_memory(self, keys, *, pending: bool) -> np.ndarray:
+        """Per key: in a tier, or (`pending`) read by this request and waiting for `settle`."""
         with self._lock:
             device, host = self.tiers[DEVICE].items, self.tiers[HOST].items
-            return np.fromiter((key in device or key in host for key in keys), bool, len(keys))
+            read = self._read if pending else {}
+            return np.fromiter((key in read or key in device or key in host for key in keys), bool, len(keys))
 
     def score(self, key):
         return self._score_fn(self.stats[key])

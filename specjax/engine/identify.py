@@ -264,10 +264,11 @@ class GroupedITF:
                 st.gqa_select, state, layer, every, k, c, engine.system.alpha, engine.system.min_head_share or 0.0,
                 groups=len(probe_kv), probe_rows=len(heads), k_cap=k_cap, guarded=guarded, kept_of=m)
         if bool(use_shared):
-            chosen = cand[np.asarray(shared)[:k]]
+            slots = np.asarray(shared)[:k]  # of the candidates
+            chosen = cand[slots]
             state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
             if keys is not None:
-                keys = S.gather_tokens(keys, jnp.asarray(padded(np.asarray(shared)[:k], k_cap, c_pad)))
+                keys = S.gather_tokens(keys, jnp.asarray(padded(slots, k_cap, c_pad)))
             else:
                 keys = io.take(layer, K, chosen, k_cap)
             values = io.take(layer, V, chosen, k_cap)
