@@ -555,6 +555,32 @@ def test_speculation_is_capped_by_what_the_disk_delivers_in_the_measured_window(
     match.close()
 
 
+def test_a_guess_is_made_only_while_its_bytes_take_the_disk_longer_than_it_costs_the_host(model):
+    """Speculation measures what a guess costs the host and what a layer's selection reads from disk; where that
+    selection arrives from the disk faster than a guess is made, layers read on demand, with the same answers, and
+    the bytes and the rate go on being measured."""
+    req = _request(model, prefix_len=96, seed=5)
+    engine = Engine(model, make_system("spec"), _store(model),
+                    EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
+    engine.warm(req.prefix)
+    speculator = engine.speculator
+    assert speculator.pays()  # nothing measured yet: guess, as the paper does
+    guessed = engine.run(req)
+    rate = engine.store.scheduler.rate_bytes_per_s()
+    assert rate and speculator.cost_s > 0 and speculator.selection_bytes > 0  # all measured by one request
+    speculator.selection_bytes = 1e6
+    speculator.cost_s = 0.5e6 / rate
+    assert speculator.pays()
+    speculator.cost_s = 2e6 / rate
+    assert not speculator.pays()
+    speculator.cost_s = math.inf  # no guess pays
+    speculator.selection_bytes = -1.0
+    demand = engine.run(req)
+    assert guessed.prefetch["prefetch_issued"] > 0 and demand.prefetch["prefetch_issued"] == 0
+    assert speculator.selection_bytes >= 0 and speculator.cost_s == math.inf  # still measured; no guess timed
+    np.testing.assert_array_equal(demand.first_token_logits, guessed.first_token_logits)
+
+
 def test_chunk_usage_keeps_chunks_at_least_as_likely_needed_as_not():
     usage = speculation.ChunkUsage()
     assert usage.likely(3, [7]).tolist() == [True]  # never matched: read, as the paper's guess

@@ -173,6 +173,8 @@ class LayerIO:
         self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
+        self._selection_kinds = engine.identification.selection_reads(engine) if engine.speculator is not None else ()
+        self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`: the store locates every position of the match once per layer and
@@ -286,6 +288,8 @@ class LayerIO:
         planned at the request's start.)"""
         events.emit("selection", io=self, layer=layer, chosen=chosen)
         self._join_ahead()
+        if self.engine.speculator is not None:
+            self.engine.speculator.observe_selection(self._selection_disk_bytes.pop(layer, 0))
         self._selected.append((layer, chosen, self.prefetched.pop(layer, None), self._behind.pop(layer, [])))
         self._read_ahead_of(layer, chosen)
 
@@ -328,11 +332,12 @@ class LayerIO:
     def _speculate(self, layer: int, previous: np.ndarray) -> None:
         """SPEC's guess of `layer`'s selection from the previous layer's set (specjax.engine.speculation), read at
         speculative priority as far as the disk's budget goes and in the background beyond it; a guessed chunk the
-        layer does not need is withdrawn when its K/V are taken unless the disk has already read it."""
+        layer does not need is withdrawn when its K/V are taken unless the disk has already read it. No guess where
+        one does not pay for its host time (`Speculator.pays`): the layer then reads its set on demand."""
         speculator = self.engine.speculator
-        if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous):
+        if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous) or not speculator.pays():
             return
-        self._window_opened[layer] = time.perf_counter()
+        opened = self._window_opened[layer] = time.perf_counter()
         kinds = self.engine.identification.selection_reads(self.engine)
         now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
         for kind in kinds:
@@ -341,6 +346,7 @@ class LayerIO:
         guess = np.concatenate([now, background])
         chunks, chunk_of = self.locate(layer, self.all_positions).chunk_index
         self.prefetched[layer] = self.all_positions[np.isin(chunks, guess)[chunk_of]]
+        speculator.observe_cost(time.perf_counter() - opened)
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
@@ -357,6 +363,9 @@ class LayerIO:
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
+        if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
+            self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
+                                                 * self.engine.store.layout.chunk_nbytes(kind))
         return self.engine.place_kv(taken.array)
 
     def _note_behind(self, layer: int, kind: int) -> None:

@@ -17,6 +17,13 @@ on a real disk and not only on a slow emulated one:
   time before the layer's own reads are demanded, from its measured rate and that measured window, are read at
   speculative priority. The rest of the guess is read in the background: only when the disk would otherwise
   idle, and withdrawn unread if the layer's set does not need it (stores.scheduler).
+
+And one thing decides whether to guess at all (`Speculator.pays`): a guess saves the layer at most the time that its
+selected tokens' bytes from disk take at the disk's measured rate, and it costs the host the time to choose and issue
+it, on the thread that issues reads, which competes with the request's own for the interpreter. All three are
+measured (the bytes by every layer, guessed or not, the rate by the read scheduler, the host time by every guess),
+so a disk that delivers a layer's selection faster than the host can ask for it ahead (a page-cached one, on few
+cores) is left to the demand reads, and a slow one is read ahead.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class Speculator:
         self.store, self.cache = store, cache
         self.usage = ChunkUsage()
         self.window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
+        self.selection_bytes: float | None = None  # measured: bytes of a layer's selected tokens read from disk
+        self.cost_s: float | None = None  # measured: host time to choose and issue a layer's guess
         store.on_free(self.usage.forget)
 
     def chunks(self, locate, layer: int, previous: np.ndarray, kinds=(K, V)) -> tuple[np.ndarray, np.ndarray]:
@@ -99,6 +108,24 @@ class Speculator:
         ranked = ranked[self.usage.likely(layer, ranked)]
         now = self.within_budget(layer, ranked, self.budget_bytes(), kinds)
         return now, ranked[len(now):]
+
+    def pays(self) -> bool:
+        """Is a guess worth its host time? At best it saves the layer the wait for its selected tokens' bytes from
+        disk (`selection_bytes` at the disk's measured rate); it costs the host `cost_s`. Yes until all three are
+        measured; the bytes and the rate go on being measured while no guess is made, so a disk that slows down or
+        caches that hold less bring the guesses back."""
+        rate = self.store.scheduler.rate_bytes_per_s()
+        if rate is None or self.selection_bytes is None or self.cost_s is None:
+            return True
+        return self.selection_bytes / rate > self.cost_s
+
+    def observe_cost(self, seconds: float) -> None:
+        """A guess took the host `seconds` to choose and issue."""
+        self.cost_s = _average(self.cost_s, seconds)
+
+    def observe_selection(self, nbytes: int) -> None:
+        """A layer's selected tokens came to `nbytes` read from disk (read ahead or on demand; not cache hits)."""
+        self.selection_bytes = _average(self.selection_bytes, float(nbytes))
 
     def budget_bytes(self) -> float:
         """Bytes speculation may add to the disk's queue now: its measured rate times the measured window between
@@ -122,8 +149,12 @@ class Speculator:
     def observe_window(self, opened: float) -> None:
         """A layer's K/V are demanded now, its speculation having been issued at `opened` (perf_counter): the
         time between is the window the disk had (moving average over layers and requests)."""
-        window = time.perf_counter() - opened
-        self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
+        self.window_s = _average(self.window_s, time.perf_counter() - opened)
+
+
+def _average(old: float | None, new: float) -> float:
+    """The speculator's measurements are moving averages over layers and requests; a new one weighs 0.2."""
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 def prefetch_report(issued: int = 0, ahead: int = 0, needed: int = 0, used: int = 0, guess_hits: int = 0) -> dict:
