@@ -394,6 +394,9 @@ def test_options_change_only_the_systems_they_concern():
     assert make_system("as_full", no_itf=True, alpha=0.8, gqa_candidates=2, blend_ratio=0.5) == make_system("as_full")
     assert make_system("impress", no_prefetch=True) == make_system("impress")  # it has no speculation to turn off
     assert make_system("impress", no_itf=True, no_prefetch=True).name == "impress-no_itf"
+    gqa = make_system("spec_gqa", gqa_candidates=2, no_prefetch=True, no_reorder=True)  # SPEC's ablations reach it
+    assert (gqa.name, gqa.candidates, gqa.prefetch, gqa.reorder) == ("spec_gqa-candidates2-no_reorder-no_prefetch",
+                                                                      2.0, "certain", False)
     assert make_system("spec_gqa", alpha=0.8).alpha == 0.8 and make_system("spec", alpha=0.8).name == "spec"
     with pytest.raises(SpecjaxError, match="alpha must be >= 0"):
         make_system("spec", alpha=-1)

@@ -137,11 +137,12 @@ class SystemOptions:
     `apply` gives each its effect, so an option is added here and nowhere else (README, "Adding a system option").
     An option that does not concern a system leaves it as it is; None: the system's own value."""
 
-    no_itf: bool = _option(False, "spec ablation: no similarity-guided identification (Fig. 18).")
-    no_reorder: bool = _option(False, "spec ablation: no KV reordering.")
-    no_score_cache: bool = _option(False, "spec ablation: LFU (AS+H2O+LFU's, Fig. 18's baseline) instead of the "
-                                   "score-based dual cache.")
-    no_prefetch: bool = _option(False, "spec ablation: no layer-aware speculative prefetch.")
+    no_itf: bool = _option(False, "SPEC's ablation (systems identifying with ITF: impress, spec, spec_gqa, "
+                                  "planner): no similarity-guided identification (Fig. 18).")
+    no_reorder: bool = _option(False, "SPEC's ablation (as no_itf): no KV reordering.")
+    no_score_cache: bool = _option(False, "SPEC's ablation (as no_itf): LFU (AS+H2O+LFU's, Fig. 18's baseline) "
+                                   "instead of the score-based dual cache.")
+    no_prefetch: bool = _option(False, "SPEC's ablation (as no_itf): no layer-aware speculative prefetch.")
     alpha: float | None = _option(None, "Systems that identify with ITF (impress, spec, spec_gqa, planner): the "
                                   "threshold exponent, t = j ** alpha (default: the system's own, 0.6; 0: t = 1, any "
                                   "disagreement falls back).")
@@ -200,9 +201,9 @@ class SystemOptions:
         if system.identify in ("itf", "gqa_itf") and self.alpha is not None:
             system = dataclasses.replace(system, alpha=float(self.alpha))
         if system.identify == "gqa_itf" and self.gqa_candidates:
-            return dataclasses.replace(system, candidates=float(self.gqa_candidates),
-                                       name=f"{system.name}-candidates{self.gqa_candidates:g}")
-        if system.identify != "itf":
+            system = dataclasses.replace(system, candidates=float(self.gqa_candidates),
+                                         name=f"{system.name}-candidates{self.gqa_candidates:g}")
+        if system.identify not in ("itf", "gqa_itf"):
             return system
         on = [name for name in ABLATIONS if getattr(self, f"no_{name}")
               and (name != "prefetch" or system.prefetch == "speculative")]  # no speculation: nothing to turn off
