@@ -173,6 +173,7 @@ class LayerIO:
         self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
+        # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
         self._selection_kinds = engine.identification.selection_reads(engine) if engine.speculator is not None else ()
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
 
@@ -338,7 +339,7 @@ class LayerIO:
         if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous) or not speculator.pays():
             return
         opened = self._window_opened[layer] = time.perf_counter()
-        kinds = self.engine.identification.selection_reads(self.engine)
+        kinds = self._selection_kinds
         now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
         for kind in kinds:
             self.engine.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
