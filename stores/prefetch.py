@@ -1,7 +1,8 @@
 """Host-side asynchronous prefetcher: `request` starts chunk reads and returns at once, `take` waits only for
 what is still missing and hands back device arrays in original token order.
 
-Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler.
+Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler, and the
+prefetcher keeps its books per run too (`_Held`: numpy per chunk of a run, no Python object or step per chunk).
 A take reads its tokens out of the device page pool (stores.pool) through a block table: device-cache hits from
 their pages, the rest (just read, host-cache hits) from one host buffer that crosses in one copy. That is two or
 three device steps per take, however many chunks it touches.
@@ -24,25 +25,73 @@ import numpy as np
 from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, TieredCache
 from specjax.stores.pool import DevicePool
-from specjax.stores.store import ChunkRead, KVStore, Locations, Match
+from specjax.stores.store import KVStore, Locations, Match, Run
 
 
-@dataclasses.dataclass
-class _Entry:
-    read: ChunkRead           # the chunk's share of a disk read; its future is the verified chunk (None if bad)
-    nbytes: int
-    speculative: bool         # issued ahead of need and not yet needed (yields to demand reads on the disk)
-    holders: int = 0
-    taken: bool = False       # a `take` used it (and offered it to the caches)
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """A run read (`stores.reads.Run`: chunks `run.first_chunk ..`) the prefetcher holds, with per chunk of it: how many
+    tickets and takes hold it, whether it is still speculative (issued ahead of need, yields to demand reads at the
+    disk), whether a take used it (and offered it to the caches), whether it is still held at all (a chunk nobody
+    holds is forgotten: a later need reads it anew)."""
+    run: Run
+    holders: np.ndarray
+    speculative: np.ndarray
+    taken: np.ndarray
+    live: np.ndarray
+
+    @classmethod
+    def new(cls, run: Run, speculative: bool) -> "_Held":
+        n = run.n_chunks
+        return cls(run, np.ones(n, np.int32), np.full(n, speculative), np.zeros(n, bool), np.ones(n, bool))
+
+
+class _Table:
+    """The runs held for one (layer, kind), sorted by first chunk, and which run holds a chunk (searchsorted over
+    the runs' first chunks: the lookup of a layer's chunks is a few numpy steps, not one per chunk)."""
+
+    def __init__(self):
+        self.runs: list[_Held] = []
+        self._starts = self._ends = None
+
+    def find(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk: the index of the run in `runs` holding it live (-1: none) and its index in that run."""
+        if not self.runs:
+            return np.full(len(chunks), -1, np.int64), np.zeros(len(chunks), np.int64)
+        if self._starts is None:
+            self._starts = np.array([h.run.first_chunk for h in self.runs], np.int64)
+            self._ends = self._starts + np.array([h.run.n_chunks for h in self.runs], np.int64)
+        at = np.maximum(np.searchsorted(self._starts, chunks, side="right") - 1, 0)
+        j = chunks - self._starts[at]
+        inside = (chunks < self._ends[at]) & (j >= 0)
+        live = np.zeros(len(chunks), bool)
+        for i in np.unique(at[inside]).tolist():
+            mine = inside & (at == i)
+            live[mine] = self.runs[i].live[j[mine]]
+        return np.where(live, at, -1), j
+
+    def add(self, held: _Held) -> None:
+        self.runs.append(held)
+        self.runs.sort(key=lambda h: h.run.first_chunk)
+        self._starts = None
+
+    def drop(self, held: _Held) -> None:
+        self.runs.remove(held)
+        self._starts = None
 
 
 @dataclasses.dataclass
 class Ticket:
     layer: int
     kind: int
-    keys: list
+    holds: list  # (_Held, indices of the chunks it holds in that run)
     speculative: bool
     released: bool = False
+
+    @property
+    def keys(self) -> list:
+        """(layer, kind, chunk) of every chunk the ticket holds."""
+        return [(self.layer, self.kind, held.run.first_chunk + int(j)) for held, idx in self.holds for j in idx]
 
 
 @dataclasses.dataclass
@@ -63,7 +112,7 @@ class Prefetcher:
         """`pcie_bandwidth`: bytes/s of an emulated host->device link (None: not throttled)."""
         self.store, self.cache = store, cache
         self.max_buffer_bytes = max_buffer_bytes
-        self._entries: dict = {}
+        self._tables: dict = {}  # (layer, kind) -> _Table of the runs held
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
@@ -77,52 +126,60 @@ class Prefetcher:
     def buffered_bytes(self) -> int:
         return self._buffered
 
-    def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> list:
-        """Hold the reads of (layer, kind, chunk) for `chunks`, issuing those not in flight as coalesced reads
-        (speculative ones `background` at the disk if asked); speculative reads respect the buffer bound, and a
-        demand for a speculative read in flight expedites it. Returns the keys held."""
-        held, new = [], []
-        nbytes = self.store.layout.chunk_nbytes(kind)
-        for c in np.asarray(chunks, np.int64).tolist():
-            key = (layer, kind, c)
-            entry = self._entries.get(key)
-            if entry is None:
-                if not demand and self._buffered + nbytes * (len(new) + 1) > self.max_buffer_bytes:
-                    continue
-                new.append(c)
-            else:
-                if demand and entry.speculative:
-                    entry.speculative = False
-                    self.store.expedite(entry.read)
-                entry.holders += 1
-                held.append(key)
-        reads = self.store.read_chunks(layer, kind, new, speculative=not demand, background=background) if new else ()
-        for read in reads:
-            key = (layer, kind, read.chunk)
-            self._entries[key] = _Entry(read, nbytes, speculative=not demand, holders=1)
-            self._buffered += nbytes
-            held.append(key)
-        return held
+    def _table(self, layer: int, kind: int) -> _Table:
+        table = self._tables.get((layer, kind))
+        if table is None:
+            table = self._tables[(layer, kind)] = _Table()
+        return table
 
-    def _release_keys(self, keys) -> None:
-        unused: dict = {}  # id(run) -> (run, layer, kind, chunk ids): reads nobody took, offered to the caches per run
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
+    def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> list:
+        """Hold the reads of (layer, kind) for `chunks` (distinct ids), issuing those not in flight as coalesced
+        reads (speculative ones `background` at the disk if asked); speculative reads respect the buffer bound, and
+        a demand for a speculative read in flight expedites it. Returns the holds: (_Held, chunk indices in it)."""
+        chunks = np.asarray(chunks, np.int64)
+        table = self._table(layer, kind)
+        at, j = table.find(chunks)
+        holds = []
+        for i in np.unique(at[at >= 0]).tolist():
+            held, idx = table.runs[i], j[at == i]
+            held.holders[idx] += 1
+            if demand and held.speculative[idx].any():
+                held.speculative[idx] = False
+                self.store.expedite(held.run)
+            holds.append((held, idx))
+        new = chunks[at < 0]
+        nbytes = self.store.layout.chunk_nbytes(kind)
+        if not demand:  # within the bound on staged speculative reads
+            new = new[:max(0, (self.max_buffer_bytes - self._buffered) // nbytes)]
+        if len(new):
+            for run in self.store.read_runs(layer, kind, new, speculative=not demand, background=background):
+                held = _Held.new(run, speculative=not demand)
+                table.add(held)
+                self._buffered += nbytes * run.n_chunks
+                holds.append((held, np.arange(run.n_chunks)))
+        return holds
+
+    def _release(self, layer: int, kind: int, holds) -> None:
+        """Let go of holds (`_hold`); the chunks nobody holds any more are forgotten: a speculative read nobody
+        needed is withdrawn (one the disk has not been asked for yet is never read); any other read completes and
+        is offered to the caches if no take used it. Per run, not per chunk."""
+        nbytes = self.store.layout.chunk_nbytes(kind)
+        for held, idx in holds:
+            held.holders[idx] -= 1
+            gone = idx[(held.holders[idx] <= 0) & held.live[idx]]
+            if not len(gone):
                 continue
-            entry.holders -= 1
-            if entry.holders <= 0:
-                # Forgotten here: a speculative read nobody needed is withdrawn (one the disk has not been asked
-                # for yet is never read); any other read completes and is offered to the caches.
-                del self._entries[key]
-                self._buffered -= entry.nbytes
-                if entry.speculative:
-                    self.store.withdraw(entry.read)
-                if not entry.taken and self.caching:
-                    run = entry.read.run
-                    unused.setdefault(id(run), (run, key[0], key[1], []))[3].append(key[2])
-        for run, layer, kind, chunks in unused.values():
-            run.verified.add_done_callback(functools.partial(self._keep_unused, layer, kind, run.first_chunk, chunks))
+            held.live[gone] = False
+            self._buffered -= nbytes * len(gone)
+            spec = int(held.speculative[gone].sum())
+            if spec:
+                self.store.withdraw(held.run, spec)
+            unused = gone[~held.taken[gone]]
+            if len(unused) and self.caching:
+                held.run.verified.add_done_callback(functools.partial(
+                    self._keep_unused, layer, kind, held.run.first_chunk, (held.run.first_chunk + unused).tolist()))
+            if not held.live.any():
+                self._table(layer, kind).drop(held)
 
     def _keep_unused(self, layer: int, kind: int, first: int, chunks: list, verified) -> None:
         """Reads nobody took (a speculation the layer's real set superseded), chunks `chunks` of the run read from
@@ -153,10 +210,10 @@ class Prefetcher:
                 background = np.asarray(background, np.int64)
                 background = background[~self.cache.holds_many(layer, kind, background)]
         with self._lock:
-            keys = self._hold(layer, kind, chunks, demand=not speculative)
+            holds = self._hold(layer, kind, chunks, demand=not speculative)
             if len(background):
-                keys += self._hold(layer, kind, background, demand=False, background=True)
-            ticket = Ticket(layer, kind, keys, speculative)
+                holds += self._hold(layer, kind, background, demand=False, background=True)
+            ticket = Ticket(layer, kind, holds, speculative)
             open_tickets = self._tickets.setdefault((layer, kind), [])
             for old in [t for t in open_tickets if t.speculative]:
                 self._cancel_locked(old)
@@ -166,7 +223,7 @@ class Prefetcher:
     def _cancel_locked(self, ticket: Ticket) -> None:
         if not ticket.released:
             ticket.released = True
-            self._release_keys(ticket.keys)
+            self._release(ticket.layer, ticket.kind, ticket.holds)
             tickets = self._tickets.get((ticket.layer, ticket.kind), [])
             if ticket in tickets:
                 tickets.remove(ticket)
@@ -181,9 +238,11 @@ class Prefetcher:
         chunks = np.asarray(chunks, np.int64)
         out = np.zeros(len(chunks), bool) if self.cache is None else self.cache.holds_many(layer, kind, chunks)
         with self._lock:
-            for i in np.flatnonzero(~out).tolist():
-                entry = self._entries.get((layer, kind, int(chunks[i])))
-                out[i] = entry is not None and not self.store.waiting(entry.read)
+            table = self._table(layer, kind)
+            at, _ = table.find(chunks)
+            todo = ~out & (at >= 0)
+            for i in np.unique(at[todo]).tolist():
+                out[todo & (at == i)] = not self.store.waiting(table.runs[i].run)
         return out
 
     def wait(self, tickets, timeout: float | None = None) -> bool:
@@ -192,8 +251,7 @@ class Prefetcher:
         For the layers that must arrive before computing (ContiguousKV's sub-period), and for a caller that may
         have to give up (Cake's loader, once the device has computed the chunk) and so waits in short slices."""
         with self._lock:
-            futures = {id(e.read.run): e.read.run.verified
-                       for t in tickets for e in (self._entries.get(key) for key in t.keys) if e is not None}
+            futures = {id(held.run): held.run.verified for t in tickets for held, _ in t.holds}
         _, pending = concurrent.futures.wait(list(futures.values()), timeout=timeout)
         return not pending
 
@@ -230,15 +288,15 @@ class Prefetcher:
             cached = {i: array for i, array in enumerate(found) if array is not None}
         else:
             self.store.metrics.add(misses=len(chunks))
-        missing = [int(c) for i, c in enumerate(chunks) if i not in cached]
+        missing = chunks
+        if cached:
+            missing = np.delete(chunks, np.fromiter(cached, np.int64, len(cached)))
         with self._lock:
-            demand_keys = self._hold(layer, kind, missing, demand=True)
-            for key in demand_keys:
-                self._entries[key].taken = True
+            demand = self._hold(layer, kind, missing, demand=True)
             runs = {}  # the run reads holding the missing chunks
-            for c in missing:
-                run = self._entries[(layer, kind, c)].read.run
-                runs[id(run)] = run
+            for held, idx in demand:
+                held.taken[idx] = True
+                runs[id(held.run)] = held.run
         start = time.perf_counter()
         concurrent.futures.wait([run.verified for run in runs.values()])
         waited_ms = (time.perf_counter() - start) * 1e3
@@ -246,7 +304,7 @@ class Prefetcher:
             array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, list(runs.values()))
         finally:
             with self._lock:
-                self._release_keys(demand_keys)
+                self._release(layer, kind, demand)
                 for ticket in list(self._tickets.get((layer, kind), [])):
                     self._cancel_locked(ticket)
         return Taken(array, ok, waited_ms, len(missing))

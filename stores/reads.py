@@ -56,7 +56,7 @@ class Extent:
 
 
 @dataclasses.dataclass(eq=False)
-class _Run:
+class Run:
     """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted. `verified`
     resolves with `(chunks [n, heads, chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the
     run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread.
@@ -101,7 +101,7 @@ class ChunkRead:
     layer: int
     kind: int
     chunk: int
-    run: _Run
+    run: Run
     _future: concurrent.futures.Future | None = None
 
     @property
@@ -111,14 +111,17 @@ class ChunkRead:
         return self._future
 
 
-def _runs(chunks: list[int], max_chunks: int) -> list[tuple[int, int]]:
-    """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long."""
+def _runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long (numpy over the
+    ids: no Python step per chunk)."""
+    ids = np.unique(np.asarray(chunks, np.int64))
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
     runs = []
-    for c in sorted(set(chunks)):
-        if runs and runs[-1][0] + runs[-1][1] == c and runs[-1][1] < max_chunks:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((c, 1))
+    for first, end in zip(ids[np.r_[0, breaks]].tolist(), (ids[np.r_[breaks - 1, len(ids) - 1]] + 1).tolist()):
+        for lo in range(first, end, max_chunks):
+            runs.append((lo, min(max_chunks, end - lo)))
     return runs
 
 
@@ -150,21 +153,20 @@ class ChunkReads:
         """The disk's read queue (stores.scheduler): its measured rate, what waits in it."""
         return self._arrays.scheduler
 
-    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False,
-                    background: bool = False) -> list[ChunkRead]:
+    def read_runs(self, layer: int, kind: int, chunks, *, speculative: bool = False,
+                  background: bool = False) -> list[Run]:
         """Read chunks of one layer and kind: runs of adjacent ids inside one segment go to the disk as one byte
         range of its extent (at most `max_read_bytes`, by default as large as the disk's scheduler allows), at the
-        scheduler's priority `speculative` / `background` (stores.scheduler). Each `ChunkRead.future` resolves with
-        its verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its
-        read was withdrawn unread; `ChunkRead.run.verified` gives the whole run at once."""
-        chunks = [int(c) for c in chunks]
+        scheduler's priority `speculative` / `background` (stores.scheduler). Each `Run.verified` resolves with its
+        chunks and which of them passed their checksums, and is cancelled if the read was withdrawn unread. The
+        runs are in chunk order; nothing here is done per chunk."""
         self._reads_started = True
-        reads = []
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
         max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
         head_parts = self._parts(kind)
         runs = self._segment_runs(chunks, max_chunks)
         extents = self._extents(kind, runs) if head_parts == 1 else {}
+        out = []
         for seg, first, n in runs:
             expected = seg.checksums[layer, kind, first - seg.first_chunk:first - seg.first_chunk + n,
                                      :self.layout.heads(kind)]
@@ -173,10 +175,21 @@ class ChunkReads:
             read = self._arrays.read_run(layer, kind, seg.first_chunk, seg.n_chunks, first, n,
                                          speculative=speculative, background=background, head_parts=head_parts,
                                          into=into)
-            run = _Run(weakref.ref(read), first, n, extent=extent)
+            run = Run(weakref.ref(read), first, n, extent=extent)
             read.future.add_done_callback(functools.partial(self._verify, run, layer, kind, expected.copy()))
-            reads += [ChunkRead(layer, kind, first + j, run) for j in range(n)]
-        order = {r.chunk: r for r in reads}
+            out.append(run)
+        return out
+
+    def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False,
+                    background: bool = False) -> list[ChunkRead]:
+        """`read_runs`, one `ChunkRead` per chunk in the order of `chunks`: each `ChunkRead.future` resolves with its
+        verified chunk `[heads, chunk_tokens, head_dim]`, or None if it is bad (counted), and is cancelled if its
+        read was withdrawn unread."""
+        chunks = [int(c) for c in chunks]
+        order = {}
+        for run in self.read_runs(layer, kind, chunks, speculative=speculative, background=background):
+            for j in range(run.n_chunks):
+                order[run.first_chunk + j] = ChunkRead(layer, kind, run.first_chunk + j, run)
         return [order[c] for c in chunks]
 
     def _extents(self, kind: int, runs: list[tuple]) -> dict:
@@ -191,7 +204,7 @@ class ChunkReads:
                                lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
                 for seg_id, (seg, lo, hi) in spans.items()}
 
-    def _segment_runs(self, chunks: list[int], max_chunks: int) -> list[tuple]:
+    def _segment_runs(self, chunks, max_chunks: int) -> list[tuple]:
         """(segment, first chunk, count): runs of adjacent chunk ids, each inside one segment and at most
         `max_chunks` long; KeyError for a chunk no segment holds."""
         out = []
@@ -206,7 +219,7 @@ class ChunkReads:
                     first, n = first + count, n - count
         return out
 
-    def _verify(self, run: _Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
+    def _verify(self, run: Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
         """Check each chunk of a landed run against its heads' checksums before any is served (on the thread that
         landed it). `run.verified` always resolves: a failure here makes the run's chunks misses, never a reader
         that waits forever."""
@@ -224,7 +237,7 @@ class ChunkReads:
             if not isinstance(e, Exception):
                 raise
 
-    def _check_run(self, run: _Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
+    def _check_run(self, run: Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
         last = run.first_chunk + run.n_chunks - 1
         try:
             arrays = f.result()
@@ -252,23 +265,23 @@ class ChunkReads:
         """Future of one verified chunk `[heads, chunk_tokens, head_dim]`, or of None if it is bad (counted)."""
         return self.read_chunks(layer, kind, [chunk], speculative=speculative)[0].future
 
-    def expedite(self, read: ChunkRead) -> None:
-        """A speculative read is needed now: its run joins the disk's demand queue (if it has not been issued)."""
-        if (run_read := read.run.read) is not None:
+    def expedite(self, run: Run) -> None:
+        """A speculative read is needed now: the run joins the disk's demand queue (if it has not been issued)."""
+        if (run_read := run.read) is not None:
             self._arrays.scheduler.expedite(run_read)
 
-    def waiting(self, read: ChunkRead) -> bool:
-        """Is the chunk's read still queued, not yet asked of the disk?"""
-        run_read = read.run.read
+    def waiting(self, run: Run) -> bool:
+        """Is the run's read still queued, not yet asked of the disk?"""
+        run_read = run.read
         return run_read is not None and self._arrays.scheduler.waiting(run_read)
 
-    def withdraw(self, read: ChunkRead) -> None:
-        """A speculative chunk is no longer wanted; once no chunk of its run is, a run not yet issued is dropped
-        unread (its futures cancelled, nothing counted as read)."""
+    def withdraw(self, run: Run, chunks: int = 1) -> None:
+        """`chunks` more of a speculative run's chunks are no longer wanted; once none is, a run not yet issued is
+        dropped unread (its futures cancelled, nothing counted as read)."""
         with self._lock:
-            read.run.unwanted += 1
-            done = read.run.unwanted == read.run.n_chunks
-        if done and (run_read := read.run.read) is not None:
+            run.unwanted += chunks
+            done = run.unwanted >= run.n_chunks
+        if done and (run_read := run.read) is not None:
             self._arrays.scheduler.withdraw(run_read)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:

@@ -31,13 +31,13 @@ from specjax.stores.kvarray import K, KVArrays, Layout
 from specjax.stores.manifest import ManifestIO, check_fingerprint
 from specjax.stores.metrics import StoreMetrics
 from specjax.stores.radix import PathStep, RadixTree
-from specjax.stores.reads import ChunkRead, ChunkReads, Gathered, Locations, _runs, when_all
+from specjax.stores.reads import ChunkRead, ChunkReads, Gathered, Locations, Run, _runs, when_all
 from specjax.stores.summaries import KeySummaries
 from specjax.stores.writer import PrefixWriter, SegmentWriter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkRead", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter", "Segment", "SegmentWriter",
+__all__ = ["ChunkRead", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter", "Run", "Segment", "SegmentWriter",
            "kvstore_spec", "layout_from_fingerprint", "when_all"]
 
 

@@ -220,13 +220,13 @@ def test_a_fallback_layer_reads_no_keys_when_the_probe_keys_are_every_kv_head(mo
         engine = Engine(model, make_system("impress", alpha=0.0), _store(model), config)
         engine.warm(req.prefix)
         engine.probe_is_k = engine.probe_is_k and reuse
-        reads, read_chunks = [], engine.store.read_chunks
+        reads, read_runs = [], engine.store.read_runs
 
         def recording(layer, kind, chunks, **kw):
             reads.append((layer, kind))
-            return read_chunks(layer, kind, chunks, **kw)
+            return read_runs(layer, kind, chunks, **kw)
 
-        engine.store.read_chunks = recording
+        engine.store.read_runs = recording
         runs[reuse] = engine.run(req), {layer for layer, kind in reads if kind == K}
     (r, k_layers), (plain, plain_k_layers) = runs[True], runs[False]
     fell_back = {layer for layer, f in enumerate(r.layers["fallback"]) if f}
@@ -245,13 +245,13 @@ def test_a_shared_set_reads_no_keys_when_the_probe_keys_are_every_kv_head(model)
                         EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
         engine.warm(req.prefix)
         engine.probe_is_k = engine.probe_is_k and reuse
-        reads, read_chunks = [], engine.store.read_chunks
+        reads, read_runs = [], engine.store.read_runs
 
         def recording(layer, kind, chunks, **kw):
             reads.append((kind, bool(kw.get("speculative"))))
-            return read_chunks(layer, kind, chunks, **kw)
+            return read_runs(layer, kind, chunks, **kw)
 
-        engine.store.read_chunks = recording
+        engine.store.read_runs = recording
         runs[reuse] = engine.run(req), reads
     (r, reads), (plain, plain_reads) = runs[True], runs[False]
     assert not any(r.layers["fallback"])
@@ -505,13 +505,13 @@ def test_no_itf_reads_no_probe_key(model):
                     EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
     engine.warm(req.prefix)
     kinds = []
-    read_chunks = engine.store.read_chunks
+    read_runs = engine.store.read_runs
 
     def recording(layer, kind, chunks, **kw):
         kinds.append(kind)
-        return read_chunks(layer, kind, chunks, **kw)
+        return read_runs(layer, kind, chunks, **kw)
 
-    engine.store.read_chunks = recording
+    engine.store.read_runs = recording
     engine.run(req)
     assert K in kinds and V in kinds and PROBE not in kinds
 

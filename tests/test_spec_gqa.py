@@ -111,13 +111,13 @@ def _engine(model, system, retention, store=None):
 def _record_reads(engine) -> list:
     """From now on, every store read of the engine as (layer, kind, chunks), in a list returned."""
     reads = []
-    read_chunks = engine.store.read_chunks
+    read_runs = engine.store.read_runs
 
     def recording(layer, kind, chunks, **kw):
         reads.append((layer, kind, list(chunks)))
-        return read_chunks(layer, kind, chunks, **kw)
+        return read_runs(layer, kind, chunks, **kw)
 
-    engine.store.read_chunks = recording
+    engine.store.read_runs = recording
     return reads
 
 

@@ -430,7 +430,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     m = store.match(tokens)
     positions = np.arange(200) if order == "stored" else np.arange(200)[::-1]
     prefetcher.request(m, 1, V, positions)
-    extents = {id(e.read.run.extent): e.read.run.extent for e in prefetcher._entries.values()}
+    extents = {id(h.run.extent): h.run.extent for t in prefetcher._tables.values() for h in t.runs}
     (extent,) = extents.values()
     assert extent.whole and extent.array.ctypes.data % landing.ALIGN == 0 and extent.array.shape[0] == 13
     before = store.metrics.snapshot()

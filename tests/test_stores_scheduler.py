@@ -181,9 +181,9 @@ def test_store_withdraws_a_run_only_when_none_of_its_chunks_is_wanted(tmp_path):
         blocker = Read(lambda: _after(gate), 1, False)
         store.scheduler.submit(blocker)  # holds the disk, so the reads below stay queued
         run = store.read_chunks(0, K, [0, 1], speculative=True)
-        store.withdraw(run[0])
+        store.withdraw(run[0].run)
         assert run[1].run.read.state == QUEUED  # chunk 1 is still wanted
-        store.withdraw(run[1])
+        store.withdraw(run[1].run)
         assert run[0].future.cancelled() and run[1].future.cancelled()
         gate.set()
         blocker.future.result(timeout=5)
