@@ -285,21 +285,23 @@ class ChunkReads:
             self._arrays.scheduler.withdraw(run_read)
 
     def read_locations(self, layer: int, kind: int, loc: Locations) -> concurrent.futures.Future:
-        """Future of `Gathered` for the located positions; chunks are read concurrently."""
+        """Future of `Gathered` for the located positions: their chunks' runs read concurrently, each run's rows
+        copied out in one indexing step once it is verified."""
         lay = self.layout
-        chunks, inverse = np.unique(loc.chunks, return_inverse=True)
-        futures = [r.future for r in self.read_chunks(layer, kind, chunks)]
+        runs = self.read_runs(layer, kind, np.unique(loc.chunks))
         self.metrics.add(used_token_bytes=len(loc.chunks) * lay.token_nbytes(kind))
 
-        def assemble(arrays):
+        def assemble(results):
             out = np.zeros((lay.heads(kind), len(loc.chunks), lay.head_dim), lay.np_dtype)
             ok = np.ones(len(loc.chunks), bool)
-            for i, array in enumerate(arrays):
-                sel = np.flatnonzero(inverse == i)
-                if array is None:
-                    ok[sel] = False
-                else:
-                    out[:, sel] = array[:, loc.offsets[sel]]
+            for run, (arrays, good) in zip(runs, results):
+                rows = np.flatnonzero((loc.chunks >= run.first_chunk) & (loc.chunks < run.first_chunk + run.n_chunks))
+                index = loc.chunks[rows] - run.first_chunk
+                bad = ~good[index]
+                ok[rows[bad]] = False
+                rows, index = rows[~bad], index[~bad]
+                if len(rows):
+                    out[:, rows] = arrays[index, :, loc.offsets[rows]].swapaxes(0, 1)
             return Gathered(out, ok)
 
-        return when_all(futures, assemble)
+        return when_all([run.verified for run in runs], assemble)
