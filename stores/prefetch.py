@@ -47,37 +47,29 @@ class _Held:
 
 
 class _Table:
-    """The runs held for one (layer, kind), sorted by first chunk, and which run holds a chunk (searchsorted over
-    the runs' first chunks: the lookup of a layer's chunks is a few numpy steps, not one per chunk)."""
+    """The runs held for one (layer, kind), and which of them holds a chunk live: a few numpy steps per run, none per
+    chunk. (A chunk is held live by at most one run: one found is never read again. A run's ids may overlap another's
+    where a chunk was let go and read anew.)"""
 
     def __init__(self):
         self.runs: list[_Held] = []
-        self._starts = self._ends = None
 
     def find(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per chunk: the index of the run in `runs` holding it live (-1: none) and its index in that run."""
-        if not self.runs:
-            return np.full(len(chunks), -1, np.int64), np.zeros(len(chunks), np.int64)
-        if self._starts is None:
-            self._starts = np.array([h.run.first_chunk for h in self.runs], np.int64)
-            self._ends = self._starts + np.array([h.run.n_chunks for h in self.runs], np.int64)
-        at = np.maximum(np.searchsorted(self._starts, chunks, side="right") - 1, 0)
-        j = chunks - self._starts[at]
-        inside = (chunks < self._ends[at]) & (j >= 0)
-        live = np.zeros(len(chunks), bool)
-        for i in np.unique(at[inside]).tolist():
-            mine = inside & (at == i)
-            live[mine] = self.runs[i].live[j[mine]]
-        return np.where(live, at, -1), j
+        at, j = np.full(len(chunks), -1, np.int64), np.zeros(len(chunks), np.int64)
+        for i, held in enumerate(self.runs):
+            first = held.run.first_chunk
+            inside = np.flatnonzero((chunks >= first) & (chunks < first + held.run.n_chunks))
+            if len(inside):
+                inside = inside[held.live[chunks[inside] - first]]
+                at[inside], j[inside] = i, chunks[inside] - first
+        return at, j
 
     def add(self, held: _Held) -> None:
         self.runs.append(held)
-        self.runs.sort(key=lambda h: h.run.first_chunk)
-        self._starts = None
 
     def drop(self, held: _Held) -> None:
         self.runs.remove(held)
-        self._starts = None
 
 
 @dataclasses.dataclass

@@ -248,6 +248,39 @@ def test_prefetcher_speculation_superseded_and_bounded(filled_store):
     assert snap["read_amplification"] >= 1.0 and snap["chunks_read"] > 0
 
 
+def test_the_prefetchers_books_are_per_run_and_a_chunk_nobody_holds_is_let_go(filled_store):
+    """Adjacent chunks asked for together are one run read, held as one (no entry per chunk), with its chunks counted
+    apart: a superseded ticket lets go of the chunks only it held (their buffer bytes freed), the chunks a newer
+    ticket shares stay held; a take serves them exactly; nothing is held once the request is over."""
+    store, tokens, kv = filled_store
+    chunk_bytes = store.layout.chunk_nbytes(K)
+    prefetcher = Prefetcher(store, None)
+    m = store.match(tokens)
+    spec = prefetcher.request(m, 0, K, np.arange(200), speculative=True)
+    assert len(spec.holds) == 1 and len(spec.keys) == 13 and prefetcher.buffered_bytes == 13 * chunk_bytes
+    newer = prefetcher.request(m, 0, K, [20, 40], speculative=True)  # chunks 1 and 2 of the same run
+    assert spec.released and [held for held, _ in newer.holds] == [held for held, _ in spec.holds]
+    assert prefetcher.buffered_bytes == 2 * chunk_bytes
+    taken = prefetcher.take(m, 0, K, [40, 20, 199])
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[0][K][:, [40, 20, 199]])
+    assert newer.released and prefetcher.buffered_bytes == 0
+    prefetcher.close()
+    assert not any(table.runs for table in prefetcher._tables.values())
+    # a chunk let go and read anew is a run inside another's ids: a chunk the older run still holds is found there
+    spec = prefetcher.request(m, 1, K, np.arange(200), speculative=True)
+    assert prefetcher.wait([spec], timeout=10)
+    newer = prefetcher.request(m, 1, K, [20, 130], speculative=True)  # chunks 1 and 8 stay held
+    assert prefetcher.wait([prefetcher.request(m, 1, K, [80])], timeout=10)  # chunk 5, read anew
+    read = store.metrics.snapshot()["chunks_read"]
+    assert prefetcher.ahead(1, K, store.locate(m, [20, 80, 130], 1).chunks).all()
+    taken = prefetcher.take(m, 1, K, [130, 80, 20])
+    np.testing.assert_array_equal(np.asarray(taken.array), kv[1][K][:, [130, 80, 20]])
+    assert store.metrics.snapshot()["chunks_read"] == read  # nothing read twice
+    prefetcher.close()
+    assert prefetcher.buffered_bytes == 0 and not any(table.runs for table in prefetcher._tables.values())
+    m.close()
+
+
 def test_prefetcher_keeps_superseded_speculation_where_it_fits(filled_store):
     """A speculative read nobody took was paid for: the caches place it by score, in free space only here."""
     store, tokens, kv = filled_store

@@ -169,6 +169,13 @@ def test_store_coalesces_adjacent_chunks_and_verifies_each(tmp_path):
         assert counts["chunks_read"] == 6
         assert counts["read_requests"] == 4  # [0, 1, 2] [3] [7] [9]: runs of at most 3 chunks
         assert len({id(r.run) for r in reads}) == 4
+        # the runs of any chunk ids, in any order and repeated: sorted, adjacent ids joined up to the cap
+        runs = store.read_runs(0, K, [9, 3, 2, 7, 1, 0, 2])
+        assert [(r.first_chunk, r.n_chunks) for r in runs] == [(0, 3), (3, 1), (7, 1), (9, 1)]
+        for r in runs:
+            arrays, ok = r.verified.result(timeout=10)
+            assert ok.all()
+            np.testing.assert_array_equal(arrays[-1], k[:, (r.first_chunk + r.n_chunks - 1) * 4:][:, :4])
 
 
 def test_store_withdraws_a_run_only_when_none_of_its_chunks_is_wanted(tmp_path):
