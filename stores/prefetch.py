@@ -1,8 +1,9 @@
 """Host-side asynchronous prefetcher: `request` starts chunk reads and returns at once, `take` waits only for
 what is still missing and hands back device arrays in original token order.
 
-Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler, and the
-prefetcher keeps its books per run too (`_Held`: numpy per chunk of a run, no Python object or step per chunk).
+Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler. The
+prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`_Table`): holding, taking and letting
+go of a layer's chunks is a few array steps, not a Python object or step per chunk.
 A take reads its tokens out of the device page pool (stores.pool) through a block table: device-cache hits from
 their pages, the rest (just read, host-cache hits) from one host buffer that crosses in one copy. That is two or
 three device steps per take, however many chunks it touches.
@@ -13,9 +14,11 @@ write-behind, `stores.caches`); close the prefetcher after every request.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 
@@ -25,65 +28,84 @@ import numpy as np
 from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, TieredCache
 from specjax.stores.pool import DevicePool
-from specjax.stores.store import KVStore, Locations, Match, Run
-
-
-@dataclasses.dataclass(eq=False)
-class _Held:
-    """A run read (`stores.reads.Run`: chunks `run.first_chunk ..`) the prefetcher holds, with per chunk of it: how many
-    tickets and takes hold it, whether it is still speculative (issued ahead of need, yields to demand reads at the
-    disk), whether a take used it (and offered it to the caches), whether it is still held at all (a chunk nobody
-    holds is forgotten: a later need reads it anew)."""
-    run: Run
-    holders: np.ndarray
-    speculative: np.ndarray
-    taken: np.ndarray
-    live: np.ndarray
-
-    @classmethod
-    def new(cls, run: Run, speculative: bool) -> "_Held":
-        n = run.n_chunks
-        return cls(run, np.ones(n, np.int32), np.full(n, speculative), np.zeros(n, bool), np.ones(n, bool))
+from specjax.stores.store import KVStore, Locations, Match
 
 
 class _Table:
-    """The runs held for one (layer, kind), and which of them holds a chunk live: a few numpy steps per run, none per
-    chunk. (A chunk is held live by at most one run: one found is never read again. A run's ids may overlap another's
-    where a chunk was let go and read anew.)"""
+    """The reads held for one (layer, kind): each chunk a read brings has a slot (a run's chunks consecutive ones),
+    with its chunk id, its run (index into `runs`), how many tickets and takes hold it, whether it is still
+    speculative (issued ahead of need: yields to demand reads at the disk), whether a take used it (and offered it to
+    the caches) and whether it is still held at all. A chunk nobody holds is forgotten: a later need reads it anew
+    into a new slot. Once no slot is held the table starts over, so it spans what one layer has in flight."""
 
     def __init__(self):
-        self.runs: list[_Held] = []
+        self.reset()
 
-    def find(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per chunk: the index of the run in `runs` holding it live (-1: none) and its index in that run."""
-        at, j = np.full(len(chunks), -1, np.int64), np.zeros(len(chunks), np.int64)
-        for i, held in enumerate(self.runs):
-            first = held.run.first_chunk
-            inside = np.flatnonzero((chunks >= first) & (chunks < first + held.run.n_chunks))
-            if len(inside):
-                inside = inside[held.live[chunks[inside] - first]]
-                at[inside], j[inside] = i, chunks[inside] - first
-        return at, j
+    def reset(self) -> None:
+        self.runs: list = []  # Run, or None once none of its slots is held (its buffer is then free to go)
+        self.slot_of: dict = {}  # chunk id -> its held slot
+        self.chunk = np.zeros(0, np.int64)
+        self.run_of = np.zeros(0, np.int64)
+        self.holders = np.zeros(0, np.int32)
+        self.speculative = np.zeros(0, bool)
+        self.taken = np.zeros(0, bool)
+        self.live = np.zeros(0, bool)
 
-    def add(self, held: _Held) -> None:
-        self.runs.append(held)
+    def find(self, chunks: np.ndarray) -> np.ndarray:
+        """The held slot of each chunk, -1 where none."""
+        get = self.slot_of.get
+        return np.fromiter(map(get, chunks.tolist(), itertools.repeat(-1)), np.int64, len(chunks))
 
-    def drop(self, held: _Held) -> None:
-        self.runs.remove(held)
+    def add(self, runs: list, speculative: bool) -> np.ndarray:
+        """Slots for the chunks of `runs` (one holder each); returns them."""
+        first = np.array([r.first_chunk for r in runs], np.int64)
+        count = np.array([r.n_chunks for r in runs], np.int64)
+        total = int(count.sum())
+        base, run_base = len(self.chunk), len(self.runs)
+        chunks = np.repeat(first - np.cumsum(count) + count, count) + np.arange(total)  # each new slot's chunk
+        self.runs += runs
+        self.chunk = np.concatenate([self.chunk, chunks])
+        self.run_of = np.concatenate([self.run_of, np.repeat(np.arange(run_base, run_base + len(runs)), count)])
+        self.holders = np.concatenate([self.holders, np.ones(total, np.int32)])
+        self.speculative = np.concatenate([self.speculative, np.full(total, speculative)])
+        self.taken = np.concatenate([self.taken, np.zeros(total, bool)])
+        self.live = np.concatenate([self.live, np.ones(total, bool)])
+        slots = np.arange(base, base + total)
+        self.slot_of.update(zip(chunks.tolist(), slots.tolist()))
+        return slots
+
+    def forget(self, slots: np.ndarray) -> None:
+        """Nobody holds `slots` any more."""
+        self.live[slots] = False
+        collections.deque(map(self.slot_of.pop, self.chunk[slots].tolist()), maxlen=0)
+        if not self.slot_of:
+            self.reset()
+            return
+        for r in np.unique(self.run_of[slots]).tolist():
+            if not self.live[self.run_of == r].any():
+                self.runs[r] = None
+
+    def runs_of(self, slots: np.ndarray) -> list:
+        """The distinct runs holding `slots`, with the slots of each: [(run index, slots)]."""
+        run_of = self.run_of[slots]
+        return [(r, slots[run_of == r]) for r in np.unique(run_of).tolist()]
 
 
 @dataclasses.dataclass
 class Ticket:
     layer: int
     kind: int
-    holds: list  # (_Held, indices of the chunks it holds in that run)
+    holds: list  # slot arrays (`_Table`) of the chunks it holds
     speculative: bool
+    table: _Table | None = None
     released: bool = False
 
     @property
     def keys(self) -> list:
-        """(layer, kind, chunk) of every chunk the ticket holds."""
-        return [(self.layer, self.kind, held.run.first_chunk + int(j)) for held, idx in self.holds for j in idx]
+        """(layer, kind, chunk) of every chunk the ticket holds (none once released)."""
+        if self.released:
+            return []
+        return [(self.layer, self.kind, c) for slots in self.holds for c in self.table.chunk[slots].tolist()]
 
 
 @dataclasses.dataclass
@@ -104,7 +126,7 @@ class Prefetcher:
         """`pcie_bandwidth`: bytes/s of an emulated host->device link (None: not throttled)."""
         self.store, self.cache = store, cache
         self.max_buffer_bytes = max_buffer_bytes
-        self._tables: dict = {}  # (layer, kind) -> _Table of the runs held
+        self._tables: dict = {}  # (layer, kind) -> _Table of the reads held
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
@@ -124,54 +146,50 @@ class Prefetcher:
             table = self._tables[(layer, kind)] = _Table()
         return table
 
-    def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> list:
+    def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> np.ndarray:
         """Hold the reads of (layer, kind) for `chunks` (distinct ids), issuing those not in flight as coalesced
         reads (speculative ones `background` at the disk if asked); speculative reads respect the buffer bound, and
-        a demand for a speculative read in flight expedites it. Returns the holds: (_Held, chunk indices in it)."""
+        a demand for a speculative read in flight expedites it. Returns the slots held (`_Table`)."""
         chunks = np.asarray(chunks, np.int64)
         table = self._table(layer, kind)
-        at, j = table.find(chunks)
-        holds = []
-        for i in np.unique(at[at >= 0]).tolist():
-            held, idx = table.runs[i], j[at == i]
-            held.holders[idx] += 1
-            if demand and held.speculative[idx].any():
-                held.speculative[idx] = False
-                self.store.expedite(held.run)
-            holds.append((held, idx))
-        new = chunks[at < 0]
+        slots = table.find(chunks)
+        held = slots[slots >= 0]
+        table.holders[held] += 1
+        if demand:
+            waiting = held[table.speculative[held]]
+            if len(waiting):
+                table.speculative[waiting] = False
+                for r, _ in table.runs_of(waiting):
+                    self.store.expedite(table.runs[r])
+        new = chunks[slots < 0]
         nbytes = self.store.layout.chunk_nbytes(kind)
         if not demand:  # within the bound on staged speculative reads
             new = new[:max(0, (self.max_buffer_bytes - self._buffered) // nbytes)]
         if len(new):
-            for run in self.store.read_runs(layer, kind, new, speculative=not demand, background=background):
-                held = _Held.new(run, speculative=not demand)
-                table.add(held)
-                self._buffered += nbytes * run.n_chunks
-                holds.append((held, np.arange(run.n_chunks)))
-        return holds
+            runs = self.store.read_runs(layer, kind, new, speculative=not demand, background=background)
+            added = table.add(runs, speculative=not demand)
+            self._buffered += nbytes * len(added)
+            held = np.concatenate([held, added])
+        return held
 
-    def _release(self, layer: int, kind: int, holds) -> None:
-        """Let go of holds (`_hold`); the chunks nobody holds any more are forgotten: a speculative read nobody
+    def _release(self, layer: int, kind: int, slots: np.ndarray) -> None:
+        """Let go of slots (`_hold`); the chunks nobody holds any more are forgotten: a speculative read nobody
         needed is withdrawn (one the disk has not been asked for yet is never read); any other read completes and
-        is offered to the caches if no take used it. Per run, not per chunk."""
-        nbytes = self.store.layout.chunk_nbytes(kind)
-        for held, idx in holds:
-            held.holders[idx] -= 1
-            gone = idx[(held.holders[idx] <= 0) & held.live[idx]]
-            if not len(gone):
-                continue
-            held.live[gone] = False
-            self._buffered -= nbytes * len(gone)
-            spec = int(held.speculative[gone].sum())
-            if spec:
-                self.store.withdraw(held.run, spec)
-            unused = gone[~held.taken[gone]]
-            if len(unused) and self.caching:
-                held.run.verified.add_done_callback(functools.partial(
-                    self._keep_unused, layer, kind, held.run.first_chunk, (held.run.first_chunk + unused).tolist()))
-            if not held.live.any():
-                self._table(layer, kind).drop(held)
+        is offered to the caches if no take used it."""
+        table = self._table(layer, kind)
+        table.holders[slots] -= 1
+        gone = slots[(table.holders[slots] <= 0) & table.live[slots]]
+        if not len(gone):
+            return
+        self._buffered -= self.store.layout.chunk_nbytes(kind) * len(gone)
+        for r, spec in table.runs_of(gone[table.speculative[gone]]):
+            self.store.withdraw(table.runs[r], len(spec))
+        if self.caching:
+            for r, unused in table.runs_of(gone[~table.taken[gone]]):
+                run = table.runs[r]
+                run.verified.add_done_callback(functools.partial(
+                    self._keep_unused, layer, kind, run.first_chunk, table.chunk[unused].tolist()))
+        table.forget(gone)
 
     def _keep_unused(self, layer: int, kind: int, first: int, chunks: list, verified) -> None:
         """Reads nobody took (a speculation the layer's real set superseded), chunks `chunks` of the run read from
@@ -202,10 +220,10 @@ class Prefetcher:
                 background = np.asarray(background, np.int64)
                 background = background[~self.cache.holds_many(layer, kind, background)]
         with self._lock:
-            holds = self._hold(layer, kind, chunks, demand=not speculative)
+            holds = [self._hold(layer, kind, chunks, demand=not speculative)]
             if len(background):
-                holds += self._hold(layer, kind, background, demand=False, background=True)
-            ticket = Ticket(layer, kind, holds, speculative)
+                holds.append(self._hold(layer, kind, background, demand=False, background=True))
+            ticket = Ticket(layer, kind, holds, speculative, self._table(layer, kind))
             open_tickets = self._tickets.setdefault((layer, kind), [])
             for old in [t for t in open_tickets if t.speculative]:
                 self._cancel_locked(old)
@@ -215,7 +233,8 @@ class Prefetcher:
     def _cancel_locked(self, ticket: Ticket) -> None:
         if not ticket.released:
             ticket.released = True
-            self._release(ticket.layer, ticket.kind, ticket.holds)
+            for slots in ticket.holds:
+                self._release(ticket.layer, ticket.kind, slots)
             tickets = self._tickets.get((ticket.layer, ticket.kind), [])
             if ticket in tickets:
                 tickets.remove(ticket)
@@ -231,10 +250,11 @@ class Prefetcher:
         out = np.zeros(len(chunks), bool) if self.cache is None else self.cache.holds_many(layer, kind, chunks)
         with self._lock:
             table = self._table(layer, kind)
-            at, _ = table.find(chunks)
-            todo = ~out & (at >= 0)
-            for i in np.unique(at[todo]).tolist():
-                out[todo & (at == i)] = not self.store.waiting(table.runs[i].run)
+            slots = table.find(chunks)
+            todo = np.flatnonzero(~out & (slots >= 0))
+            run_of = table.run_of[slots[todo]]
+            for r in np.unique(run_of).tolist():
+                out[todo[run_of == r]] = not self.store.waiting(table.runs[r])
         return out
 
     def wait(self, tickets, timeout: float | None = None) -> bool:
@@ -243,7 +263,9 @@ class Prefetcher:
         For the layers that must arrive before computing (ContiguousKV's sub-period), and for a caller that may
         have to give up (Cake's loader, once the device has computed the chunk) and so waits in short slices."""
         with self._lock:
-            futures = {id(held.run): held.run.verified for t in tickets for held, _ in t.holds}
+            runs = [t.table.runs[r] for t in tickets if not t.released for slots in t.holds
+                    for r, _ in t.table.runs_of(slots)]
+            futures = {id(run): run.verified for run in runs if run is not None}
         _, pending = concurrent.futures.wait(list(futures.values()), timeout=timeout)
         return not pending
 
@@ -285,15 +307,14 @@ class Prefetcher:
             missing = np.delete(chunks, np.fromiter(cached, np.int64, len(cached)))
         with self._lock:
             demand = self._hold(layer, kind, missing, demand=True)
-            runs = {}  # the run reads holding the missing chunks
-            for held, idx in demand:
-                held.taken[idx] = True
-                runs[id(held.run)] = held.run
+            table = self._table(layer, kind)
+            table.taken[demand] = True
+            runs = [table.runs[r] for r, _ in table.runs_of(demand)]  # the run reads holding the missing chunks
         start = time.perf_counter()
-        concurrent.futures.wait([run.verified for run in runs.values()])
+        concurrent.futures.wait([run.verified for run in runs])
         waited_ms = (time.perf_counter() - start) * 1e3
         try:
-            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, list(runs.values()))
+            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, runs)
         finally:
             with self._lock:
                 self._release(layer, kind, demand)

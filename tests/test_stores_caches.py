@@ -249,35 +249,36 @@ def test_prefetcher_speculation_superseded_and_bounded(filled_store):
 
 
 def test_the_prefetchers_books_are_per_run_and_a_chunk_nobody_holds_is_let_go(filled_store):
-    """Adjacent chunks asked for together are one run read, held as one (no entry per chunk), with its chunks counted
-    apart: a superseded ticket lets go of the chunks only it held (their buffer bytes freed), the chunks a newer
-    ticket shares stay held; a take serves them exactly; nothing is held once the request is over."""
+    """Adjacent chunks asked for together are one run read, its chunks counted apart in the layer's books: a
+    superseded ticket lets go of the chunks only it held (their buffer bytes freed, the run kept for the chunks a newer
+    ticket shares); a take serves them exactly; nothing is held once the request is over."""
     store, tokens, kv = filled_store
     chunk_bytes = store.layout.chunk_nbytes(K)
     prefetcher = Prefetcher(store, None)
     m = store.match(tokens)
     spec = prefetcher.request(m, 0, K, np.arange(200), speculative=True)
-    assert len(spec.holds) == 1 and len(spec.keys) == 13 and prefetcher.buffered_bytes == 13 * chunk_bytes
+    table = prefetcher._tables[(0, K)]
+    assert len(spec.keys) == 13 and len(table.runs) == 1 and prefetcher.buffered_bytes == 13 * chunk_bytes
     newer = prefetcher.request(m, 0, K, [20, 40], speculative=True)  # chunks 1 and 2 of the same run
-    assert spec.released and [held for held, _ in newer.holds] == [held for held, _ in spec.holds]
+    assert spec.released and len(newer.keys) == 2 and table.runs[0] is not None and len(table.runs) == 1
     assert prefetcher.buffered_bytes == 2 * chunk_bytes
     taken = prefetcher.take(m, 0, K, [40, 20, 199])
     np.testing.assert_array_equal(np.asarray(taken.array), kv[0][K][:, [40, 20, 199]])
     assert newer.released and prefetcher.buffered_bytes == 0
     prefetcher.close()
-    assert not any(table.runs for table in prefetcher._tables.values())
+    assert not any(table.slot_of for table in prefetcher._tables.values())
     # a chunk let go and read anew is a run inside another's ids: a chunk the older run still holds is found there
     spec = prefetcher.request(m, 1, K, np.arange(200), speculative=True)
     assert prefetcher.wait([spec], timeout=10)
-    newer = prefetcher.request(m, 1, K, [20, 130], speculative=True)  # chunks 1 and 8 stay held
+    newer = prefetcher.request(m, 1, K, [20, 130])  # supersedes the guess: chunks 1 and 8 stay held
     assert prefetcher.wait([prefetcher.request(m, 1, K, [80])], timeout=10)  # chunk 5, read anew
     read = store.metrics.snapshot()["chunks_read"]
     assert prefetcher.ahead(1, K, store.locate(m, [20, 80, 130], 1).chunks).all()
     taken = prefetcher.take(m, 1, K, [130, 80, 20])
     np.testing.assert_array_equal(np.asarray(taken.array), kv[1][K][:, [130, 80, 20]])
-    assert store.metrics.snapshot()["chunks_read"] == read  # nothing read twice
+    assert store.metrics.snapshot()["chunks_read"] == read and newer.released  # nothing read twice
     prefetcher.close()
-    assert prefetcher.buffered_bytes == 0 and not any(table.runs for table in prefetcher._tables.values())
+    assert prefetcher.buffered_bytes == 0 and not any(table.slot_of for table in prefetcher._tables.values())
     m.close()
 
 
@@ -463,7 +464,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     m = store.match(tokens)
     positions = np.arange(200) if order == "stored" else np.arange(200)[::-1]
     prefetcher.request(m, 1, V, positions)
-    extents = {id(h.run.extent): h.run.extent for t in prefetcher._tables.values() for h in t.runs}
+    extents = {id(r.extent): r.extent for t in prefetcher._tables.values() for r in t.runs if r is not None}
     (extent,) = extents.values()
     assert extent.whole and extent.array.ctypes.data % landing.ALIGN == 0 and extent.array.shape[0] == 13
     before = store.metrics.snapshot()
