@@ -5,8 +5,8 @@ for i in 1 2; do
     if [ $t = base ]; then dir=/work/wt-base; else dir=/work/main; fi
     cd $dir && . .venv/bin/activate
     python -m specjax.eval --task piqa --data_dir /work/shared/data --limit 40 --prefix_tokens 1024 --retention 0.25 \
-      --systems as_h2o_lfu,spec_gqa --progress=false --output_dir /tmp/ab8/$t-$i > /tmp/ab8/$t-$i.log 2>&1
+      --systems as_h2o_lfu,spec_gqa --progress=false --output_dir <this folder>/$t-$i > <this folder>/$t-$i.log 2>&1
     deactivate
   done
 done
-echo ALLDONE > /tmp/ab8/done
+echo ALLDONE > <this folder>/done

@@ -6,8 +6,8 @@ for i in 1 2; do
     cd $dir && . .venv/bin/activate
     python -m specjax.eval --model timing-qwen2.5-7b --init random --task needle --limit 3 --prefix_tokens 4096 \
       --systems as_h2o_lfu,spec_gqa --retention 0.25 --gpu_cache 0 --cpu_cache 0 --direct_io --progress=false \
-      --output_dir /tmp/ab7/$t-$i > /tmp/ab7/$t-$i.log 2>&1
+      --output_dir <this folder>/$t-$i > <this folder>/$t-$i.log 2>&1
     deactivate
   done
 done
-echo ALLDONE > /tmp/ab7/done
+echo ALLDONE > <this folder>/done
