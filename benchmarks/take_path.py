@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,13 +45,25 @@ def geometry(model: str) -> tuple[int, int, int]:
 
 def measure(model: str, tokens: int, chunk_tokens: int, *, caches=(0.0, 0.0), policy: str = "lfu",
             value_share: float = 0.7, requests: int = 3, direct_io: bool = False, where: str | None = None) -> dict:
-    """One configuration: a store of `tokens` positions in `chunk_tokens`-token chunks, then 1 + `requests` requests."""
+    """One configuration: a store of `tokens` positions in `chunk_tokens`-token chunks (removed after), then
+    1 + `requests` requests."""
     layers, kv_heads, head_dim = geometry(model)
     fp = {"arch": model, "num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "probe_heads": 0,
           "chunk_tokens": chunk_tokens, "dtype": "bfloat16"}
     rng = np.random.default_rng(0)
     kv = rng.standard_normal((kv_heads, tokens, head_dim)).astype(jax.numpy.bfloat16)
     path = tempfile.mkdtemp(prefix="take_path-", dir=where)
+    try:
+        return _requests(path, fp, kv, tokens, caches, policy, value_share, requests, direct_io) | {
+            "model": model, "prefix_tokens": tokens, "chunk_tokens": chunk_tokens, "caches": list(caches),
+            "policy": policy, "value_share": value_share, "direct_io": direct_io, "requests": requests}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _requests(path, fp, kv, tokens, caches, policy, value_share, requests, direct_io) -> dict:
+    """A store of the prefix at `path`, then 1 + `requests` requests through one prefetcher (the first untimed)."""
+    layers = fp["num_layers"]
     with KVStore.open(path, fp) as store:
         store.insert(np.arange(tokens), [(kv, kv, None)] * layers)
     store = KVStore.open(path, fp, direct_io=direct_io)
@@ -84,9 +97,7 @@ def measure(model: str, tokens: int, chunk_tokens: int, *, caches=(0.0, 0.0), po
         counters = store.metrics.snapshot()
     finally:
         store.close()
-    return {"model": model, "prefix_tokens": tokens, "chunk_tokens": chunk_tokens, "caches": list(caches),
-            "policy": policy, "value_share": value_share, "direct_io": direct_io, "requests": requests,
-            "ms_per_request": statistics.median(times) * 1e3,
+    return {"ms_per_request": statistics.median(times) * 1e3,
             **{key: counters[key] / requests for key in ("read_requests", "chunks_read", "disk_bytes", "misses")}}
 
 
