@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _common import device_name  # noqa: E402  (benchmarks/_common.py)
+from specjax.config import from_hf_config  # noqa: E402
 from specjax.configs.models import MODEL_SHAPES  # noqa: E402
 from specjax.stores import K, V, KVStore, Locations  # noqa: E402
 from specjax.stores.caches import TieredCache  # noqa: E402
@@ -37,10 +38,8 @@ def geometry(model: str) -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) of a registered model shape."""
     if model not in MODEL_SHAPES:
         raise SystemExit(f"unknown model shape {model!r}; choose one of {', '.join(sorted(MODEL_SHAPES))}")
-    c = MODEL_SHAPES[model]
-    heads = c.get("num_attention_heads")
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    return c["num_hidden_layers"], c.get("num_key_value_heads", heads), head_dim
+    c = from_hf_config(MODEL_SHAPES[model])
+    return c.num_layers, c.num_kv_heads, c.head_dim
 
 
 def measure(model: str, tokens: int, chunk_tokens: int, *, caches=(0.0, 0.0), policy: str = "lfu",
