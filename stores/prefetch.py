@@ -33,10 +33,10 @@ from specjax.stores.store import KVStore, Locations, Match
 
 class _Table:
     """The reads held for one (layer, kind): each chunk a read brings has a slot (a run's chunks consecutive ones),
-    with its chunk id, its run (index into `runs`), how many tickets and takes hold it, whether it is still
-    speculative (issued ahead of need: yields to demand reads at the disk), whether a take used it (and offered it to
-    the caches) and whether it is still held at all. A chunk nobody holds is forgotten: a later need reads it anew
-    into a new slot. Once no slot is held the table starts over, so it spans what one layer has in flight."""
+    with its chunk id, its run (index into `runs`), how many tickets and takes hold it (a slot is held while that is
+    above zero), whether it is still speculative (issued ahead of need: yields to demand reads at the disk) and
+    whether a take used it (and offered it to the caches). A chunk nobody holds is forgotten: a later need reads it
+    anew into a new slot. Once no slot is held the table starts over, so it spans what one layer has in flight."""
 
     def __init__(self):
         self.reset()
@@ -49,7 +49,6 @@ class _Table:
         self.holders = np.zeros(0, np.int32)
         self.speculative = np.zeros(0, bool)
         self.taken = np.zeros(0, bool)
-        self.live = np.zeros(0, bool)
 
     def find(self, chunks: np.ndarray) -> np.ndarray:
         """The held slot of each chunk, -1 where none."""
@@ -69,20 +68,18 @@ class _Table:
         self.holders = np.concatenate([self.holders, np.ones(total, np.int32)])
         self.speculative = np.concatenate([self.speculative, np.full(total, speculative)])
         self.taken = np.concatenate([self.taken, np.zeros(total, bool)])
-        self.live = np.concatenate([self.live, np.ones(total, bool)])
         slots = np.arange(base, base + total)
         self.slot_of.update(zip(chunks.tolist(), slots.tolist()))
         return slots
 
     def forget(self, slots: np.ndarray) -> None:
-        """Nobody holds `slots` any more."""
-        self.live[slots] = False
+        """Nobody holds `slots` any more (their holder counts are down to zero)."""
         collections.deque(map(self.slot_of.pop, self.chunk[slots].tolist()), maxlen=0)
         if not self.slot_of:
             self.reset()
             return
         for r in np.unique(self.run_of[slots]).tolist():
-            if not self.live[self.run_of == r].any():
+            if not (self.holders[self.run_of == r] > 0).any():
                 self.runs[r] = None
 
     def runs_of(self, slots: np.ndarray) -> list:
@@ -178,7 +175,7 @@ class Prefetcher:
         is offered to the caches if no take used it."""
         table = self._table(layer, kind)
         table.holders[slots] -= 1
-        gone = slots[(table.holders[slots] <= 0) & table.live[slots]]
+        gone = slots[table.holders[slots] == 0]  # a hold's slots are distinct, each held by it until now
         if not len(gone):
             return
         self._buffered -= self.store.layout.chunk_nbytes(kind) * len(gone)
