@@ -363,12 +363,7 @@ class Prefetcher:
             extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
             for run in runs:
                 arrays, good = run.verified.result()
-                rows = np.flatnonzero((row_chunks >= run.first_chunk) & (row_chunks < run.first_chunk + run.n_chunks))
-                index = row_chunks[rows] - run.first_chunk
-                bad = ~good[index]
-                if bad.any():
-                    ok[rows[bad]] = False
-                    rows, index = rows[~bad], index[~bad]
+                rows, index = run.rows(row_chunks, good, ok)
                 if self.caching:  # placed once the first token is out (`close`)
                     used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
                     self.cache.admit_later([(layer, kind, run.first_chunk + int(j)) for j in used],

@@ -78,6 +78,18 @@ class Run:
         """The scheduler's `Read`, or None once it has landed and been let go (nothing left to expedite or withdraw)."""
         return self._read()
 
+    def rows(self, row_chunks: np.ndarray, good: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of the rows of a take or gather (`row_chunks`: each row's chunk id), those whose chunk this run read and
+        that passed their checks (`good`, per chunk of the run), with that chunk's index in the run; a row whose chunk
+        failed is marked False in `ok`."""
+        rows = np.flatnonzero((row_chunks >= self.first_chunk) & (row_chunks < self.first_chunk + self.n_chunks))
+        index = row_chunks[rows] - self.first_chunk
+        bad = ~good[index]
+        if bad.any():
+            ok[rows[bad]] = False
+            rows, index = rows[~bad], index[~bad]
+        return rows, index
+
     def chunk_future(self, chunk: int) -> concurrent.futures.Future:
         """A future of one of the run's chunks: the verified chunk, None if bad; cancelled with the run."""
         out: concurrent.futures.Future = concurrent.futures.Future()
@@ -295,11 +307,7 @@ class ChunkReads:
             out = np.zeros((lay.heads(kind), len(loc.chunks), lay.head_dim), lay.np_dtype)
             ok = np.ones(len(loc.chunks), bool)
             for run, (arrays, good) in zip(runs, results):
-                rows = np.flatnonzero((loc.chunks >= run.first_chunk) & (loc.chunks < run.first_chunk + run.n_chunks))
-                index = loc.chunks[rows] - run.first_chunk
-                bad = ~good[index]
-                ok[rows[bad]] = False
-                rows, index = rows[~bad], index[~bad]
+                rows, index = run.rows(loc.chunks, good, ok)
                 if len(rows):
                     out[:, rows] = arrays[index, :, loc.offsets[rows]].swapaxes(0, 1)
             return Gathered(out, ok)
