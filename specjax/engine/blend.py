@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,9 @@ import numpy as np
 
 from specjax.engine import events
 from specjax.engine import steps as S
-from specjax.engine.engine import Engine, fingerprint
+from specjax.engine.engine import Engine, Prefill, fingerprint
 from specjax.engine.layer_io import Clock, LayerIO
-from specjax.engine.types import LayerRecord, RequestResult
+from specjax.engine.types import LayerKV, LayerRecord
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -169,10 +170,13 @@ class BlendEngine(Engine):
                 f"open a store with specjax.engine.blend.blend_fingerprint, in a new directory")
         super().__init__(model, system, store, *(() if config is None else (config,)))
 
-    def _run(self, request, *, reuse: bool) -> RequestResult:
+    def _prefill(self, request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
+        """CacheBlend's schedule: every chunk's stored KV loaded per layer, re-rotated to the request's positions,
+        and a share of the context tokens recomputed in it (none for full_reuse)."""
+        if head:
+            raise SpecjaxError(f"{self.system.name} computes no planned head of a stored prefix")
         if not reuse:  # a chunk failed its checksum: recompute the whole request as the engine does
-            return super()._run(request, reuse=False)
-        clock = Clock()
+            return super()._prefill(request, reuse, head, clock, opened)
         cfg, params = self.cfg, self.model.params
         prefix, query = [int(t) for t in request.prefix], [int(t) for t in request.query]
         chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
@@ -198,59 +202,53 @@ class BlendEngine(Engine):
         # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
         loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
                  for i in range(cfg.num_layers)]
-        parts, match, io = [], None, None
-        try:
-            for key in keys:
-                parts.append(self._match_or_store(key))
-            match = self.store.join(parts)
-            io = LayerIO(self, match, m, size, clock, positions=read)
-            io.plan_reads([layer for layer, load in enumerate(loads) if load])
-            tokens = np.asarray(prefix + query, np.int32)
-            recomputed = np.arange(counts[0]) if counts[0] == m else np.zeros(0, np.int64)
-            rows = np.concatenate([recomputed, np.arange(m, total)])
-            rows_pad = bucket(len(rows))
-            rows_dev = jnp.asarray(padded(rows, rows_pad, size))
-            h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
-            zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
-            rotation = T.rotary_step(cfg, jnp.asarray(shift))  # see reposition_keys
-            contexts, traced = [], []
-            for layer, lp in enumerate(params["layers"]):
-                traced.append(recomputed)
-                if loads[layer]:
-                    reused_k, reused_v = io.take_all(layer, K), io.take_all(layer, V)
-                else:
-                    reused_k = reused_v = zeros
-                h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
-                                                             rotation, total, self.system.blend_deviation)
-                for instead in events.emit("blend_layer", layer=layer, reused_k=reused_k, reused_v=reused_v,
-                                           rotation=rotation, rows=rows_dev, deviation=deviation):
-                    deviation = deviation if instead is None else instead
-                contexts.append((mixed_k, mixed_v, SharedIndices(jnp.arange(size, dtype=jnp.int32), total)))
-                keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
-                if keep < len(recomputed):
-                    # ranked once the layer's deviation is computed (as `LayerIO.identify` paces identification)
-                    order = np.asarray(clock.timed("identify", _rank, clock.device_wait(deviation), len(recomputed)))
-                    kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
-                    recomputed = recomputed[kept]
-                    index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
-                    rows = rows[index]
-                    rows_pad = bucket(len(rows))
-                    rows_dev = jnp.asarray(padded(rows, rows_pad, size))
-                    h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
-            logits = S.head_row(cfg, params, h, len(rows) - 1).block_until_ready()
-            ttft, breakdown = clock.finish()
-        finally:
-            if io is not None:
-                io.close()
-            for part in parts + ([match] if match is not None else []):
-                part.close()
-        first = np.asarray(logits, np.float32)
-        conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
-        return RequestResult(
-            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n + len(traced[-1]), io={},
-            layers=_layer_record(counts, loads, m), prefetch=io.prefetch_report(),
-            selections=traced if self.config.trace else None)
+        parts = [opened.enter_context(self._match_or_store(key)) for key in keys]
+        match = opened.enter_context(self.store.join(parts))
+        io = LayerIO(self, match, m, size, clock, positions=read)
+        opened.callback(io.close)
+        io.plan_reads([layer for layer, load in enumerate(loads) if load])
+        tokens = np.asarray(prefix + query, np.int32)
+        recomputed = np.arange(counts[0]) if counts[0] == m else np.zeros(0, np.int64)
+        rows = np.concatenate([recomputed, np.arange(m, total)])
+        rows_pad = bucket(len(rows))
+        rows_dev = jnp.asarray(padded(rows, rows_pad, size))
+        h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
+        zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
+        rotation = T.rotary_step(cfg, jnp.asarray(shift))  # see reposition_keys
+        layers_kv, traced = [], []
+        for layer, lp in enumerate(params["layers"]):
+            traced.append(recomputed)
+            if loads[layer]:
+                reused_k, reused_v = io.take_all(layer, K), io.take_all(layer, V)
+            else:
+                reused_k = reused_v = zeros
+            dispatched = time.monotonic()
+            h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
+                                                         rotation, total, self.system.blend_deviation)
+            clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
+            for instead in events.emit("blend_layer", layer=layer, reused_k=reused_k, reused_v=reused_v,
+                                       rotation=rotation, rows=rows_dev, deviation=deviation):
+                deviation = deviation if instead is None else instead
+            layers_kv.append((mixed_k, mixed_v))
+            keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
+            if keep < len(recomputed):
+                # ranked once the layer's deviation is computed (as `LayerIO.identify` paces identification)
+                order = np.asarray(clock.timed("identify", _rank, clock.device_wait(deviation), len(recomputed)))
+                kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
+                recomputed = recomputed[kept]
+                index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
+                rows = rows[index]
+                rows_pad = bucket(len(rows))
+                rows_dev = jnp.asarray(padded(rows, rows_pad, size))
+                h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
+        logits = clock.device_wait(S.head_row(cfg, params, h, len(rows) - 1))
+        # the context a continuation attends to: every token's mixed K/V (the computed rows are in it)
+        context = SharedIndices(jnp.arange(size, dtype=jnp.int32), total)
+        no_rows = jnp.zeros((cfg.num_kv_heads, 0, cfg.head_dim), layers_kv[0][0].dtype)
+        layers_kv = [LayerKV(k, v, context, no_rows, no_rows) for k, v in layers_kv]
+        return Prefill(logits, layers_kv, 0, reused_tokens=m, computed_tokens=n + len(traced[-1]),
+                       layers=_layer_record(counts, loads, m), prefetch=io.prefetch_report,
+                       then=[io.after_first_token], selections=traced)
 
     def stored_keys(self, request) -> list[list[int]]:
         """Each text chunk's key (`chunk_keys`): the store holds chunks, not the request's prefix."""

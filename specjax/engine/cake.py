@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine import steps as S
-from specjax.engine.engine import Engine
+from specjax.engine.engine import Engine, Prefill
 from specjax.engine.layer_io import Clock
-from specjax.engine.speculation import prefetch_report
-from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request, RequestResult
+from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
@@ -181,96 +181,100 @@ class CakeEngine(Engine):
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
 
-    def _run(self, request: Request, *, reuse: bool) -> RequestResult:
+    def _prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
+        """Cake's schedule: the stored prefix computed from the front and loaded from the back until they meet, then
+        the new tokens over all of it, their KV written behind."""
+        if head:
+            raise SpecjaxError("cake chooses its own split of the stored prefix: it computes no planned head")
         if not reuse:
-            return super()._run(request, reuse=False)
+            return super()._prefill(request, reuse, head, clock, opened)
         cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
         prefix = [int(t) for t in request.prefix]
         tokens = prefix + [int(t) for t in request.query]
-        clock = Clock()
         match = self.store.match(prefix)
         m = match.length
         if m == 0:  # a cold request: nothing stored to load, so the engine's (chunked) prefill, written behind
             match.close()
-            result = super()._run(request, reuse=True)
-            result.split = {"stored_tokens": 0, "computed_prefix_tokens": 0, "loaded_prefix_tokens": 0,
-                            "chunk_tokens": c, "chunks": 0, "computed_chunks": 0, "loaded_chunks": 0,
-                            "device_gave_up_chunk": False, "loader_gave_up_chunk": False, "bad_chunk": False}
-            return result
+            prefill = super()._prefill(request, reuse, head, clock, opened)
+            prefill.split = {"stored_tokens": 0, "computed_prefix_tokens": 0, "loaded_prefix_tokens": 0,
+                             "chunk_tokens": c, "chunks": 0, "computed_chunks": 0, "loaded_chunks": 0,
+                             "device_gave_up_chunk": False, "loader_gave_up_chunk": False, "bad_chunk": False}
+            return prefill
+        opened.enter_context(match)
         n_chunks = -(-m // c)
         width = max(n_chunks * c, 16)  # prefix buffer: whole chunks, so no write is clipped
         shapes = (width, m % self.store.layout.chunk_tokens)
         if shapes not in self._compiled:
             self._compile(width, n_chunks, m)
             self._compiled.add(shapes)
-            clock = Clock()  # compiling is no request's time to first token
+            clock.restart()  # compiling is no request's time to first token
         n, new_prefix = len(tokens) - m, len(prefix) - m
-        writer = self.store.begin_insert(prefix, base=match) if new_prefix > 0 else None
+        writer = None
+        if new_prefix > 0:  # it owns `match` from here, and releases it when it commits or aborts
+            writer = self.store.begin_insert(prefix, base=match)
+            opened.callback(writer.abort)  # a no-op once committed
+        opened.callback(self.prefetcher.close)
         meeting = _Meeting(n_chunks)
         loader = _Loader(self, match, meeting, m)
+        opened.callback(self._stop_loader, meeting, loader)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         keys = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         values = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         absorbed: set[int] = set()
         device_gave_up = False
-        try:
-            loader.start()
-            while (j := meeting.next_to_compute()) is not None:
-                keys, values = self._absorb(meeting, absorbed, keys, values)
-                if self._compute_chunk(j, prefix, m, keys, values, meeting):
-                    meeting.computed(j)
-                else:
-                    device_gave_up = True  # the loader finished this chunk first
-            split = meeting.stop()
-            keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
-            # The new tokens (unstored prefix tail + query) over the whole prefix, as the engine does for as_full.
-            n_pad = bucket(n)
-            ids = np.zeros(n_pad, np.int32)
-            ids[:n] = tokens[m:]
-            positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
-            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-            rotary = T.rotary_step(cfg, positions)
-            selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
-            layers_kv = []
-            for layer, lp in enumerate(params["layers"]):
-                q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
-                h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
-                            impl=self.config.kernel_impl)
-                layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
-                if writer is not None:
-                    writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
-                                       own_k[self.probe_kv, :new_prefix])
-            logits = S.head_row(cfg, params, h, n - 1).block_until_ready()
-            ttft, breakdown = clock.finish()
-            meeting.stop()
-            loader.join()
-            if meeting.error is not None:
-                raise meeting.error
+        loader.start()
+        while (j := meeting.next_to_compute()) is not None:
+            keys, values = self._absorb(meeting, absorbed, keys, values)
+            if self._compute_chunk(j, prefix, m, keys, values, meeting, clock):
+                meeting.computed(j)
+            else:
+                device_gave_up = True  # the loader finished this chunk first
+        split = meeting.stop()
+        keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
+        # The new tokens (unstored prefix tail + query) over the whole prefix, as the engine does for as_full.
+        n_pad = bucket(n)
+        ids = np.zeros(n_pad, np.int32)
+        ids[:n] = tokens[m:]
+        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
+        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
+        selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
+        layers_kv = []
+        for layer, lp in enumerate(params["layers"]):
+            q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
+            dispatched = time.monotonic()
+            h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
+                        impl=self.config.kernel_impl)
+            clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
+            layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
             if writer is not None:
-                writer.commit()  # also releases `match`, which the writer owns
-                writer = match = None
-        finally:
-            meeting.stop()
-            if loader.ident is not None:  # started
-                loader.join()
-            self.prefetcher.close()
-            if writer is not None:
-                writer.abort()
-            if match is not None:
-                match.close()
-        first = np.asarray(logits, np.float32)
-        contexts = [S.context_for_continuation(kv, n) for kv in layers_kv] if request.continuations else []
-        conts = [self._score(contexts, first, m, n, cont) for cont in request.continuations]
+                writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
+                                   own_k[self.probe_kv, :new_prefix])
+        logits = clock.device_wait(S.head_row(cfg, params, h, n - 1))
         computed = min(split * c, m)
-        return RequestResult(
-            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n + computed, io={}, layers=LayerRecord.split(cfg.num_layers, m, computed),
-            prefetch=prefetch_report(),
-            recomputed_bad_chunks=meeting.bad_chunk,
+        prefill = Prefill(
+            logits, layers_kv, n, reused_tokens=m, computed_tokens=n + computed,
+            layers=LayerRecord.split(cfg.num_layers, m, computed),
             split={"stored_tokens": m, "computed_prefix_tokens": computed, "loaded_prefix_tokens": m - computed,
                    "chunk_tokens": c, "chunks": n_chunks, "computed_chunks": split,
-                   "loaded_chunks": n_chunks - split, "device_gave_up_chunk": device_gave_up,
-                   "loader_gave_up_chunk": loader.gave_up_chunk, "bad_chunk": meeting.bad_chunk})
+                   "loaded_chunks": n_chunks - split, "device_gave_up_chunk": device_gave_up})
+
+        def loader_stopped() -> None:  # after the first token: what the loader did once it has stopped
+            self._stop_loader(meeting, loader, raising=True)
+            prefill.bad_chunk = meeting.bad_chunk
+            prefill.split.update(loader_gave_up_chunk=loader.gave_up_chunk, bad_chunk=meeting.bad_chunk)
+
+        prefill.then = [loader_stopped] + ([writer.commit] if writer is not None else [])
+        return prefill
+
+    @staticmethod
+    def _stop_loader(meeting: _Meeting, loader: _Loader, raising: bool = False) -> None:
+        """No more loading; once the loader has stopped, `raising`: what failed it is the request's failure."""
+        meeting.stop()
+        if loader.ident is not None:  # started
+            loader.join()
+        if raising and meeting.error is not None:
+            raise meeting.error
 
     # -- the device's side ---------------------------------------------------------------------------
 
@@ -279,7 +283,7 @@ class CakeEngine(Engine):
         before it and to itself (the engine's chunked-prefill step). Returns (next hidden, keys, values)."""
         return self._prefill_layer(lp, h, positions, rotary, keys, values, j * self.chunk_tokens, count)
 
-    def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting) -> bool:
+    def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting, clock: Clock) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader
         finished the chunk first (checked between layers)."""
         cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
@@ -295,7 +299,7 @@ class CakeEngine(Engine):
                 return False
             h, keys[layer], values[layer] = self._chunk_layer(j, lp, h, positions, rotary, keys[layer],
                                                               values[layer], count)
-            h.block_until_ready()  # layer by layer, so the check above follows the loader's progress
+            clock.device_wait(h)  # layer by layer, so the check above follows the loader's progress
         return True
 
     def _absorb(self, meeting: _Meeting, absorbed: set, keys: list, values: list, wait: bool = False):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ from specjax.engine import steps as S
 from specjax.engine.identify import policy
 from specjax.engine.layer_io import BadChunk, Clock, LayerIO
 from specjax.engine.replay import Recorder, Replay
-from specjax.engine.speculation import Speculator
+from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request, RequestResult
 from specjax.errors import SpecjaxError
@@ -36,6 +38,24 @@ from specjax.stores.caches import TieredCache
 from specjax.stores.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Prefill:
+    """What a schedule (`Engine._prefill` and its overrides) hands the request loop once the first token's logits
+    are dispatched."""
+
+    logits: jax.Array
+    layers_kv: list[LayerKV]  # what each layer attended to; continuations attend to the same
+    own_tokens: int  # the computed tokens among each layer's own_k rows, which continuations also attend to
+    reused_tokens: int  # m: stored prefix tokens matched
+    computed_tokens: int
+    layers: LayerRecord
+    prefetch: Callable[[], dict] = prefetch_report  # its report, asked for once `then` has run
+    then: list[Callable[[], object]] = dataclasses.field(default_factory=list)  # after the first token, in order
+    selections: list | None = None  # per layer, the chosen positions (kept with EngineConfig.trace)
+    split: dict | None = None  # cake's meeting point
+    bad_chunk: bool = False  # a chunk failed its checksum and was computed instead (cake)
 
 
 def fingerprint(model, chunk_tokens: int) -> dict:
@@ -249,13 +269,41 @@ class Engine:
         return Reorderer(self.store).run_once()
 
     def _run(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
-        """`head`: the first stored tokens to compute instead of loading (the planner's plan; fewer than stored).
-        The system's identification then chooses among the other r = m - head stored tokens, and every head token is
-        kept."""
+        """The request loop every system runs: its schedule (`_prefill`) computes the first token from the stored
+        prefix, registering what it opened (matches, the writer, reads) on one stack that closes them whatever
+        happens; the clock stops at the first token; then what needs no answer before it (`Prefill.then`: commits,
+        feedback), the continuations against the same KV, and one result shape.
+
+        `head`: the first stored tokens to compute instead of loading (the planner's plan; fewer than stored)."""
         clock = Clock()
+        with contextlib.ExitStack() as opened:
+            prefill = self._prefill(request, reuse, head, clock, opened)
+            ttft, breakdown = clock.finish()
+            exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
+                                            if self.store is not None else [])
+            for step in prefill.then:
+                step()
+        first = np.asarray(prefill.logits, np.float32)
+        m = prefill.reused_tokens
+        n = len(request.prefix) + len(request.query) - m
+        contexts = ([S.context_for_continuation(kv, prefill.own_tokens) for kv in prefill.layers_kv]
+                    if request.continuations else [])
+        conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
+        return RequestResult(
+            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
+            reused_tokens=m, computed_tokens=prefill.computed_tokens, io={}, layers=prefill.layers,
+            prefetch=prefill.prefetch(), recomputed_bad_chunks=prefill.bad_chunk,
+            selections=prefill.selections if self.config.trace else None, split=prefill.split,
+            host_exposed_ms=exposed)
+
+    def _prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened: contextlib.ExitStack) -> Prefill:
+        """The layer loop's schedule: each layer's stored KV is loaded (what its identification selects, read through
+        `LayerIO`), after a computed `head` of the stored prefix; the new prefix tokens' KV is written behind. The
+        system's identification then chooses among the other r = m - head stored tokens, and every head token is
+        kept."""
         cfg, system = self.cfg, self.system
         tokens = [int(t) for t in request.prefix] + [int(t) for t in request.query]
-        match = self.store.match(request.prefix) if reuse else None
+        match = opened.enter_context(self.store.match(request.prefix)) if reuse else None
         m = match.length if match is not None else 0
         if m and not 0 <= head < m:
             raise SpecjaxError(f"a computed head of {head} tokens must be shorter than the {m} stored")
@@ -266,41 +314,31 @@ class Engine:
         k = min(r, max(1, math.ceil(self.config.retention * r))) if system.prunes else r
         k_cap = bucket(max(k, 1))
         state = st.ImportanceState.init(cfg.num_layers, m_pad)
-        writer = self.store.begin_insert(request.prefix, base=match) if reuse and new_prefix > 0 else None
+        writer = None
+        if reuse and new_prefix > 0:  # it owns `match` from here, and releases it when it commits or aborts
+            writer = self.store.begin_insert(request.prefix, base=match)
+            opened.callback(writer.abort)  # a no-op once committed
         io = LayerIO(self, match, r, m_pad, clock, first=head)
-        try:
-            if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
-                logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix)
-                importance, traced = [], []
-                own_tokens = 0  # the computed tokens' KV is the layers' buffers, as for a reused prefix
-            else:
-                logits, layers_kv, state, importance, traced = self._prefill_block(
-                    io, m, n, k, k_cap, state, tokens, writer, new_prefix, head)
-                own_tokens = n
-            ttft, breakdown = clock.finish()
-            exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
-                                            if self.store is not None else [])
-            io.after_first_token()
-            # After the first token: importance feedback for reordering (of the whole stored prefix, as an identification
-            # measured it: none when a head was computed or every token was loaded), then the write-behind commit.
-            if importance and not head and system.prunes:
-                self.store.record_importance(match, np.stack(importance))
-            if writer is not None:
-                writer.commit()  # also releases `match`, which the writer owns
-                writer = match = None
-        finally:
-            io.close()
-            if writer is not None:
-                writer.abort()
-            if match is not None:
-                match.close()
-        first = np.asarray(logits, np.float32)
-        contexts = [S.context_for_continuation(kv, own_tokens) for kv in layers_kv] if request.continuations else []
-        conts = [self._score(contexts, first, m, n, c) for c in request.continuations]
-        return RequestResult(
-            first_token_logits=first, continuation_logprobs=conts, ttft_ms=ttft, breakdown_ms=breakdown,
-            reused_tokens=m, computed_tokens=n + head, io={}, layers=_layer_record(state, r, head),
-            prefetch=io.prefetch_report(), selections=traced if self.config.trace else None, host_exposed_ms=exposed)
+        opened.callback(io.close)
+        if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
+            logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix)
+            importance, traced = [], []
+            own_tokens = 0  # the computed tokens' KV is the layers' buffers, as for a reused prefix
+        else:
+            logits, layers_kv, state, importance, traced = self._prefill_block(
+                io, m, n, k, k_cap, state, tokens, writer, new_prefix, head)
+            own_tokens = n
+        # After the first token: what the selections tell later requests, importance feedback for reordering (of the
+        # whole stored prefix, as an identification measured it: none when a head was computed or every token was
+        # loaded), then the write-behind commit.
+        then = [io.after_first_token]
+        if importance and not head and system.prunes:
+            then.append(lambda: self.store.record_importance(match, np.stack(importance)))
+        if writer is not None:
+            then.append(writer.commit)
+        return Prefill(logits, layers_kv, own_tokens, reused_tokens=m, computed_tokens=n + head,
+                       layers=_layer_record(state, r, head), prefetch=io.prefetch_report, then=then,
+                       selections=traced)
 
     def _prefill_block(self, io, m, n, k, k_cap, state, tokens, writer, new_prefix, head=0):
         """The n new tokens as one block over the (selected) reused prefix, layer by layer:

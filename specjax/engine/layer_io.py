@@ -46,6 +46,10 @@ class Clock:
         self._watched = 0  # device work handed to the watcher and not yet noted done
         self._all_noted = threading.Condition()
 
+    def restart(self) -> None:
+        """Start again from now, with nothing recorded (e.g. after compiling, which is no request's time)."""
+        self.__init__()
+
     def timed(self, phase: str, fn, *args, **kwargs):
         """fn(*args, **kwargs), its time added to `phase`: the host's time in it for the I/O phases; for "identify"
         the device's, noted by the watcher (`device_work`) without waiting here."""
