@@ -466,11 +466,6 @@ class KVStore(ChunkReads):
                 out[i] = self.summaries.get(layer, c, expected[c])
         return Gathered(out, np.array([c not in bad for c in chunks], bool))
 
-    def read(self, match: Match, layer: int, kind: int, positions=None) -> concurrent.futures.Future:
-        """Future of `Gathered` vectors of `positions` (original prefix order; default all) of one layer."""
-        positions = np.arange(match.length) if positions is None else positions
-        return self.read_locations(layer, kind, self.locate(match, positions, layer))
-
     # -- repair --------------------------------------------------------------------------------
 
     def failing_nodes(self, match: Match) -> list[int]:

@@ -48,7 +48,7 @@ def check(store, tokens, full: bool = True) -> int:
         want = kv_for(tokens[:m.length])
         for layer in range(FP["num_layers"]):
             for kind in (K, V, PROBE):
-                got = store.read(m, layer, kind).result()
+                got = toy_kv.read(store, m, layer, kind).result()
                 assert got.ok.all(), "a chunk fails its checksum or was deleted"
                 np.testing.assert_array_equal(got.array, want[layer][kind])
         return m.length

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+import toy_kv
 from specjax.stores import DiskFullError, K, PROBE, V, KVStore, StoreError, StoreMismatchError
 from specjax.stores.fsck import fsck, main as fsck_main
 from specjax.stores.reorder import Reorderer, reorder_node
@@ -30,7 +31,7 @@ def assert_serves(store, tokens, kv, positions=None):
         assert m.length == len(tokens)
         for layer, arrays in enumerate(kv):
             for kind in (K, V, PROBE):
-                got = store.read(m, layer, kind, positions).result()
+                got = toy_kv.read(store, m, layer, kind, positions).result()
                 want = arrays[kind] if positions is None else arrays[kind][:, positions]
                 assert got.ok.all()
                 np.testing.assert_array_equal(got.array, want)
@@ -52,7 +53,7 @@ def test_write_then_read_bit_exact(tmp_path, chunk_tokens):
         assert_serves(store, tokens, kv)
         perm = rng.permutation(300)[:77]
         with store.match(tokens) as m:
-            got = store.read(m, 1, V, perm).result()
+            got = toy_kv.read(store, m, 1, V, perm).result()
             np.testing.assert_array_equal(got.array, kv[1][V][:, perm])
 
 
@@ -146,7 +147,7 @@ def test_reorder_preserves_original_order(memory_location, background):
                 store.record_importance(m, np.ones(16), positions=important)
             chunks_before = len(store.locate(m, important, 0).unique_chunks())
         reader = store.match(tokens)              # an old reader keeps its consistent version
-        old = store.read(reader, 0, K).result().array
+        old = toy_kv.read(store, reader, 0, K).result().array
         node = reader.steps[0].node_id
         if background:
             reorderer = Reorderer(store, interval_s=0.05).start()
@@ -158,7 +159,7 @@ def test_reorder_preserves_original_order(memory_location, background):
         else:
             assert reorder_node(store, node)
             assert not reorder_node(store, node)  # already in importance order
-        np.testing.assert_array_equal(store.read(reader, 0, K).result().array, old)
+        np.testing.assert_array_equal(toy_kv.read(store, reader, 0, K).result().array, old)
         reader.close()
         store.collect_garbage()
         assert_serves(store, tokens, kv)
@@ -257,7 +258,7 @@ def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
     _flip_bit(_chunk_file(root, 1, V, 1), 100, 0x01)  # layer 1, V, tokens 16..31
     with KVStore.open(root, fp) as store:
         with store.match(tokens) as m:
-            got = store.read(m, 1, V).result()
+            got = toy_kv.read(store, m, 1, V).result()
         assert store.metrics.bad_chunks == 1
         assert not got.ok[16:32].any() and got.ok[:16].all() and got.ok[32:].all()
         assert not np.any(got.array[:, 16:32])        # never returned
@@ -290,7 +291,7 @@ def test_each_devices_reader_reads_and_checks_its_own_heads(tmp_path, direct_io)
     with KVStore.open(root, fp, direct_io=direct_io) as store:
         store.split_reads({K: 2, V: 2})
         with store.match(tokens) as m:
-            got = store.read(m, 2, K).result()
+            got = toy_kv.read(store, m, 2, K).result()
         assert store.metrics.bad_chunks == 1
         assert not got.ok[:16].any() and got.ok[16:].all()
         np.testing.assert_array_equal(got.array[:, 16:], kv[2][K][:, 16:])
@@ -402,7 +403,7 @@ def test_disk_throttle_within_five_percent(memory_location):
     with KVStore.open(location, fp, context=ctx, disk_bandwidth=bandwidth) as store:
         with store.match(np.arange(n)) as m:
             start = time.perf_counter()
-            got = store.read(m, 0, K).result(timeout=120)
+            got = toy_kv.read(store, m, 0, K).result(timeout=120)
             elapsed = time.perf_counter() - start
     assert got.ok.all()
     rate = got.array.nbytes / elapsed
@@ -440,11 +441,11 @@ def test_a_failure_while_checking_a_read_makes_misses_never_a_reader_that_waits_
     with KVStore.open(location, fp, context=ctx, disk_bandwidth=50e6) as store:
         monkeypatch.setattr(reads, "chunk_checksums", lambda arrays: 1 / 0)
         with store.match(np.arange(256)) as m:
-            got = store.read(m, 0, K).result(timeout=30)
+            got = toy_kv.read(store, m, 0, K).result(timeout=30)
         assert not got.ok.any()
         assert store.metrics.snapshot()["bad_chunks"] == 4
         monkeypatch.undo()
         with store.match(np.arange(256)) as m:  # the link still delivers
-            got = store.read(m, 0, K).result(timeout=30)
+            got = toy_kv.read(store, m, 0, K).result(timeout=30)
         assert got.ok.all()
         np.testing.assert_array_equal(got.array, kv)

@@ -24,6 +24,13 @@ def kv_for(tokens) -> list:
     return [(a[layer, 0:2], a[layer, 2:4], a[layer, 4:5]) for layer in range(LAYOUT["num_layers"])]
 
 
+def read(store, match, layer: int, kind: int, positions=None):
+    """Future of the `Gathered` vectors of `positions` (the match's order; default all) of one layer, as the engine's
+    reads locate and read them."""
+    positions = np.arange(match.length) if positions is None else positions
+    return store.read_locations(layer, kind, store.locate(match, positions, layer))
+
+
 def insert(store, tokens) -> None:
     """Store the prefix's KV unless the store holds all of it already."""
     tokens = np.asarray(tokens, np.int64)
