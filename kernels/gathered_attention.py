@@ -1,5 +1,5 @@
 """Gathered attention: the computed tokens attend to a selected subset of the prefix KV plus,
-causally, to themselves, flash-style; optionally returns the selected tokens' new importance.
+causally, to themselves, flash-style.
 
 The prefix KV is either one array per KV head ([H_kv, M, d]) or pages of whole chunks ([P, H_kv, C, d]: a device
 pool's pages or a landing buffer as it crossed), which the kernels read in place through the selection's token
@@ -75,23 +75,10 @@ def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_
     m_ref[...], l_ref[...] = m, l
 
 
-def _importance_kernel(q_ref, lse_ref, idx_ref, count_ref, k_ref, q_len_ref, out_ref, *,
-                       scale, block_q, block_k, num_tokens, pages, group):
-    """Column sums of the final softmax weights over one tile of selected tokens."""
-    count, q_len = count_ref[0], q_len_ref[0]
-    first = pl.program_id(1) * block_k
-    keys = k_ref[_prefix_rows(idx_ref[...], pl.program_id(0) // group, num_tokens=num_tokens, pages=pages)]
-    col_valid = first + jnp.arange(block_k) < count
-    out_ref[...] = c.column_sums(q_ref, lse_ref, keys, col_valid, first < count, q_len,
-                                 scale=scale, block_q=block_q)
-
-
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "return_importance", "block_q", "block_k", "k_splits", "interpret",
-    "num_warps", "num_stages"))
+    "scale", "block_q", "block_k", "k_splits", "interpret", "num_warps", "num_stages"))
 def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len, *,
-                              scale, return_importance, block_q, block_k, k_splits,
-                              interpret, num_warps=4, num_stages=2):
+                              scale, block_q, block_k, k_splits, interpret, num_warps=4, num_stages=2):
     """Pallas gathered attention over token-index rows idx[R, K] (R = 1 shared, or H).
 
     count: int32[R] valid entries per row; q_len: int32 scalar. Both may be traced. prefix_k / prefix_v:
@@ -147,37 +134,16 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
         interpret=interpret, compiler_params=params,
         name=f"gathered_attention_bq{block_q}_bk{block_k}",
     )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
-    m, l, out = c.merge_splits(m_parts, l_parts, o_parts)
-    out = out[:, :n_q].astype(q.dtype)
-    if not return_importance:
-        return out
-
-    importance = pl.pallas_call(
-        functools.partial(_importance_kernel, scale=scale, block_q=block_q, block_k=block_k,
-                          num_tokens=num_tokens, pages=pages, group=group),
-        grid=(num_heads, k_blocks),
-        in_specs=[
-            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, j: (h, 0, 0)),
-            pl.BlockSpec((SQUEEZED, n_q_pad), lambda h, j: (h, 0)),
-            pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (row(h), j)),
-            pl.BlockSpec((1,), lambda h, j: (row(h),)),
-            prefix_spec,
-            pl.BlockSpec((1,), lambda h, j: (0,)),
-        ],
-        out_specs=pl.BlockSpec((SQUEEZED, block_k), lambda h, j: (h, j)),
-        out_shape=jax.ShapeDtypeStruct((num_heads, k_pad), jnp.float32),
-        interpret=interpret, compiler_params=params,
-        name=f"gathered_importance_bq{block_q}_bk{block_k}",
-    )(q, c.log_sum_exp(m, l), idx, count, prefix_k, q_len)
-    return out, importance[:, :capacity]
+    _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
+    return out[:, :n_q].astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_importance"))
+@functools.partial(jax.jit, static_argnames=("scale",))
 def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
-                                 q_len=None, scale=None, return_importance=False):
+                                 q_len=None, scale=None):
     """Plain jnp: gathers the selected K/V and materialises the [H, n_q, k + n_q] softmax."""
     num_heads, n_q, head_dim = q.shape
     num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
@@ -211,19 +177,14 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
     valid = jnp.concatenate([selected_valid, own_valid], axis=2)
     weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
     weights = jnp.where(valid, weights, 0.0)
-    out = jnp.einsum("hqk,hkd->hqd", weights, values,
-                     precision=lax.Precision.HIGHEST).astype(q.dtype)
-    if not return_importance:
-        return out
-    return out, weights[:, :, :capacity].sum(axis=1)
+    return jnp.einsum("hqk,hkd->hqd", weights, values, precision=lax.Precision.HIGHEST).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- public
 
 
 def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
-                       q_len=None, scale: float | None = None, return_importance: bool = False,
-                       impl: str = "auto", block_q: int | None = None,
+                       q_len=None, scale: float | None = None, impl: str = "auto", block_q: int | None = None,
                        block_k: int | None = None, k_splits: int | None = None,
                        check_indices: bool = True):
     """Attention of the computed tokens over the selected prefix KV and, causally, themselves.
@@ -239,9 +200,6 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
       selection: SharedIndices, PerHeadIndices or BlockTable (see selections.py).
       q_len: valid query rows (may be traced); outputs of later rows are don't-care.
       scale: softmax scale, default d ** -0.5.
-      return_importance: also return f32[H, K], each selected token's column sum of the
-        softmax weights over the valid query rows (K = selection capacity in tokens, in
-        selection order; padding entries are 0), for the next layer to reuse.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" or "reference".
       block_q, block_k, k_splits: Pallas tiling (powers of two; None picks defaults).
       check_indices: reject duplicate / out-of-range concrete indices (syncs with the device).
@@ -259,16 +217,14 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
     dispatch = c.resolve_impl(impl)
     if not dispatch.use_pallas:
         return gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection,
-                                            q_len=q_len, scale=scale,
-                                            return_importance=return_importance)
+                                            q_len=q_len, scale=scale)
     interpret = dispatch.interpret
     idx, count = selection.token_indices(num_heads)
     block_q, block_k, k_splits = c.pallas_tiling(n_q, idx.shape[1], num_heads, head_dim, block_q, block_k,
                                                  k_splits, interpret=interpret)
     return gathered_attention_pallas(
         q, prefix_k, prefix_v, own_k, own_v, idx, count, c.length_or_full(q_len, n_q),
-        scale=scale, return_importance=return_importance, block_q=block_q, block_k=block_k,
-        k_splits=k_splits, interpret=interpret)
+        scale=scale, block_q=block_q, block_k=block_k, k_splits=k_splits, interpret=interpret)
 
 
 def _prefix_geometry(prefix) -> tuple[int, int, tuple[int, int] | None]:

@@ -40,14 +40,14 @@ def test_probe_scores_lowers_to_triton(n_q, m, splits, dtype):
 def test_gathered_attention_lowers_to_triton(rows, dtype):
     def fn(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len):
         return gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count,
-                                         q_len, scale=0.1, return_importance=True, block_q=64,
+                                         q_len, scale=0.1, block_q=64,
                                          block_k=64, k_splits=4, interpret=False)
 
     kv = spec((8, 4096, 128), dtype)
     own = spec((8, 100, 128), dtype)
     text = lower_for_cuda(fn, spec((32, 100, 128), dtype), kv, kv, own, own,
                           spec((rows, 1000), jnp.int32), spec((rows,), jnp.int32), I32)
-    assert text.count("xla.gpu.triton") == 2  # attention, then importance
+    assert text.count("xla.gpu.triton") == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -55,11 +55,11 @@ def test_gathered_attention_over_pages_lowers_to_triton(dtype):
     """The prefix as pages [P, H_kv, C, d] read in place (a pool's, a landing buffer's)."""
     def fn(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len):
         return gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count,
-                                         q_len, scale=0.1, return_importance=True, block_q=64,
+                                         q_len, scale=0.1, block_q=64,
                                          block_k=64, k_splits=4, interpret=False)
 
     pages = spec((80, 4, 64, 128), dtype)
     own = spec((4, 100, 128), dtype)
     text = lower_for_cuda(fn, spec((28, 100, 128), dtype), pages, pages, own, own,
                           spec((1, 1000), jnp.int32), spec((1,), jnp.int32), I32)
-    assert text.count("xla.gpu.triton") == 2
+    assert text.count("xla.gpu.triton") == 1
