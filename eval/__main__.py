@@ -22,162 +22,31 @@ from absl import flags
 
 from specjax import sharding
 from specjax.engine.systems import SystemOptions
-from specjax.engine.types import EngineConfig
-from specjax.errors import SpecjaxError
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
+from specjax.eval import settings as settings_lib
 from specjax.eval import systems as systems_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import PartialRuns, code_version, requests_digest
 from specjax.eval.progress import Progress
-from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
-from specjax.stores import Layout
+from specjax.eval.units import cache_bytes, parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions
 
 FLAGS = flags.FLAGS
 
 
-def define_option_flags(options=SystemOptions) -> tuple[str, ...]:
-    """One flag per field of `options`: its name, default and help, typed by the field's type (an enum where it
-    lists choices), checked by building the options from it (their own message on a bad value). Returns the
-    flags' names."""
-    for field in dataclasses.fields(options):
-        help_text, choices = field.metadata["help"], field.metadata["choices"]
-        if choices is not None:
-            flags.DEFINE_enum(field.name, field.default, choices, help_text)
-        else:
-            define = {"bool": flags.DEFINE_bool, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
-                      "str": flags.DEFINE_string}[field.type.split(" | ")[0]]
-            define(field.name, field.default, help_text)
-        flags.register_validator(field.name, lambda v, name=field.name: _parses(lambda x: options(**{name: x}), v),
-                                 f"is not a value of {options.__name__}.{field.name}")
-    return tuple(field.name for field in dataclasses.fields(options))
-
-
-# model
-flags.DEFINE_string("model", "smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...), "
-                    "a Hugging Face hub id ORG/NAME, a Hugging Face checkpoint folder, or a directory written by "
-                    "`python -m specjax.convert`. Hub checkpoints and folders are converted once into "
-                    "$SPECJAX_HOME/models.")
-flags.DEFINE_string("revision", None, "Branch, tag or commit of a Hugging Face hub --model (default: main).")
-flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"],
-                  "Weights: `pretrained` (converted checkpoint) or `random` (real shapes, for timing only: "
-                  "accuracy is then meaningless and results say so).")
-flags.DEFINE_string("dtype", None, "Model dtype (float32, bfloat16, float16); default: the model's own.")
-flags.DEFINE_integer("tensor_parallel", 1, "Devices to split the model over by attention head and MLP unit "
-                     "(jax.sharding mesh over the first N; specjax.sharding); each device holds, loads and attends "
-                     "over its own KV heads. 1: one device, no mesh. On CPU, "
-                     "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.")
-# task and workload
-flags.DEFINE_string("task", "needle",
-                    "Task: " + "; ".join(f"{k} ({v.description})" for k, v in tasks_lib.TASKS.items()) + ".")
-flags.DEFINE_string("data_dir", None, "Folder with task files laid out like ../shared/data (see its README.md). "
-                    "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
-flags.DEFINE_string("data_path", None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per line.")
-flags.DEFINE_integer("limit", None, "Number of requests (the first N task items, as lm-eval's --limit). "
-                     "Default: all items; for needle 16, to keep the default run (8 runs: 5 systems, the 3 that "
-                     "prune at 2 retentions) short on a 2-core CPU; README.md gives its measured time.")
-flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per "
-                    "prefix (the papers' 2-10). 0 gives lm-eval's zero-shot prompts.")
-flags.DEFINE_integer("prefix_tokens", None, "Extend every prefix with more examples (needle: more facts) to at "
-                     "least this many tokens (SPEC: 4.8k-5.7k average, up to 10k).")
-flags.DEFINE_float("reuse_mean", 8.0, "Mean number of queries sharing one prefix (normal distribution).")
-flags.DEFINE_float("reuse_std", 3.0, "Standard deviation of the number of queries sharing one prefix.")
-flags.DEFINE_integer("needle_facts", tasks_lib.NeedleSpec.num_facts,
-                     "needle: key-value facts per prefix (ignored when --prefix_tokens is set).")
-flags.DEFINE_bool("add_bos", False, "Start every prefix with the tokenizer's BOS token (lm-eval adds none).")
-flags.DEFINE_integer("seed", 0, "Seed for the workload (items, few-shot draws, reuse counts, needle facts) and "
-                     "random weights.")
-# systems
-flags.DEFINE_string("systems", "default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) +
-                    ". `default` = the SPEC paper's line-up (recompute, as_full, as_h2o_lru, as_h2o_lfu, spec) "
-                    "restricted to those built; `all` = every built system.")
-flags.DEFINE_string("retention", "0.25,0.75", "Fraction of prefix tokens kept, or a comma-separated list to sweep "
-                    "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others (recompute, "
-                    "as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT trade-off over them.")
-flags.DEFINE_integer("chunk_tokens", Layout.chunk_tokens,
-                     "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its own 16).")
-flags.DEFINE_string("gpu_cache", "15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of "
-                    "the workload's stored prefix KV (SPEC: 10GB of ~60GB).")
-flags.DEFINE_string("cpu_cache", "50%", "CPU prefix-KV cache budget: bytes or a percentage of the stored prefix "
-                    "KV (SPEC: 32GB of ~60GB). Keep GPU+CPU under 100% so part of the KV lives only on disk.")
-flags.DEFINE_string("disk_bandwidth", None, "Emulated disk read bandwidth (e.g. 5GB/s); unset = the real disk.")
-flags.DEFINE_string("pcie_bandwidth", None, "Emulated CPU->GPU bandwidth (e.g. 25GB/s); unset = the real link.")
-flags.DEFINE_bool("direct_io", False, "Read the store with O_DIRECT so the page cache does not hide the disk.")
-flags.DEFINE_string("inflight_bytes", None, "Most bytes of KV reads the disk's read scheduler keeps in flight (e.g. "
-                    "4MiB); unset: 4MiB on a real disk, one read at a time on an emulated one. Reads beyond it wait "
-                    "in its queue, demand before speculative, where a superseded speculative read is dropped unread.")
-# what a user may change about a system: one flag per SystemOptions field (specjax.engine.systems)
-OPTION_FLAGS = define_option_flags()
-flags.DEFINE_integer("cake_chunk_tokens", EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from "
-                     "the front or loaded from the back (Cake: 512); a multiple of --chunk_tokens.")
-flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is "
-                     "reused (recompute, a cold request): more new tokens than this are computed in chunks of this "
-                     "many, each attending to the earlier chunks' KV (exact); 0: one block, as the plain forward.")
-flags.DEFINE_string("record_selections", None, "Folder to record, for each system that identifies, the attention "
-                    "scores its identification decided from (one file per system and retention), to replay in a "
-                    "timing run of another shape (--replay_selections; specjax.engine.replay).")
-flags.DEFINE_string("replay_selections", None, "Folder of selection traces (--record_selections): each system that "
-                    "identifies decides from the recorded scores of its own system and retention instead of its own, "
-                    "mapped by request, relative layer depth and relative prefix offset. Same task only; onto random "
-                    "weights or the recording model. Accuracy of a replayed run is meaningless; its TTFT, bytes, "
-                    "reads and hits are what it is for.")
-# where things go
-flags.DEFINE_string("store", None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
-                    "temporary directory removed at the end.")
-flags.DEFINE_string("output_dir", None, "Where results.json, results.md and plots go; default results/<model>-<task>.")
-flags.DEFINE_string("preset", None, "Experiment preset from specjax.configs.presets (" +
-                    ", ".join(presets_lib.names()) + "); flags given on the command line override it.")
+# Every setting of an evaluation is a field of one of `settings.EVAL_GROUPS` (the model, the workload, the store, the
+# engine, the run, the systems' options): its flag, type, default, help and check come from the field, and the
+# values are results.json's `config`.
+OUR_FLAGS = tuple(name for group in settings_lib.EVAL_GROUPS for name in settings_lib.define_flags(group))
+# how this command runs, not what it measures: neither recorded nor part of a resumed evaluation's identity
 flags.DEFINE_bool("progress", True, "Show a progress bar with ETA on stderr.")
 flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation finished (kept in <output_dir>/.partial "
                   "until its results are written) and run only the rest; the flags, code and machine must match.")
 
-flags.register_validator("retention", lambda v: _ok(parse_retentions, v), "must be fractions in (0, 1], "
-                         "comma-separated, e.g. 0.25 or 0.05,0.1,0.25,0.5")
-flags.register_validator("num_fewshot", lambda v: _ok(parse_fewshot, v), "must be N or A-B with 0 <= A <= B")
-flags.register_validator("gpu_cache", lambda v: _parses(parse_size, v), "must be a size like 10GB, 512MiB or 15%")
-flags.register_validator("cpu_cache", lambda v: _parses(parse_size, v), "must be a size like 32GB, 2GiB or 50%")
-flags.register_validator("disk_bandwidth", lambda v: v is None or _parses(parse_bandwidth, v),
-                         "must be a rate like 5GB/s or 800MB/s")
-flags.register_validator("inflight_bytes", lambda v: v is None or _ok(parse_bytes, v),
-                         "must be a size like 4MiB or 512KB")
-flags.register_validator("pcie_bandwidth", lambda v: v is None or _parses(parse_bandwidth, v),
-                         "must be a rate like 25GB/s")
-flags.register_validator("limit", lambda v: v is None or v > 0, "must be a positive number of requests")
-flags.register_validator("tensor_parallel", lambda v: v >= 1, "must be at least 1 (1: one device)")
-flags.register_validator("prefix_tokens", lambda v: v is None or v > 0, "must be a positive token count")
-flags.register_validator("chunk_tokens", lambda v: v > 0, "must be positive")
-flags.register_validator("cake_chunk_tokens", lambda v: v > 0, "must be positive")
-flags.register_validator("prefill_chunk_tokens", lambda v: v >= 0, "must be >= 0 (0: one block)")
-flags.register_validator("needle_facts", lambda v: v >= 4, "must be at least 4")
-flags.register_validator("reuse_mean", lambda v: v >= 1, "must be at least 1")
-flags.register_validator("reuse_std", lambda v: v >= 0, "must be non-negative")
-
 NEEDLE_DEFAULT_LIMIT = 16
-# flags that are SystemSettings fields of the same name
-SYSTEM_FLAGS = ("cake_chunk_tokens", "prefill_chunk_tokens")
-OUR_FLAGS = ("model", "init", "dtype", "task", "data_dir", "data_path", "limit", "num_fewshot", "prefix_tokens",
-             "reuse_mean", "reuse_std", "needle_facts", "add_bos", "seed", "systems", "retention", "chunk_tokens",
-             "gpu_cache", "cpu_cache", "disk_bandwidth", "pcie_bandwidth", "direct_io", "inflight_bytes", "store",
-             "output_dir", "preset", "revision", "tensor_parallel", "record_selections",
-             "replay_selections") + SYSTEM_FLAGS + OPTION_FLAGS
-
-
-def _ok(parse, value) -> bool:
-    try:
-        parse(value)
-        return True
-    except (ValueError, TypeError):
-        return False
-
-
-def _parses(parse, value) -> bool:
-    """As `_ok`, but a refusal carries the parser's own message (it says what to write instead)."""
-    try:
-        parse(value)
-        return True
-    except (ValueError, TypeError, SpecjaxError) as e:
-        raise flags.ValidationError(f"{e}") from None
+OPTION_FLAGS = settings_lib.names([SystemOptions])
+SYSTEM_FLAGS = settings_lib.names([settings_lib.EngineSettings])  # SystemSettings fields of the same names
 
 
 def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None,
@@ -214,11 +83,6 @@ def _values() -> dict:
     return {name: FLAGS[name].value for name in OUR_FLAGS}
 
 
-def _cache_bytes(spec: str, store_bytes: int) -> int:
-    value, is_fraction = parse_size(spec)
-    return int(round(value * store_bytes)) if is_fraction else int(value)
-
-
 # Flags that choose which runs to make or where files go; a resumed evaluation may change them.
 NOT_FINGERPRINTED = ("systems", "retention", "store", "output_dir", "preset")
 
@@ -227,6 +91,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     """One task end to end; returns the results dict it wrote. `resume`: reuse the runs an interrupted
     evaluation into the same `output_dir` finished (see specjax.eval.partial)."""
     started = time.time()
+    values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
     names = systems_lib.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
     task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
@@ -251,8 +116,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
     settings = systems_lib.SystemSettings(
         retention=retentions[0], chunk_tokens=values["chunk_tokens"],
-        gpu_cache_bytes=_cache_bytes(values["gpu_cache"], store_bytes),
-        cpu_cache_bytes=_cache_bytes(values["cpu_cache"], store_bytes),
+        gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
+        cpu_cache_bytes=cache_bytes(values["cpu_cache"], store_bytes),
         disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
@@ -397,7 +262,8 @@ def main(argv):
         if ignored:
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
-    systems_lib.resolve(values["systems"])  # fail on unknown systems before loading a model
+    settings_lib.checked(values)  # fail on a bad setting (a preset's) or an unknown system before loading a model
+    systems_lib.resolve(values["systems"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
     check_folder("--output_dir", base_dir)

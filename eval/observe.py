@@ -19,6 +19,7 @@ This module is the command; the work is in `observe_measure` (model passes, sele
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shlex
@@ -29,40 +30,78 @@ import jax
 import numpy as np
 from absl import flags
 
+from specjax.eval import settings as settings_lib
 from specjax.eval.observe_analysis import analyse
 from specjax.eval.observe_figures import write_figures
 from specjax.eval.observe_measure import collect, engine_measurements, ordered_by_prefix
 from specjax.eval.observe_report import engine_section, verdicts, write_markdown
+from specjax.eval.settings import setting
 
 FLAGS = flags.FLAGS
 
 
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        from specjax.eval.errors import EvalError
+
+        raise EvalError(f"--{name} {text!r}: want comma-separated numbers, e.g. 0.1,0.25,0.4")
+    return values
+
+
+def _fraction(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError("must be a fraction in (0, 1]")
+
+
+def _fractions(text: str) -> None:
+    for value in _floats(text, "retentions"):
+        _fraction(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveSettings:
+    """This command's own settings; the model's, the workload's and the store's are the evaluation's
+    (`specjax.eval.settings`), with defaults of its own (`SHARED`)."""
+
+    retentions: str = setting("0.1,0.25,0.4", "Retention ratios for the similarity measurements.",
+                              check=_fractions)
+    main_retention: float = setting(0.25, "Retention for single-retention measurements (layers, ITF).",
+                                    check=_fraction)
+    density_retention: float = setting(0.5, "Extra retention for chunk density (SPEC Fig. 5a uses 50%).",
+                                       check=_fraction)
+    period_chunk_tokens: int = setting(16, "ContiguousChunk size for period coverage (ContiguousKV: 16).")
+    period_layers: int = setting(8, "Layers per period (ContiguousKV: 8).")
+    alphas: str = setting("0,0.3,0.6,1,2", "ITF threshold exponents to sweep.", check=lambda v: _floats(v, "alphas"))
+    accuracy: bool = setting(True, "Also measure loglikelihood accuracy under the selections (slower).")
+    engine: bool = setting(True, "Also run the engine (items 5-6: alpha sweep, reordering, cache policy).")
+    reorder_every: int = setting(0, "Engine: also run SPEC's reordering pass after every N measured requests (0: only "
+                                 "once, between the two warm-up passes, as specjax.eval does; each repack frees the "
+                                 "old chunks, so the caches restart cold after it).")
+    output_dir: str | None = setting(None, "Where to write; default results/observe-<model>-<task>.")
+
+    __post_init__ = settings_lib.check_fields
+
+
+# the evaluation's settings this command shares, and its defaults for them
+SHARED = {settings_lib.ModelSettings: (("model", "init"), {}),
+          settings_lib.WorkloadSettings: (("task", "data_dir", "limit", "num_fewshot", "prefix_tokens", "reuse_mean",
+                                           "seed"), {"limit": 30, "prefix_tokens": 800}),
+          settings_lib.StoreSettings: (("chunk_tokens", "gpu_cache", "cpu_cache"), {"chunk_tokens": 64})}
+
+
 def define_flags() -> None:
     """Flags of this command; defined only when it runs, so importing the module defines none."""
-    flags.DEFINE_string("model", "smollm2-135m", "Registered model name or converted model directory.")
-    flags.DEFINE_enum("init", "pretrained", ["pretrained", "random"], "Weights (random: for tests only).")
-    flags.DEFINE_string("task", "needle", "Task name (see python -m specjax.eval --help).")
-    flags.DEFINE_string("data_dir", None, "Folder laid out like ../shared/data.")
-    flags.DEFINE_integer("limit", 30, "Number of requests.")
-    flags.DEFINE_string("num_fewshot", "2-10", "Few-shot examples per prefix: N or A-B.")
-    flags.DEFINE_integer("prefix_tokens", 800, "Extend every prefix to at least this many tokens (0: do not).")
-    flags.DEFINE_float("reuse_mean", 8.0, "Mean number of queries per prefix.")
-    flags.DEFINE_integer("seed", 0, "Workload seed.")
-    flags.DEFINE_string("retentions", "0.1,0.25,0.4", "Retention ratios for the similarity measurements.")
-    flags.DEFINE_float("main_retention", 0.25, "Retention for single-retention measurements (layers, ITF).")
-    flags.DEFINE_float("density_retention", 0.5, "Extra retention for chunk density (SPEC Fig. 5a uses 50%).")
-    flags.DEFINE_integer("chunk_tokens", 64, "Tokens per stored chunk (SPEC: 64).")
-    flags.DEFINE_integer("period_chunk_tokens", 16, "ContiguousChunk size for period coverage (ContiguousKV: 16).")
-    flags.DEFINE_integer("period_layers", 8, "Layers per period (ContiguousKV: 8).")
-    flags.DEFINE_string("alphas", "0,0.3,0.6,1,2", "ITF threshold exponents to sweep.")
-    flags.DEFINE_bool("accuracy", True, "Also measure loglikelihood accuracy under the selections (slower).")
-    flags.DEFINE_bool("engine", True, "Also run the engine (items 5-6: alpha sweep, reordering, cache policy).")
-    flags.DEFINE_integer("reorder_every", 0, "Engine: also run SPEC's reordering pass after every N measured "
-                         "requests (0: only once, between the two warm-up passes, as specjax.eval does; each "
-                         "repack frees the old chunks, so the caches restart cold after it).")
-    flags.DEFINE_float("gpu_cache", 0.15, "Engine: device cache as a fraction of the stored prefix KV (SPEC: 10 of ~60 GB).")
-    flags.DEFINE_float("cpu_cache", 0.5, "Engine: host cache as a fraction of the stored prefix KV.")
-    flags.DEFINE_string("output_dir", None, "Where to write; default results/observe-<model>-<task>.")
+    for group, (only, defaults) in SHARED.items():
+        settings_lib.define_flags(group, only, defaults)
+    settings_lib.define_flags(ObserveSettings)
+
+
+def flag_names() -> tuple[str, ...]:
+    return sum((only for only, _ in SHARED.values()), ()) + settings_lib.names([ObserveSettings])
 
 
 def _jsonable(x):
@@ -80,18 +119,6 @@ def _jsonable(x):
 
 
 # ---------------------------------------------------------------- command
-
-
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        from specjax.eval.errors import EvalError
-
-        raise EvalError(f"--{name} {text!r}: want comma-separated numbers, e.g. 0.1,0.25,0.4")
-    return values
 
 
 def _load_model(name: str, init: str, seed: int):
@@ -127,7 +154,7 @@ def run(values: dict, progress=print) -> dict:
                 "density_retention": values["density_retention"], "chunk_tokens": values["chunk_tokens"],
                 "period_chunk_tokens": values["period_chunk_tokens"], "period_layers": values["period_layers"],
                 "accuracy": values["accuracy"], "reorder_every": values.get("reorder_every", 0),
-                "gpu_cache": values.get("gpu_cache", 0.15), "cpu_cache": values.get("cpu_cache", 0.5)}
+                "gpu_cache": values.get("gpu_cache", "15%"), "cpu_cache": values.get("cpu_cache", "50%")}
     model = _load_model(values["model"], values["init"], values["seed"])
     cfg = model.config
     task = tasks_lib.load_task(values["task"], values["data_dir"])
@@ -177,11 +204,7 @@ def main(argv):
 
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}; flags look like --task piqa")
-    names = ("model", "init", "task", "data_dir", "limit", "num_fewshot", "prefix_tokens", "reuse_mean", "seed",
-             "retentions", "main_retention", "density_retention", "chunk_tokens", "period_chunk_tokens",
-             "period_layers", "alphas", "accuracy", "engine", "reorder_every", "gpu_cache", "cpu_cache",
-             "output_dir")
-    values = {n: FLAGS[n].value for n in names}
+    values = {n: FLAGS[n].value for n in flag_names()}
     values["command"] = shlex.join(["python", "-m", "specjax.eval.observe", *sys.argv[1:]])
     run(values)
 

@@ -27,6 +27,7 @@ from specjax.engine import EngineConfig, fingerprint, make_engine, make_system, 
 from specjax.engine import engine as engine_lib
 from specjax.engine import state as st
 from specjax.eval.engine_systems import warm_up
+from specjax.eval.units import cache_bytes
 from specjax.kernels import PerHeadIndices, itf
 from specjax.models import inference
 from specjax.models import transformer as T
@@ -329,7 +330,7 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
     unique = {r.prefix_id: len(r.prefix_ids) for r in requests}
     kv_bytes = sum(unique.values()) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * \
         jnp.dtype(model.dtype).itemsize
-    gpu, cpu = int(settings["gpu_cache"] * kv_bytes), int(settings["cpu_cache"] * kv_bytes)
+    gpu, cpu = cache_bytes(settings["gpu_cache"], kv_bytes), cache_bytes(settings["cpu_cache"], kv_bytes)
     ret = settings["main_retention"]
     runs = [(f"spec alpha={a}", make_system("spec", alpha=a), True) for a in settings["alphas"]]
     runs += [("spec no reorder", make_system("spec", no_reorder=True), False),

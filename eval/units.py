@@ -49,6 +49,12 @@ def parse_bandwidth(text: str) -> float:
     return value
 
 
+def cache_bytes(spec: str, store_bytes: int) -> int:
+    """A cache budget (`parse_size`: bytes, or a percentage of the `store_bytes` of stored prefix KV) in bytes."""
+    value, is_fraction = parse_size(spec)
+    return int(round(value * store_bytes)) if is_fraction else int(value)
+
+
 def parse_retentions(text: str) -> list[float]:
     values = [float(v) for v in str(text).split(",") if v.strip()]
     if not values or any(not 0 < v <= 1 for v in values):

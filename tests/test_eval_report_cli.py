@@ -194,6 +194,32 @@ def test_every_system_option_is_a_flag_of_its_name_type_and_help():
     assert recorded["options"]["no_itf"] is True
 
 
+def test_every_eval_flag_is_one_setting_of_the_tree():
+    """The eval's flags are the settings tree's fields, each flag's default and help the field's; a value a flag
+    refuses is refused from a preset too, with the same message."""
+    import dataclasses
+
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from specjax.eval import settings
+    from specjax.eval.errors import EvalError
+
+    assert set(cli.OUR_FLAGS) == set(settings.names()) and len(cli.OUR_FLAGS) == len(set(cli.OUR_FLAGS))
+    for group in settings.EVAL_GROUPS:
+        for field in dataclasses.fields(group):
+            flag = cli.FLAGS[field.name]
+            assert flag.default == field.default and flag.help.endswith(field.metadata["help"]), field.name
+    assert cli.FLAGS["tensor_parallel"].flag_type() == "int" and cli.FLAGS["init"].flag_type().endswith("enum")
+    with flagsaver.flagsaver(), pytest.raises(flags.IllegalFlagValueError, match="outside 0-100"):
+        cli.FLAGS.gpu_cache = "150%"
+    with pytest.raises(EvalError, match=r"gpu_cache '150%'.*outside 0-100"):
+        settings.checked({**cli._values(), "gpu_cache": "150%"})  # as a preset would set it
+    with pytest.raises(EvalError, match="needle_facts 2: must be at least 4"):
+        settings.checked({"needle_facts": 2})
+    assert settings.checked(cli._values()) == cli._values()
+
+
 @pytest.mark.parametrize("flag", ["--store", "--output_dir"])
 def test_cli_folder_flags_given_a_file(flag, tmp_path):
     file = tmp_path / "notes.txt"

@@ -236,6 +236,21 @@ def test_command_on_tiny_random_model(tmp_path):
     assert 0.0 <= res["heads"][0.25]["per_layer"].min() <= 1.0
 
 
+def test_observe_shares_the_evaluations_settings():
+    """observe's model, workload and store flags are the eval's settings (their help and checks), with its own defaults;
+    its own settings are checked as the eval's are."""
+    from specjax.errors import SpecjaxError
+
+    for group, (only, defaults) in observe.SHARED.items():
+        assert set(only) <= {f.name for f in dataclasses.fields(group)} and set(defaults) <= set(only)
+        group(**defaults)  # observe's defaults pass the shared checks
+    assert {"gpu_cache", "prefix_tokens", "alphas", "output_dir"} <= set(observe.flag_names())
+    with pytest.raises(SpecjaxError, match="main_retention 2.0: must be a fraction"):
+        observe.ObserveSettings(main_retention=2.0)
+    with pytest.raises(SpecjaxError, match="want comma-separated numbers"):
+        observe.ObserveSettings(alphas="x")
+
+
 def test_engine_section_marks_missing_engine_results_pending():
     res = {"alphas": [0.6], "main_retention": 0.25, "engine": {"error": "engine not importable: boom"}}
     text = R.engine_section(res)
@@ -253,10 +268,13 @@ def test_engine_measurements_run_every_system_after_the_eval_warm_up():
                         query_ids=tuple(rng.integers(0, 500, 5).tolist()),
                         choice_ids=(tuple(rng.integers(0, 500, 2).tolist()), (7, 8)), choices=("a", "b"), gold=0)
                 for i in range(5)]
-    settings = {"gpu_cache": 0.1, "cpu_cache": 0.3, "main_retention": 0.25, "alphas": [0.6], "chunk_tokens": 16,
+    settings = {"gpu_cache": "10%", "cpu_cache": "30%", "main_retention": 0.25, "alphas": [0.6], "chunk_tokens": 16,
                 "reorder_every": 0}
     res = M.engine_measurements(model, requests, settings, progress=lambda *_: None)
     assert "error" not in res, res.get("error")
+    # budgets as the eval's --gpu_cache / --cpu_cache take them: shares of the stored prefix KV
+    assert res["gpu_cache_bytes"] == round(0.1 * res["store_bytes"]) > 0
+    assert res["cpu_cache_bytes"] == round(0.3 * res["store_bytes"])
     assert set(res["runs"]) == {"spec alpha=0.6", "spec no reorder", "spec LFU cache"}
     for run in res["runs"].values():
         assert run["n"] == len(requests) and 0.0 <= run["accuracy"] <= 1.0

@@ -1,0 +1,250 @@
+"""The evaluation's settings as one typed tree: a frozen dataclass per layer of the stack (the model, the workload,
+the store and its links, the engine, the run), beside the systems' own `SystemOptions`.
+
+A field is a setting once: its name is the flag's, its type the flag's type, its default and help the flag's, and its
+check (`__post_init__`, through `setting(check=...)`) refuses a bad value from the command line and from a preset
+alike. `python -m specjax.eval` defines its flags from `EVAL_GROUPS` and records their values as results.json's
+`config`; `python -m specjax.eval.observe` defines the ones it shares from the same fields (with defaults of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from absl import flags
+
+from specjax.engine.systems import SystemOptions
+from specjax.engine.types import EngineConfig
+from specjax.errors import SpecjaxError
+from specjax.eval import presets as presets_lib
+from specjax.eval import systems as systems_lib
+from specjax.eval import tasks as tasks_lib
+from specjax.eval.errors import EvalError
+from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
+from specjax.stores import Layout
+
+
+def setting(default, help: str, *, choices: tuple[str, ...] | None = None, check: Callable | None = None):
+    """A field of a settings group: its default, the help of the flag of its name, the values it may take
+    (`choices`: an enum flag) and `check(value)`, which raises ValueError (or SpecjaxError) saying what is wrong."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "check": check})
+
+
+def _must(ok: Callable[[object], bool], message: str) -> Callable:
+    def check(value):
+        if not ok(value):
+            raise ValueError(message)
+    return check
+
+
+def _parsed(parse: Callable, message: str) -> Callable:
+    def check(value):
+        try:
+            parse(value)
+        except (ValueError, TypeError):
+            raise ValueError(message) from None
+    return check
+
+
+def _unless_none(parse: Callable) -> Callable:
+    return lambda value: None if value is None else parse(value)
+
+
+def check_fields(group) -> None:
+    """Each field's `setting` check, failing with the setting's name and value."""
+    for field in dataclasses.fields(group):
+        value, check, choices = getattr(group, field.name), field.metadata.get("check"), field.metadata.get("choices")
+        if choices is not None and value is not None and value not in choices:
+            raise SpecjaxError(f"{field.name} {value!r}: choose one of {', '.join(choices)}")
+        if check is None:
+            continue
+        try:
+            check(value)
+        except (ValueError, TypeError) as e:
+            raise SpecjaxError(f"{field.name} {value!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """Which model, with which weights, on how many devices."""
+
+    model: str = setting("smollm2-135m", "Model: a registered name (smollm2-135m, opt-6.7b, tiny-llama, ...), a "
+                         "Hugging Face hub id ORG/NAME, a Hugging Face checkpoint folder, or a directory written by "
+                         "`python -m specjax.convert`. Hub checkpoints and folders are converted once into "
+                         "$SPECJAX_HOME/models.")
+    revision: str | None = setting(None, "Branch, tag or commit of a Hugging Face hub --model (default: main).")
+    init: str = setting("pretrained", "Weights: `pretrained` (converted checkpoint) or `random` (real shapes, for "
+                        "timing only: accuracy is then meaningless and results say so).",
+                        choices=("pretrained", "random"))
+    dtype: str | None = setting(None, "Model dtype (float32, bfloat16, float16); default: the model's own.")
+    tensor_parallel: int = setting(1, "Devices to split the model over by attention head and MLP unit (jax.sharding "
+                                   "mesh over the first N; specjax.sharding); each device holds, loads and attends "
+                                   "over its own KV heads. 1: one device, no mesh. On CPU, "
+                                   "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
+                                   check=_must(lambda v: v >= 1, "must be at least 1 (1: one device)"))
+
+    __post_init__ = check_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSettings:
+    """The requests: which task, how its prefixes are built and shared."""
+
+    task: str = setting("needle", "Task: " + "; ".join(f"{k} ({v.description})" for k, v in tasks_lib.TASKS.items())
+                        + ".")
+    data_dir: str | None = setting(None, "Folder with task files laid out like ../shared/data (see its README.md). "
+                                   "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
+    data_path: str | None = setting(None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per "
+                                    "line.")
+    limit: int | None = setting(None, "Number of requests (the first N task items, as lm-eval's --limit). Unset: "
+                                "all items; for needle 16, to keep specjax.eval's default run (8 runs: 5 systems, the "
+                                "3 that prune at 2 retentions) short on a 2-core CPU; README.md gives its measured "
+                                "time.",
+                                check=_must(lambda v: v is None or v > 0, "must be a positive number of requests"))
+    num_fewshot: str = setting("2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per prefix "
+                               "(the papers' 2-10). 0 gives lm-eval's zero-shot prompts.",
+                               check=_parsed(parse_fewshot, "must be N or A-B with 0 <= A <= B"))
+    prefix_tokens: int | None = setting(None, "Extend every prefix with more examples (needle: more facts) to at "
+                                        "least this many tokens (SPEC: 4.8k-5.7k average, up to 10k); 0 or unset: "
+                                        "do not.", check=_must(lambda v: v is None or v >= 0,
+                                                               "must be a token count (0: do not extend)"))
+    reuse_mean: float = setting(8.0, "Mean number of queries sharing one prefix (normal distribution).",
+                                check=_must(lambda v: v >= 1, "must be at least 1"))
+    reuse_std: float = setting(3.0, "Standard deviation of the number of queries sharing one prefix.",
+                               check=_must(lambda v: v >= 0, "must be non-negative"))
+    needle_facts: int = setting(tasks_lib.NeedleSpec.num_facts, "needle: key-value facts per prefix (ignored when "
+                                "--prefix_tokens is set).", check=_must(lambda v: v >= 4, "must be at least 4"))
+    add_bos: bool = setting(False, "Start every prefix with the tokenizer's BOS token (lm-eval adds none).")
+    seed: int = setting(0, "Seed for the workload (items, few-shot draws, reuse counts, needle facts) and random "
+                        "weights.")
+
+    __post_init__ = check_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """The KV store, its cache tiers and the links bytes cross."""
+
+    chunk_tokens: int = setting(Layout.chunk_tokens, "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its "
+                                "own 16).", check=_must(lambda v: v > 0, "must be positive"))
+    gpu_cache: str = setting("15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of the "
+                             "workload's stored prefix KV (SPEC: 10GB of ~60GB).", check=parse_size)
+    cpu_cache: str = setting("50%", "CPU prefix-KV cache budget: bytes or a percentage of the stored prefix KV "
+                             "(SPEC: 32GB of ~60GB). Keep GPU+CPU under 100% so part of the KV lives only on disk.",
+                             check=parse_size)
+    disk_bandwidth: str | None = setting(None, "Emulated disk read bandwidth (e.g. 5GB/s); unset = the real disk.",
+                                         check=_unless_none(parse_bandwidth))
+    pcie_bandwidth: str | None = setting(None, "Emulated CPU->GPU bandwidth (e.g. 25GB/s); unset = the real link.",
+                                         check=_unless_none(parse_bandwidth))
+    direct_io: bool = setting(False, "Read the store with O_DIRECT so the page cache does not hide the disk.")
+    inflight_bytes: str | None = setting(None, "Most bytes of KV reads the disk's read scheduler keeps in flight "
+                                         "(e.g. 4MiB); unset: 4MiB on a real disk, one read at a time on an emulated "
+                                         "one. Reads beyond it wait in its queue, demand before speculative, where a "
+                                         "superseded speculative read is dropped unread.",
+                                         check=_unless_none(parse_bytes))
+    store: str | None = setting(None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
+                                "temporary directory removed at the end.")
+
+    __post_init__ = check_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """How the engine computes what it does not load (`SystemSettings` fields of the same names)."""
+
+    cake_chunk_tokens: int = setting(EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from the front "
+                                     "or loaded from the back (Cake: 512); a multiple of --chunk_tokens.",
+                                     check=_must(lambda v: v > 0, "must be positive"))
+    prefill_chunk_tokens: int = setting(EngineConfig.prefill_chunk_tokens, "Chunked prefill when nothing is reused "
+                                        "(recompute, a cold request): more new tokens than this are computed in "
+                                        "chunks of this many, each attending to the earlier chunks' KV (exact); 0: "
+                                        "one block, as the plain forward.",
+                                        check=_must(lambda v: v >= 0, "must be >= 0 (0: one block)"))
+
+    __post_init__ = check_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """Which runs to make and where their results go."""
+
+    systems: str = setting("default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) + ". "
+                           "`default` = the SPEC paper's line-up (recompute, as_full, as_h2o_lru, as_h2o_lfu, spec) "
+                           "restricted to those built; `all` = every built system.")
+    retention: str = setting("0.25,0.75", "Fraction of prefix tokens kept, or a comma-separated list to sweep (e.g. "
+                             "0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "
+                             "(recompute, as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT "
+                             "trade-off over them.",
+                             check=_parsed(parse_retentions, "must be fractions in (0, 1], comma-separated, e.g. 0.25 "
+                                           "or 0.05,0.1,0.25,0.5"))
+    record_selections: str | None = setting(None, "Folder to record, for each system that identifies, the attention "
+                                            "scores its identification decided from (one file per system and "
+                                            "retention), to replay in a timing run of another shape "
+                                            "(--replay_selections; specjax.engine.replay).")
+    replay_selections: str | None = setting(None, "Folder of selection traces (--record_selections): each system "
+                                            "that identifies decides from the recorded scores of its own system and "
+                                            "retention instead of its own, mapped by request, relative layer depth "
+                                            "and relative prefix offset. Same task only; onto random weights or the "
+                                            "recording model. Accuracy of a replayed run is meaningless; its TTFT, "
+                                            "bytes, reads and hits are what it is for.")
+    output_dir: str | None = setting(None, "Where results.json, results.md and plots go; default "
+                                     "results/<model>-<task>.")
+    preset: str | None = setting(None, "Experiment preset from specjax.configs.presets (" +
+                                 ", ".join(presets_lib.names()) + "); flags given on the command line override it.")
+
+    __post_init__ = check_fields
+
+
+# `python -m specjax.eval`'s settings, one flag per field; results.json records their values as `config`
+EVAL_GROUPS = (ModelSettings, WorkloadSettings, StoreSettings, EngineSettings, RunSettings, SystemOptions)
+
+
+def names(groups=EVAL_GROUPS) -> tuple[str, ...]:
+    return tuple(field.name for group in groups for field in dataclasses.fields(group))
+
+
+def define_flags(group, only: tuple[str, ...] | None = None, defaults: dict | None = None) -> tuple[str, ...]:
+    """One absl flag per field of `group` (or of its fields `only`): its name, default (or `defaults`' value) and
+    help, typed by the field's type (an enum where it lists choices), checked by building the group from it (the
+    group's own message on a bad value). Returns the flags' names."""
+    defined = []
+    for field in dataclasses.fields(group):
+        if only is not None and field.name not in only:
+            continue
+        default = (defaults or {}).get(field.name, field.default)
+        help_text, choices = field.metadata["help"], field.metadata["choices"]
+        if choices is not None:
+            flags.DEFINE_enum(field.name, default, choices, help_text)
+        else:
+            define = {"bool": flags.DEFINE_bool, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
+                      "str": flags.DEFINE_string}[field.type.split(" | ")[0]]
+            define(field.name, default, help_text)
+        flags.register_validator(field.name, lambda v, name=field.name: _parses(lambda x: group(**{name: x}), v),
+                                 f"is not a value of {group.__name__}.{field.name}")
+        defined.append(field.name)
+    return tuple(defined)
+
+
+def _parses(build, value) -> bool:
+    """True if `build(value)` succeeds; a refusal carries its own message (it says what to write instead)."""
+    try:
+        build(value)
+        return True
+    except (ValueError, TypeError, SpecjaxError) as e:
+        raise flags.ValidationError(f"{e}") from None
+
+
+def checked(values: dict, groups=EVAL_GROUPS) -> dict:
+    """`values` (flat: setting name -> value, from flags and a preset) once every group has accepted its own;
+    a value no flag would take (a preset's) is refused with the setting's message."""
+    for group in groups:
+        try:
+            group(**{field.name: values[field.name] for field in dataclasses.fields(group) if field.name in values})
+        except SpecjaxError as e:
+            raise EvalError(f"setting {e}") from None
+    return values
+
+
+__all__ = ["EVAL_GROUPS", "EngineSettings", "ModelSettings", "RunSettings", "StoreSettings", "WorkloadSettings",
+           "check_fields", "checked", "define_flags", "names", "setting"]
