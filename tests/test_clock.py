@@ -1,6 +1,7 @@
 """The request clock's exposed host time: host work that neither a disk read, a wait for the device nor device work
 the host went on past overlapped (specjax.engine.layer_io.Clock)."""
 
+import dataclasses
 import threading
 import time
 
@@ -10,8 +11,10 @@ import pytest
 import tensorstore as ts
 
 import specjax
-from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
+from specjax.api import Model
+from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine import engine as engine_module
+from specjax.engine.blend import blend_fingerprint, chunk_keys
 from specjax.engine.layer_io import Clock
 from specjax.stores import KVStore
 
@@ -82,12 +85,17 @@ class Untimed(Clock):
         pass
 
 
-@pytest.mark.parametrize("name", ["spec", "as_h2o_lfu", "spec_gqa"])
+@pytest.mark.parametrize("name", ["spec", "as_h2o_lfu", "spec_gqa", "full_reuse"])
 def test_a_timed_request_waits_for_the_device_where_an_untimed_one_does(name, monkeypatch):
-    """The breakdown adds no synchronisation: the request's thread blocks on the device as often timed as not."""
+    """The breakdown adds no synchronisation: the request's thread blocks on the device as often timed as not, in the
+    layer loop and in CacheBlend's schedule alike (both run the engine's one request loop and its clock)."""
     model = specjax.load_model("tiny-llama", init="random", seed=1)
+    blend = name == "full_reuse"
+    if blend:  # a BOS token: CacheBlend's chunk sink
+        model = Model("tiny-llama-bos", dataclasses.replace(model.config, bos_token_id=3), model.params, "random")
     rng = np.random.default_rng(0)
-    req = Request(rng.integers(0, 512, 100).tolist(), rng.integers(0, 512, 7).tolist(), [])
+    prefix = rng.integers(0, 512, 100).tolist()
+    req = Request(prefix, rng.integers(0, 512, 7).tolist(), [], chunks=[prefix[:40], prefix[40:]])
     main = threading.current_thread()
     waits = []
     block = jax.block_until_ready
@@ -100,9 +108,10 @@ def test_a_timed_request_waits_for_the_device_where_an_untimed_one_does(name, mo
     def main_thread_waits(clock_class) -> int:
         monkeypatch.setattr(engine_module, "Clock", clock_class)
         store = KVStore.open({"driver": "memory", "path": f"kv{rng.integers(1 << 30)}/"},
-                             fingerprint(model, 16), context=ts.Context())
-        engine = Engine(model, make_system(name), store, EngineConfig(retention=0.25))
-        engine.warm(req.prefix)
+                             (blend_fingerprint if blend else fingerprint)(model, 16), context=ts.Context())
+        engine = make_engine(model, make_system(name), store, EngineConfig(retention=0.25))
+        for key in chunk_keys(req.chunks, engine.sink) if blend else [req.prefix]:
+            engine.warm(key)
         engine.run(req)  # compiled, not counted
         waits.clear()
         monkeypatch.setattr(jax, "block_until_ready", counted)
