@@ -25,6 +25,7 @@ from absl import app, flags
 import specjax
 from specjax.engine import events
 from specjax.engine.systems import BLEND_FILTERS, SystemOptions
+from specjax.engine.types import EngineConfig
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.models import transformer as T
@@ -71,8 +72,7 @@ class _Oracle:
 
 def _accuracy(model, workload, ratio, oracle: _Oracle | None) -> dict:
     settings = systems_lib.SystemSettings(
-        retention=1.0, gpu_cache_bytes=0, cpu_cache_bytes=0, disk_bandwidth=None,
-        pcie_bandwidth=None, direct_io=False, seed=0,
+        EngineConfig(retention=1.0), disk_bandwidth=None, direct_io=False, seed=0,
         options=SystemOptions(blend_ratio=ratio, blend_filter=FLAGS.blend_filter))
     system = systems_lib.make_system("cacheblend", model, settings)
     wrong = []

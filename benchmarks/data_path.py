@@ -34,6 +34,7 @@ import time
 import numpy as np
 import tensorstore as ts
 
+from specjax.engine.types import EngineConfig
 from specjax.eval import __main__ as eval_main
 from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
@@ -252,8 +253,8 @@ def main(argv=None) -> dict:
     model = eval_main.load_model(args.model, args.dtype, args.init, args.seed)
     workload = build_workload(model, args)
     names = [s for s in args.systems.split(",") if s]
-    settings = systems_lib.SystemSettings(chunk_tokens=args.chunk_tokens, gpu_cache_bytes=0, cpu_cache_bytes=0,
-                                          direct_io=True, seed=args.seed, retention=args.retention,
+    settings = systems_lib.SystemSettings(EngineConfig(retention=args.retention), chunk_tokens=args.chunk_tokens,
+                                          direct_io=True, seed=args.seed,
                                           inflight_bytes=None if args.inflight_MiB is None else args.inflight_MiB << 20)
     if args.store:
         pathlib.Path(args.store).mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from absl import flags
 
 from specjax import sharding
 from specjax.engine.systems import SystemOptions
+from specjax.engine.types import EngineConfig
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import settings as settings_lib
@@ -46,7 +47,7 @@ flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation fin
 
 NEEDLE_DEFAULT_LIMIT = 16
 OPTION_FLAGS = settings_lib.names([SystemOptions])
-SYSTEM_FLAGS = settings_lib.names([settings_lib.EngineSettings])  # SystemSettings fields of the same names
+ENGINE_FLAGS = settings_lib.names([settings_lib.EngineSettings])  # EngineConfig fields of the same names
 
 
 def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None,
@@ -114,16 +115,17 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     # the model's own dtype: cache budgets given as a share of the store must match the bytes it holds
     kv_per_token = model.config.kv_bytes_per_token(np.dtype(model.dtype).itemsize)
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
-    settings = systems_lib.SystemSettings(
-        retention=retentions[0], chunk_tokens=values["chunk_tokens"],
-        gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
+    engine = EngineConfig(
+        retention=retentions[0], gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
         cpu_cache_bytes=cache_bytes(values["cpu_cache"], store_bytes),
-        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
+        **{k: values[k] for k in ENGINE_FLAGS})
+    settings = systems_lib.SystemSettings(
+        engine=engine, chunk_tokens=values["chunk_tokens"],
+        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
         direct_io=values["direct_io"], seed=values["seed"],
         inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values),
-        **{k: values[k] for k in SYSTEM_FLAGS})
+        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values))
 
     code = code_version()
     partial = PartialRuns(output_dir, {
@@ -145,7 +147,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         notes.append("weights are random: accuracy is meaningless; TTFT and I/O are valid for these shapes")
     if tokenizer_source != "model":
         notes.append(f"tokenizer: {tokenizer_source}")
-    if settings.disk_bandwidth or settings.pcie_bandwidth:
+    if settings.disk_bandwidth or settings.engine.pcie_bandwidth:
         notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
     notes += report.store_notes(done)
     if traces:
@@ -174,7 +176,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     }
     results = report.build_results(
         model=model.name, task=values["task"], weights=model.weights, device=device_description(),
-        emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.pcie_bandwidth,
+        emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.engine.pcie_bandwidth,
                    "direct_io": settings.direct_io},
         config=config, runs=done, requests=workload.requests,
         extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
@@ -210,7 +212,7 @@ def _replayed(model, runs, settings: systems_lib.SystemSettings) -> dict:
     for name, retention in runs:
         if retention is None:
             continue
-        system = systems_lib.make_system(name, model, dataclasses.replace(settings, retention=retention))
+        system = systems_lib.make_system(name, model, settings.at_retention(retention))
         trace = getattr(system, "selections", None)
         if trace is not None:
             found[f"{name}@r={retention:g}"] = trace.describe()

@@ -9,7 +9,7 @@ import pathlib
 
 import numpy as np
 
-from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine import Request, fingerprint, make_engine, make_system
 from specjax.engine import blend, cake, replay
 from specjax.engine import systems as engine_systems
 from specjax.eval.systems import Outcome, SystemSettings
@@ -25,11 +25,7 @@ class EngineSystem:
         self.needs_store = self.system.reuse
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own
         self.model, self.settings = model, settings
-        self.config = EngineConfig(
-            retention=settings.retention, gpu_cache_bytes=settings.gpu_cache_bytes or 0,
-            cpu_cache_bytes=settings.cpu_cache_bytes or 0, pcie_bandwidth=settings.pcie_bandwidth,
-            kernel_impl=s.kernel_impl, reorder_every=s.reorder_every, cake_chunk_tokens=s.cake_chunk_tokens,
-            prefill_chunk_tokens=s.prefill_chunk_tokens)
+        self.config = settings.engine
         if self.system.schedule == "cake":  # a bad flag fails before any store is written
             cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None

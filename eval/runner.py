@@ -123,7 +123,7 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
             if progress:
                 progress.skip(len(warm) + len(compile_only) + len(workload.requests))
             continue
-        run_settings = dataclasses.replace(settings, retention=retention if retention is not None else settings.retention)
+        run_settings = settings if retention is None else settings.at_retention(retention)
         system = systems_lib.make_system(name, model, run_settings)
         if progress:
             progress.set_label(label + " (warm)")

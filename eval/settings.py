@@ -151,7 +151,7 @@ class StoreSettings:
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """How the engine computes what it does not load (`SystemSettings` fields of the same names)."""
+    """How the engine computes what it does not load (`EngineConfig` fields of the same names)."""
 
     cake_chunk_tokens: int = setting(EngineConfig.cake_chunk_tokens, "cake: tokens per chunk computed from the front "
                                      "or loaded from the back (Cake: 512); a multiple of --chunk_tokens.",

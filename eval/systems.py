@@ -116,23 +116,26 @@ class SelectionTrace:
 
 @dataclasses.dataclass(frozen=True)
 class SystemSettings:
-    """Every knob a system may use; recorded in results.json under config."""
+    """What a run hands its system, resolved from the evaluation's settings (`specjax.eval.settings`: sizes in bytes,
+    rates in bytes/s); recorded in results.json under config.resolved. The engine's own settings are its
+    `EngineConfig`, whole (retention, cache budgets, the emulated PCIe link, kernels, Cake's and chunked prefill's
+    chunks); the rest is the store's and the run's."""
 
-    retention: float = 0.25
+    engine: EngineConfig = EngineConfig()
     chunk_tokens: int = Layout.chunk_tokens  # the store's default chunk
-    gpu_cache_bytes: int | None = None
-    cpu_cache_bytes: int | None = None
     disk_bandwidth: float | None = None  # bytes/s, emulated (token bucket) when set
-    pcie_bandwidth: float | None = None  # bytes/s, emulated when set
     direct_io: bool = False
     inflight_bytes: int | None = None  # the read scheduler's bound on bytes in flight (None: its default)
     seed: int = 0
     options: SystemOptions = SystemOptions()  # what the user changed about the systems (their flags)
-    cake_chunk_tokens: int = EngineConfig.cake_chunk_tokens
-    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
-    kernel_impl: str = EngineConfig.kernel_impl
-    reorder_every: int = EngineConfig.reorder_every
     selections: SelectionTrace | None = None  # systems that identify record or replay their selections
+
+    @property
+    def retention(self) -> float:
+        return self.engine.retention
+
+    def at_retention(self, retention: float) -> "SystemSettings":
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, retention=retention))
 
 
 class System(Protocol):

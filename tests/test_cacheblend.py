@@ -333,7 +333,7 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
                                          choice_ids=tuple(fold(c) for c in r.choice_ids),
                                          chunk_ids=tuple(fold(c) for c in r.chunk_ids)) for r in wl.requests)
     wl = dataclasses.replace(wl, requests=requests)
-    settings = systems_lib.SystemSettings(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20,
+    settings = systems_lib.SystemSettings(EngineConfig(gpu_cache_bytes=1 << 20, cpu_cache_bytes=1 << 20),
                                           options=SystemOptions(blend_ratio=1.0))
     names = ["recompute", "full_reuse", "cacheblend", "as_full"]  # a prefix system runs on rag too
     runs = runner.run_all(base, wl, runner.plan(names, [0.25]), settings, tmp_path)
