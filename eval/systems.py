@@ -132,9 +132,11 @@ class SystemSettings:
 
     @property
     def retention(self) -> float:
+        """The share of the stored prefix a pruning system keeps (the engine's)."""
         return self.engine.retention
 
     def at_retention(self, retention: float) -> "SystemSettings":
+        """These settings for one run of a retention sweep."""
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, retention=retention))
 
 
