@@ -25,6 +25,7 @@ from specjax.models import transformer as T
 from specjax.models.params import init_params
 from specjax.stores import K, KVStore
 
+import toy_kv
 from eval_fakes import FakeModel
 
 TOL = 1e-4
@@ -93,7 +94,7 @@ def test_rerotated_keys_equal_keys_of_the_sinked_chunk_at_the_new_position(model
     with engine.store.match([SINK] + chunk) as match:
         assert match.length == len(chunk) + 1
         for layer in range(model.config.num_layers):
-            stored = jnp.asarray(engine.store.read(match, layer, K).result().array)[:, 1:]
+            stored = jnp.asarray(toy_kv.read(engine.store, match, layer, K).result().array)[:, 1:]
             shifted = reposition_keys(model.config, stored, jnp.full(len(chunk), start - 1, jnp.int32))
             np.testing.assert_allclose(shifted, moved[layer][:, 1:], atol=TOL, rtol=0)
             assert float(jnp.abs(stored - moved[layer][:, 1:]).max()) > 100 * TOL  # the rotation did something

@@ -58,7 +58,7 @@ def verify(store, tokens, exact: bool) -> bool:
         want = kv_for(tokens[:m.length])
         for layer in range(FP["num_layers"]):
             for kind in (K, V, PROBE):
-                got = store.read(m, layer, kind).result()
+                got = toy_kv.read(store, m, layer, kind).result()
                 assert got.ok.all()
                 np.testing.assert_array_equal(got.array, want[layer][kind])
         return m.length == len(tokens)

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import toy_kv
 from specjax.stores import K, KVStore, landing
 from specjax.stores.landing import ALIGN, LandingBuffers, LocalFiles
 
@@ -105,7 +106,7 @@ def test_reads_of_a_local_store_go_to_its_files_and_another_kvstore_still_reads(
             writer.write_layer(0, kv, kv, None)
             writer.commit()
         with store.match(list(range(16))) as m:
-            got = store.read(m, 0, K, np.arange(16)).result(timeout=30)
+            got = toy_kv.read(store, m, 0, K, np.arange(16)).result(timeout=30)
         assert got.ok.all()
         np.testing.assert_array_equal(got.array, kv)
         store.close()
