@@ -150,7 +150,10 @@ def context_for_continuation(kv: LayerKV, n: int):
     the computed tokens' and the selection's sizes."""
     M = kv.prefix_k.shape[1]
     width = bucket(M + kv.own_k.shape[1])
-    keys, values = join(kv.prefix_k, kv.own_k, width), join(kv.prefix_v, kv.own_v, width)
+    if width == M and not kv.own_k.shape[1]:  # the computed tokens are in the prefix arrays already (a bucket wide)
+        keys, values = kv.prefix_k, kv.prefix_v
+    else:
+        keys, values = join(kv.prefix_k, kv.own_k, width), join(kv.prefix_v, kv.own_v, width)
     own = np.arange(M, M + n, dtype=np.int32)
     sel = kv.selection
     count = int(np.max(np.asarray(sel.count))) if sel.count is not None else sel.idx.shape[-1]
