@@ -1,6 +1,7 @@
 """The planner (specjax.engine.planner) on random tiny OPT and Llama models: every plan is exact at retention 1.0,
 a computed head is not read, and the cost model picks the plan its measured rates say is fastest."""
 
+import math
 import time
 
 import numpy as np
@@ -97,11 +98,28 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
     assert r.plan["plan"] == min(plans, key=lambda p: r.plan["candidates_ms"][p.label]).label
     assert len(prediction_errors([(r.plan["predicted_ttft_ms"], r.ttft_ms)])) == 1
-    # a disk too slow to load anything: recompute; an instant one: whichever plan computes fastest
+    # a disk too slow to load anything: recompute; an instant one: the plan whose compute plus per-token read cost
+    # (what no disk rate removes) is least; in between, a faster disk never makes the plan wait on more bytes' time
+    # (a 128-token tiny model's measured plans differ little, and a page-cached disk's waits barely follow the
+    # bytes' time, so the engine plans here from a model of known rates: computing the stored prefix costs 100 ms,
+    # loading it 1 ms, its waits are its bytes' time plus 0.01 ms a loaded token, 1,000 bytes a token, twice that
+    # when it loads everything)
+    engine.costs = CostModel()
+    for p in plans:
+        loaded, per_token = 128 - p.head, 2000 if p.load_all else 1000
+        wait = loaded * per_token / 10e6 * 1e3 + 0.01 * loaded
+        engine.costs.observe(128, p, 1.0 + 99.0 * p.head / 128 + wait, wait, loaded * per_token, 10e6)
     engine.rate = lambda: 1.0
     assert engine.plan(128)[0] == Plan(128)
-    engine.rate = lambda: 1e15
-    assert engine.plan(128)[0] == min(plans, key=lambda p: engine.costs.compute_ms[(128, p)])
+    engine.rate = lambda: math.inf
+    fixed = {p: engine.costs.compute_ms[(128, p)] + engine.costs.load_ms(128, p, math.inf) for p in plans}
+    assert engine.plan(128)[0] == min(plans, key=fixed.get)
+    bytes_wait = []  # the chosen plan's wait at 1 byte/s beyond its per-token part
+    for rate in 10.0 ** np.arange(0, 16):
+        engine.rate = lambda rate=rate: rate
+        chosen = engine.plan(128)[0]
+        bytes_wait.append(engine.costs.load_ms(128, chosen, 1.0) - engine.costs.load_ms(128, chosen, math.inf))
+    assert bytes_wait[0] == 0.0 < bytes_wait[-1] and bytes_wait == sorted(bytes_wait)
 
 
 def test_calibration_leaves_the_caches_and_speculation_the_timed_requests_find(model):
