@@ -11,7 +11,8 @@
 #   emulated  core's line-up at 4k on a disk emulated at the SPEC paper's measured 5 GB/s (read from the page cache
 #             through --disk_bandwidth; results say it is emulated)
 #   tests     the @pytest.mark.gpu tests (Pallas kernels compiled through Triton)
-#   kernels   the kernel benchmark (Pallas vs the jnp reference vs dense attention)
+#   kernels   the kernel benchmark (Pallas vs the jnp reference vs dense attention; Qwen2.5-7B's heads packed
+#             per group against a tile per head)
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh core                  # on the GPU machine
 #   TINY=1 OUT=/tmp/gpu-tiny bash benchmarks/gpu_session.sh core more opt emulated   # on a CPU, in a few minutes
@@ -120,7 +121,10 @@ for phase in "$@"; do
       tests/test_kernels_gathered_attention.py tests/test_kernels_probe_scores.py ;;
   kernels)
     step kernels 200 $PY benchmarks/kernel_bench.py --prefix_tokens 8192,32768 --query_tokens 16,512 \
-      --retention 0.25,1.0 --output_dir "$RESULTS/kernels" ;;
+      --retention 0.25,1.0 --output_dir "$RESULTS/kernels"
+    # Qwen2.5-7B's heads: a group's 7 query heads packed in one tile against a tile per query head
+    step kernels-qwen 150 $PY benchmarks/kernel_bench.py --heads 28 --kv_heads 4 --selections shared,block_table \
+      --prefix_tokens 4096,16384 --query_tokens 16,128 --retention 0.25 --output_dir "$RESULTS/kernels-qwen" ;;
   *)
     echo "unknown phase $phase" >&2 ;;
   esac

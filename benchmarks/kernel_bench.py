@@ -122,11 +122,15 @@ def bench_shape(config: BenchConfig, m: int, n_q: int, rng) -> list[dict]:
     for kind in config.selections:
         for retention in config.retention:
             selection = make_selection(kind, config, m, retention, rng)
-            times = {impl: time_ms(lambda impl=impl: gathered_attention(
-                q, prefix_k, prefix_v, own_k, own_v, selection, impl=impl,
-                check_indices=False), **timing) for impl in ("pallas", "reference")}
+            variants = {"pallas": dict(impl="pallas"), "reference": dict(impl="reference")}
+            if group > 1 and kind != "per_head":  # the same kernel with a tile per query head, side by side
+                variants["pallas_per_head_tiles"] = dict(impl="pallas", pack_heads=False)
+            times = {name: time_ms(lambda args=args: gathered_attention(
+                q, prefix_k, prefix_v, own_k, own_v, selection, check_indices=False, **args), **timing)
+                for name, args in variants.items()}
             rows.append(dict(kernel="gathered_attention", selection=kind, m=m, n_q=n_q,
                              retention=retention, pallas_ms=times["pallas"],
+                             pallas_per_head_tiles_ms=times.get("pallas_per_head_tiles"),
                              reference_ms=times["reference"], dense_full_ms=dense_ms))
     return rows
 
@@ -167,17 +171,20 @@ def markdown_table(rows: list[dict], device: dict, config: BenchConfig) -> str:
         f"kv_heads={config.kv_heads}, head_dim={config.head_dim}, "
         f"probe_heads={config.probe_heads}, dtype={config.dtype}; median of {config.reps} "
         "runs. Ratios compare implementations timed side by side in this run. "
-        "dense_full = jax.nn.dot_product_attention of all heads over the whole prefix.",
+        "dense_full = jax.nn.dot_product_attention of all heads over the whole prefix. "
+        "per-head tiles = the same Pallas kernel with a tile per query head instead of a group's heads packed in one "
+        "(shared selections on grouped-query heads only).",
         "",
-        "| kernel | selection | m | n_q | retention | pallas ms | reference ms | "
+        "| kernel | selection | m | n_q | retention | pallas ms | per-head tiles ms | reference ms | "
         "dense_full ms | vs reference | vs dense_full |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        per_head = r.get("pallas_per_head_tiles_ms")
         lines.append(
             f"| {r['kernel']} | {r['selection']} | {r['m']} | {r['n_q']} | "
-            f"{r['retention']:.0%} | {r['pallas_ms']:.3f} | {r['reference_ms']:.3f} | "
-            f"{r['dense_full_ms']:.3f} | {r['speedup_vs_reference']:.2f}x | "
+            f"{r['retention']:.0%} | {r['pallas_ms']:.3f} | {'-' if per_head is None else f'{per_head:.3f}'} | "
+            f"{r['reference_ms']:.3f} | {r['dense_full_ms']:.3f} | {r['speedup_vs_reference']:.2f}x | "
             f"{r['speedup_vs_dense_full']:.2f}x |")
     return "\n".join(lines) + "\n"
 

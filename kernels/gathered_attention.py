@@ -36,12 +36,15 @@ def _prefix_rows(tokens, kv_head, *, num_tokens, pages):
 
 def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_ref,
                       q_len_ref, o_ref, m_ref, l_ref, *, scale, block_q, block_k,
-                      blocks_per_split, num_tokens, pages, group):
-    """One query tile of one head over this split's selected tiles (+ causal own keys)."""
+                      blocks_per_split, num_tokens, pages, group, pack):
+    """One query tile over this split's selected tiles (+ causal own keys): of one query head, or with `pack` > 1 of
+    a KV head's whole group (row r of the tile: token r // pack of query head r % pack of the group), which then
+    loads each selected tile once for all of its query heads."""
     kv_head, q_block, split = pl.program_id(0) // group, pl.program_id(1), pl.program_id(2)
     count, q_len = count_ref[0], q_len_ref[0]
     q = q_ref[...]
-    rows = q_block * block_q + jnp.arange(block_q)
+    tokens_per_tile = block_q // pack
+    rows = (q_block * block_q + jnp.arange(block_q)) // pack  # each row's token
 
     def attend(carry, keys, values, valid):
         m, l, acc = carry
@@ -56,9 +59,9 @@ def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_
         values = jnp.where(valid[:, None], v_ref[tokens], jnp.zeros((), v_ref.dtype))
         return attend(carry, k_ref[tokens], values, valid[None, :])
 
-    def own_tile(j, carry):
-        own = pl.ds(j * block_q, block_q)
-        valid = c.causal_valid(rows, j * block_q + jnp.arange(block_q), q_len)
+    def own_tile(j, carry):  # own keys in tiles of block_k tokens
+        own = pl.ds(j * block_k, block_k)
+        valid = c.causal_valid(rows, j * block_k + jnp.arange(block_k), q_len)
         return attend(carry, own_k_ref[own, :], own_v_ref[own, :], valid)
 
     head_dim = q.shape[-1]
@@ -68,32 +71,54 @@ def _attention_kernel(q_ref, idx_ref, count_ref, k_ref, v_ref, own_k_ref, own_v_
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, pl.cdiv(count, block_k))
     carry = lax.fori_loop(first, jnp.maximum(first, last), selected_tile, carry)
-    # Split 0 also owns the causal keys; other splits run this loop zero times.
-    own_blocks = jnp.minimum(q_block + 1, pl.cdiv(q_len, block_q))
+    # Split 0 also owns the causal keys (up to the tile's last token); other splits run this loop zero times.
+    own_blocks = pl.cdiv(jnp.minimum((q_block + 1) * tokens_per_tile, q_len), block_k)
     m, l, acc = lax.fori_loop(0, jnp.where(split == 0, own_blocks, 0), own_tile, carry)
     o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
     m_ref[...], l_ref[...] = m, l
 
 
+def packing(num_heads: int, num_kv: int, rows: int) -> int:
+    """Query heads of a group packed into one tile (`gathered_attention_pallas`' `pack`): the group size rounded up
+    to a power of two when every head reads the same selection (`rows` = 1) and the group has more than one head,
+    else 1 (a tile per query head)."""
+    group = num_heads // num_kv
+    return 1 if rows > 1 or group == 1 else 1 << (group - 1).bit_length()
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_q", "block_k", "k_splits", "interpret", "num_warps", "num_stages"))
+    "scale", "block_q", "block_k", "k_splits", "interpret", "num_warps", "num_stages", "pack"))
 def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len, *,
-                              scale, block_q, block_k, k_splits, interpret, num_warps=4, num_stages=2):
+                              scale, block_q, block_k, k_splits, interpret, num_warps=4, num_stages=2, pack=1):
     """Pallas gathered attention over token-index rows idx[R, K] (R = 1 shared, or H).
 
     count: int32[R] valid entries per row; q_len: int32 scalar. Both may be traced. prefix_k / prefix_v:
     [H_kv, M, d], or pages [P, H_kv, C, d] read in place (token t: row t % C of page t // C).
+
+    pack: 1, a grid over query heads; or (a shared selection, R = 1) a power of two >= the group size, a grid over
+    KV heads whose tiles hold block_q / pack tokens of every query head of the group (padded to `pack` heads), so a
+    group's query heads share each load of the selected keys and values and the tile's matmuls are `pack` times
+    taller (`packing` picks it).
     """
     num_heads, n_q, head_dim = q.shape
     num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
     group = num_heads // num_kv
     rows_per_head = idx.shape[0] > 1
+    if pack > 1 and (rows_per_head or pack < group or block_q % pack):
+        raise ValueError(f"pack={pack} needs one shared selection row, a group of at most {pack} heads (got "
+                         f"{group}) and block_q a multiple of it (got {block_q})")
     capacity = idx.shape[1]
-    n_q_pad, k_pad = c.round_up(n_q, block_q), c.round_up(capacity, block_k)
-    q, own_k, own_v = (c.pad_axis(x, 1, n_q_pad) for x in (q, own_k, own_v))
+    n_q_pad, k_pad = c.round_up(n_q, block_q // pack), c.round_up(capacity, block_k)
+    q = c.pad_axis(q, 1, n_q_pad)
+    own_k, own_v = (c.pad_axis(x, 1, c.round_up(n_q_pad, block_k)) for x in (own_k, own_v))
+    grid_heads, kv_of = num_heads, group  # program h reads KV head h // kv_of
+    if pack > 1:  # [H_kv, n_q_pad * pack, d]: row t * pack + g is token t of the group's query head g
+        q = jnp.swapaxes(c.pad_axis(q.reshape(num_kv, group, n_q_pad, head_dim), 1, pack), 1, 2)
+        q = q.reshape(num_kv, n_q_pad * pack, head_dim)
+        grid_heads, kv_of = num_kv, 1
     idx = c.pad_axis(idx, 1, k_pad)
     q_len = jnp.reshape(q_len, (1,)).astype(jnp.int32)
-    q_blocks, k_blocks = n_q_pad // block_q, k_pad // block_k
+    q_blocks, k_blocks = n_q_pad * pack // block_q, k_pad // block_k
     blocks_per_split = pl.cdiv(k_blocks, k_splits)
     params = None if interpret else c.triton_params(num_warps, num_stages)
 
@@ -101,23 +126,24 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
         return h if rows_per_head else h * 0
 
     if pages is None:  # each head's [M, d] block of prefix_k / prefix_v
-        prefix_spec = pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, *_: (h // group, 0, 0))
+        prefix_spec = pl.BlockSpec((SQUEEZED, num_tokens, head_dim), lambda h, *_: (h // kv_of, 0, 0))
     else:  # the pages as rows, every program reading its own KV head's (`_prefix_rows`)
         prefix_k, prefix_v = (x.reshape(-1, head_dim) for x in (prefix_k, prefix_v))
         prefix_spec = pl.BlockSpec(prefix_k.shape, lambda *_: (0, 0))
 
     o_parts, m_parts, l_parts = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, block_q=block_q, block_k=block_k,
-                          blocks_per_split=blocks_per_split, num_tokens=num_tokens, pages=pages, group=group),
-        grid=(num_heads, q_blocks, k_splits),
+                          blocks_per_split=blocks_per_split, num_tokens=num_tokens, pages=pages, group=kv_of,
+                          pack=pack),
+        grid=(grid_heads, q_blocks, k_splits),
         in_specs=[
             pl.BlockSpec((SQUEEZED, block_q, head_dim), lambda h, i, s: (h, i, 0)),
             pl.BlockSpec((SQUEEZED, k_pad), lambda h, i, s: (row(h), 0)),
             pl.BlockSpec((1,), lambda h, i, s: (row(h),)),
             prefix_spec,
             prefix_spec,
-            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
-            pl.BlockSpec((SQUEEZED, n_q_pad, head_dim), lambda h, i, s: (h // group, 0, 0)),
+            pl.BlockSpec((SQUEEZED, own_k.shape[1], head_dim), lambda h, i, s: (h // kv_of, 0, 0)),
+            pl.BlockSpec((SQUEEZED, own_k.shape[1], head_dim), lambda h, i, s: (h // kv_of, 0, 0)),
             pl.BlockSpec((1,), lambda h, i, s: (0,)),
         ],
         out_specs=[
@@ -127,14 +153,17 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
             pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
-            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack), jnp.float32),
         ],
         interpret=interpret, compiler_params=params,
         name=f"gathered_attention_bq{block_q}_bk{block_k}",
     )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
     _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
+    if pack > 1:  # back to [H, n_q_pad, d], the padding heads dropped
+        out = jnp.swapaxes(out.reshape(num_kv, n_q_pad, pack, head_dim), 1, 2)[:, :group]
+        out = out.reshape(num_heads, n_q_pad, head_dim)
     return out[:, :n_q].astype(q.dtype)
 
 
@@ -186,7 +215,7 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
 def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
                        q_len=None, scale: float | None = None, impl: str = "auto", block_q: int | None = None,
                        block_k: int | None = None, k_splits: int | None = None,
-                       check_indices: bool = True):
+                       check_indices: bool = True, pack_heads: bool = True):
     """Attention of the computed tokens over the selected prefix KV and, causally, themselves.
 
     Args:
@@ -201,8 +230,12 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
       q_len: valid query rows (may be traced); outputs of later rows are don't-care.
       scale: softmax scale, default d ** -0.5.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" or "reference".
-      block_q, block_k, k_splits: Pallas tiling (powers of two; None picks defaults).
+      block_q, block_k, k_splits: Pallas tiling (powers of two; None picks defaults). block_q counts a tile's query
+        rows: with a shared selection (SharedIndices, BlockTable) and grouped-query heads, a tile holds block_q /
+        pack tokens of each of a KV head's query heads (`packing`; one tile per query head where block_q < pack).
       check_indices: reject duplicate / out-of-range concrete indices (syncs with the device).
+      pack_heads: pack a group's query heads in one tile where the selection allows (False: a tile per query head,
+        for comparison).
 
     Query head h reads KV head h // (H // H_kv).
     """
@@ -220,11 +253,17 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
                                             q_len=q_len, scale=scale)
     interpret = dispatch.interpret
     idx, count = selection.token_indices(num_heads)
-    block_q, block_k, k_splits = c.pallas_tiling(n_q, idx.shape[1], num_heads, head_dim, block_q, block_k,
-                                                 k_splits, interpret=interpret)
+    num_kv = _prefix_geometry(prefix_k)[0]
+    pack = packing(num_heads, num_kv, idx.shape[0]) if pack_heads else 1
+    if block_q is not None and block_q < pack:  # a tile too short for the group: one per query head
+        pack = 1
+    block_q, block_k, k_splits = c.pallas_tiling(n_q * pack, idx.shape[1], num_kv if pack > 1 else num_heads,
+                                                 head_dim, block_q, block_k, k_splits, interpret=interpret)
+    if block_q < pack:  # the default tile is capped below the group's size
+        pack = 1
     return gathered_attention_pallas(
         q, prefix_k, prefix_v, own_k, own_v, idx, count, c.length_or_full(q_len, n_q),
-        scale=scale, block_q=block_q, block_k=block_k, k_splits=k_splits, interpret=interpret)
+        scale=scale, block_q=block_q, block_k=block_k, k_splits=k_splits, interpret=interpret, pack=pack)
 
 
 def _prefix_geometry(prefix) -> tuple[int, int, tuple[int, int] | None]:

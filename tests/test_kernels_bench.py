@@ -11,6 +11,9 @@ def test_quick_bench_writes_labelled_results(tmp_path):
                        "--reps", "1", "--output_dir", str(tmp_path)])
     assert {r["kernel"] for r in rows} == {"probe_scores", "gathered_attention"}
     assert all(r["pallas_ms"] > 0 and r["dense_full_ms"] > 0 for r in rows)
+    # QUICK's 4 heads over 2 KV heads: the shared selections also time a tile per query head, side by side
+    attention = [r for r in rows if r["kernel"] == "gathered_attention"]
+    assert attention and all(r["pallas_per_head_tiles_ms"] > 0 for r in attention)
     [json_path] = tmp_path.glob("kernels_*.json")
     [md_path] = tmp_path.glob("kernels_*.md")
     payload = json.loads(json_path.read_text())

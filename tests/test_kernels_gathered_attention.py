@@ -11,7 +11,9 @@ from specjax.kernels import (
     PerHeadIndices,
     SharedIndices,
     gathered_attention,
+    gathered_attention_pallas,
 )
+from specjax.kernels.gathered_attention import packing
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -188,6 +190,49 @@ def test_pages_read_in_place_equal_the_same_tokens_as_arrays(kind, impl):
     assert rel_err(in_pages[:, :10], expected_out) <= TOLERANCE[jnp.float32]
 
 
+@pytest.mark.parametrize("heads, kv_heads, pack", [(3, 3, 1), (6, 2, 4), (7, 1, 8)])
+@pytest.mark.parametrize("layout", ["arrays", "pages"])
+@pytest.mark.parametrize("kind", ["shared", "block_table"])
+def test_a_groups_query_heads_packed_in_one_tile_equal_a_tile_per_head(kind, layout, heads, kv_heads, pack):
+    """With one selection for every head, a KV head's query heads share its tiles (`packing`: the group rounded up to
+    a power of two, the rest zero heads): the grid over KV heads gives what the grid over query heads gives, and the
+    reference, for groups of 1, 3 and 7 heads, on arrays and on pages."""
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(14, 13, 96, heads=heads, kv_heads=kv_heads)
+    rng = np.random.default_rng(14)
+    selection = {"shared": SharedIndices(jnp.asarray(rng.permutation(96)[:48]), 37),
+                 "block_table": BlockTable(jnp.asarray(rng.permutation(6)[:4]), 3, chunk_tokens=16)}[kind]
+    if layout == "pages":
+        prefix_k, prefix_v = as_pages(prefix_k), as_pages(prefix_v)
+    idx, count = selection.token_indices(heads)
+    assert packing(heads, kv_heads, idx.shape[0]) == pack
+    tiles = dict(scale=HEAD_DIM ** -0.5, block_k=16, k_splits=2, interpret=True)
+    args = (q, prefix_k, prefix_v, own_k, own_v, idx, count, jnp.int32(10))
+    per_head = gathered_attention_pallas(*args, block_q=8, pack=1, **tiles)
+    packed = gathered_attention_pallas(*args, block_q=8 * pack, pack=pack, **tiles)
+    expected_out = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, impl="reference", q_len=10)
+    assert packed.shape == per_head.shape == q.shape
+    assert rel_err(packed[:, :10], per_head[:, :10]) <= 1e-6
+    assert rel_err(packed[:, :10], expected_out[:, :10]) <= TOLERANCE[jnp.float32]
+    public = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, impl="pallas", q_len=10)
+    assert rel_err(public[:, :10], expected_out[:, :10]) <= TOLERANCE[jnp.float32]
+
+
+def test_packing_refuses_what_cannot_share_a_tile():
+    """A per-head selection keeps a tile per query head; a pack that cannot hold the group, or does not divide the
+    tile, or meets a selection per head is refused."""
+    assert packing(6, 2, 6) == 1 and packing(6, 2, 1) == 4 and packing(2, 2, 1) == 1
+    q, *kv = make_inputs(15, 4, 32, heads=6, kv_heads=2)
+    idx, count = SharedIndices(jnp.asarray([1, 2])).token_indices(6)
+    tiles = dict(scale=0.1, block_k=4, k_splits=1, interpret=True)
+    with pytest.raises(ValueError, match="group of at most 2"):
+        gathered_attention_pallas(q, *kv, idx, count, jnp.int32(4), block_q=8, pack=2, **tiles)
+    with pytest.raises(ValueError, match="multiple of it"):
+        gathered_attention_pallas(q, *kv, idx, count, jnp.int32(4), block_q=2, pack=4, **tiles)
+    rows, rows_count = PerHeadIndices(jnp.asarray([[1, 2]] * 6)).token_indices(6)
+    with pytest.raises(ValueError, match="one shared selection row"):
+        gathered_attention_pallas(q, *kv, rows, rows_count, jnp.int32(4), block_q=8, pack=4, **tiles)
+
+
 def test_pages_with_a_block_table_out_of_range_or_disagreeing_shapes_raise():
     q, prefix_k, prefix_v, own_k, own_v = make_inputs(13, 4, 64)
     pages_k, pages_v = as_pages(prefix_k), as_pages(prefix_v)  # 4 pages of 16 tokens
@@ -259,3 +304,22 @@ def test_gpu_compiled_matches_reference(n_q, kind, dtype, layout):
     expected_out = gathered_attention(q, *kv, selection, impl="reference", q_len=valid)
     out = gathered_attention(q, *kv, selection, impl="pallas", q_len=valid)
     assert rel_err(out[:, :valid], expected_out[:, :valid]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["shared", "block_table"])
+@pytest.mark.parametrize("n_q", [1, 128])
+@pytest.mark.parametrize("layout", ["arrays", "pages"])
+def test_gpu_compiled_with_qwen_groups_packed_matches_reference(n_q, kind, layout):
+    """Qwen2.5-7B's 28 query heads over 4 KV heads: each group of 7 packed in one tile (padded to 8)."""
+    tokens = 4096
+    q, *kv = make_inputs(16, n_q, tokens, heads=28, kv_heads=4, d=128, dtype=jnp.bfloat16)
+    if layout == "pages":
+        kv[:2] = [as_pages(x, 64) for x in kv[:2]]
+    rng = np.random.default_rng(16)
+    selection = {"shared": SharedIndices(jnp.asarray(rng.permutation(tokens)[:1100]), 1030),
+                 "block_table": BlockTable(jnp.asarray(rng.permutation(tokens // 64)[:20]), 17)}[kind]
+    valid = max(1, n_q - 3)
+    expected_out = gathered_attention(q, *kv, selection, impl="reference", q_len=valid)
+    out = gathered_attention(q, *kv, selection, impl="pallas", q_len=valid)
+    assert rel_err(out[:, :valid], expected_out[:, :valid]) <= TOLERANCE[jnp.bfloat16]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from specjax.kernels import gathered_attention_pallas, probe_scores_pallas
+from specjax.kernels.gathered_attention import packing
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -61,5 +62,26 @@ def test_gathered_attention_over_pages_lowers_to_triton(dtype):
     pages = spec((80, 4, 64, 128), dtype)
     own = spec((4, 100, 128), dtype)
     text = lower_for_cuda(fn, spec((28, 100, 128), dtype), pages, pages, own, own,
+                          spec((1, 1000), jnp.int32), spec((1,), jnp.int32), I32)
+    assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, n_q, block_q", [(28, 4, 100, 64), (28, 4, 1, 16), (32, 8, 100, 64)],
+                         ids=["qwen7b-prefill", "qwen7b-one-token", "group4"])
+@pytest.mark.parametrize("layout", ["arrays", "pages"])
+def test_gathered_attention_with_a_groups_heads_packed_lowers_to_triton(layout, heads, kv_heads, n_q, block_q,
+                                                                        dtype):
+    """A shared selection's grid over KV heads, the group's query heads packed in one tile (Qwen2.5-7B's 7 padded
+    to 8: 8 tokens a tile at 64 rows, 2 at 16)."""
+    pack = packing(heads, kv_heads, 1)
+
+    def fn(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len):
+        return gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q_len, scale=0.1,
+                                         block_q=block_q, block_k=64, k_splits=4, interpret=False, pack=pack)
+
+    prefix = spec((80, kv_heads, 64, 128) if layout == "pages" else (kv_heads, 5120, 128), dtype)
+    own = spec((kv_heads, n_q, 128), dtype)
+    text = lower_for_cuda(fn, spec((heads, n_q, 128), dtype), prefix, prefix, own, own,
                           spec((1, 1000), jnp.int32), spec((1,), jnp.int32), I32)
     assert text.count("xla.gpu.triton") == 1
