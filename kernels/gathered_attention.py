@@ -158,7 +158,7 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
             jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack), jnp.float32),
         ],
         interpret=interpret, compiler_params=params,
-        name=f"gathered_attention_bq{block_q}_bk{block_k}",
+        name=f"gathered_attention_bq{block_q}_bk{block_k}_p{pack}",
     )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
     _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
     if pack > 1:  # back to [H, n_q_pad, d], the padding heads dropped
