@@ -108,7 +108,8 @@ def phases(p: Point) -> str:
 
 
 def _describe(system: str) -> str:
-    info = KNOWN_SYSTEMS.get(system)
+    """The system's description; a system run with options of its own ("spec-no_prefetch") has its base's."""
+    info = KNOWN_SYSTEMS.get(system) or KNOWN_SYSTEMS.get(system.split("-")[0])
     return f" ({info.description})" if info else ""
 
 

@@ -179,3 +179,27 @@ def test_an_outcome_object_and_a_counter_added_after_it_answered_are_checked_too
     request = type("Request", (), {"choices": ["a"], "gold": 0})()
     with pytest.raises(TypeError, match=r"unknown counters \['gpu_hits'\]"):
         report.system_entry(run, [request], None)
+
+
+class _WithOptions(PlainRecompute):
+    """A system whose options name it as built (as SystemOptions.apply names spec --no_prefetch "spec-no_prefetch")."""
+
+    def __init__(self, model, settings):
+        super().__init__(model, settings)
+        self.name = "fake_options-no_prefetch"
+
+
+def test_a_run_is_named_as_its_system_was_built(tmp_path, monkeypatch):
+    """A system run with options of its own is labelled with them in every result, never as its default form; its
+    description in the summary is its base's."""
+    from specjax.eval import tradeoff
+
+    monkeypatch.setitem(systems.PLUGINS, "fake_options", _WithOptions)
+    model = FakeModel()
+    wl = _needle(model.tokenizer, limit=2)
+    runs = _run(model, wl, ["recompute", "fake_options"], tmp_path / "store")
+    assert [r.system for r in runs] == ["recompute", "fake_options-no_prefetch"]
+    results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
+                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
+    assert set(results["systems"]) == {"recompute", "fake_options-no_prefetch"}
+    assert tradeoff._describe("spec-no_prefetch") == tradeoff._describe("spec") != ""
