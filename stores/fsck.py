@@ -47,7 +47,7 @@ class FsckReport:
 
 def _check_structure(store: KVStore, report: FsckReport) -> None:
     lay = store.layout
-    tree, segments = store._tree, {s.seg_id: s for s in store._segments.values() if s.refs > 0}
+    tree, segments = store.tree, {s.seg_id: s for s in store.segments(referenced=True)}
     report.nodes, report.segments = len(tree.nodes) - 1, len(segments)
     spans = sorted((s.first_chunk, s.first_chunk + s.n_chunks, s.seg_id) for s in segments.values())
     for (a0, a1, a), (b0, _, b) in zip(spans, spans[1:]):
@@ -95,7 +95,7 @@ def belongs_to(store: KVStore) -> str:
 
 def _check_chunks(store: KVStore, report: FsckReport) -> None:
     before = store.metrics.bad_chunks
-    for seg in [s for s in store._segments.values() if s.refs > 0]:
+    for seg in store.segments(referenced=True):
         chunks = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
         reads = [r for layer in range(store.layout.num_layers) for kind in store.layout.kinds()
                  for r in store.read_chunks(layer, kind, chunks)]
@@ -114,11 +114,11 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
         report.belongs_to = belongs_to(store)
         _check_structure(store, report)
         _check_chunks(store, report)
-        listed = store._arrays.stored_chunk_ids()
+        listed = store.stored_chunk_ids()
         owned = set()
-        for seg in store._segments.values():
+        for seg in store.segments():
             owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
-        ranges = [r for entry in store._cat.writers.values() for r in entry.get("ranges", [])]
+        ranges = store.writer_ranges()
         unowned = listed - owned
         report.inflight_chunks = sum(any(lo <= c < hi for lo, hi in ranges) for c in unowned)
         report.orphan_chunks = len(unowned) - report.inflight_chunks

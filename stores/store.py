@@ -182,6 +182,26 @@ class KVStore(ChunkReads):
     def _segments(self) -> dict[int, Segment]:
         return self._cat.segments
 
+    # -- what the store holds, as fsck reads it ----------------------------------------------------
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree of the generation this handle serves (read it; change the store through its methods)."""
+        return self._tree
+
+    def segments(self, *, referenced: bool = False) -> list[Segment]:
+        """The segments of this generation; `referenced`: only those a tree node points at (not yet retired)."""
+        with self._lock:
+            return [s for s in self._segments.values() if s.refs > 0 or not referenced]
+
+    def stored_chunk_ids(self) -> set[int]:
+        """Chunk ids of every segment with any extent on disk, committed or not."""
+        return self._arrays.stored_chunk_ids()
+
+    def writer_ranges(self) -> list[tuple[int, int]]:
+        """The chunk-id ranges [lo, hi) live writers have reserved (their inserts may still commit)."""
+        return [tuple(r) for entry in self._cat.writers.values() for r in entry.get("ranges", [])]
+
     def refresh(self) -> bool:
         """Adopt what other handles committed since (at most every `refresh_s`); True if anything was new."""
         if self.refresh_s:

@@ -412,7 +412,7 @@ def test_reordered_store_serves_the_same_kv(model):
     engine.run(req)  # records importance for the node; fills the caches
     cached_before = {k[2] for tier in engine.cache.tiers.values() for k in tier.items}
     assert engine.reorder() >= 1
-    live = {c for seg in engine.store._segments.values() if seg.refs > 0
+    live = {c for seg in engine.store.segments(referenced=True)
             for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)}
     assert cached_before and not cached_before & live  # every chunk cached before was repacked away ...
     assert all(k[2] in live for tier in engine.cache.tiers.values() for k in tier.items)  # ... and dropped

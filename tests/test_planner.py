@@ -252,7 +252,7 @@ def test_only_a_plan_that_identified_the_whole_stored_prefix_records_its_importa
     engine.warm(req.prefix)
 
     def observations():
-        return sum(int(seg.imp_count.sum()) for seg in engine.store._segments.values())
+        return sum(int(seg.imp_count.sum()) for seg in engine.store.segments())
 
     for head, load_all in ((0, True), (64, False)):
         _forced(engine, req, head, load_all)
