@@ -99,7 +99,8 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     assert r.plan["plan"] == min(plans, key=lambda p: r.plan["candidates_ms"][p.label]).label
     assert len(prediction_errors([(r.plan["predicted_ttft_ms"], r.ttft_ms)])) == 1
     # a disk too slow to load anything: recompute; an instant one: the plan whose compute plus per-token read cost
-    # (what no disk rate removes) is least; in between, a faster disk never makes the plan wait on more bytes' time
+    # (what no disk rate removes) is least; in between, a faster disk never makes the plan load fewer bytes (its wait
+    # at 1 byte/s never falls as the rate rises)
     # (a 128-token tiny model's measured plans differ little, and a page-cached disk's waits barely follow the
     # bytes' time, so the engine plans here from a model of known rates: computing the stored prefix costs 100 ms,
     # loading it 1 ms, its waits are its bytes' time plus 0.01 ms a loaded token, 1,000 bytes a token, twice that
