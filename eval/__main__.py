@@ -23,6 +23,8 @@ from absl import flags
 from specjax import sharding
 from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
+from specjax.kernels import resolve_impl as resolve_kernels
+from specjax.models import attention as attention_lib
 from specjax.eval import presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import settings as settings_lib
@@ -66,6 +68,16 @@ def check_folder(flag: str, path: pathlib.Path) -> None:
     for part in [path, *path.parents]:
         if part.exists() and not part.is_dir():
             raise EvalError(f"{flag} {path}: {part} is a file, not a folder; give a folder (created if missing)")
+
+
+def implementations(kernel_impl: str) -> dict:
+    """What the kernels (probe scoring, gathered attention) and the model's own attention ran as on this machine:
+    the flag, $SPECJAX_KERNEL_IMPL / $SPECJAX_ATTENTION_IMPL and the platform resolved, so a figure names the code it
+    timed."""
+    kernels = resolve_kernels(kernel_impl)
+    return {"kernels": ("pallas, " + ("interpreted" if kernels.interpret else "compiled")) if kernels.use_pallas
+            else "reference (jnp)",
+            "attention": attention_lib.resolve_impl()}
 
 
 def device_description() -> str:
@@ -164,6 +176,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     config = {
         **values, "limit": limit,
         "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},
+        "implementations": implementations(settings.engine.kernel_impl),
         "store_bytes": store_bytes, "kv_bytes_per_token": kv_per_token,
         "tokenizer": tokenizer_source, "prompt_format": task.prompt_format, "data_source": task.source,
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,

@@ -328,9 +328,12 @@ def markdown(results: dict) -> str:
     emu = results["emulation"]
     emulated = emu["disk_bandwidth"] is not None or emu["pcie_bandwidth"] is not None
     out += [f"- device: {results['device']}",
-            f"- weights: {results['weights']}",
-            f"- emulation: {'on' if emulated else 'off'} (disk {emu['disk_bandwidth']} B/s, "
-            f"PCIe {emu['pcie_bandwidth']} B/s, direct I/O {emu['direct_io']})"]
+            f"- weights: {results['weights']}"]
+    impl = results.get("config", {}).get("implementations")
+    if impl:
+        out.append(f"- kernels: {impl['kernels']}; the model's attention: {impl['attention']}")
+    out.append(f"- emulation: {'on' if emulated else 'off'} (disk {emu['disk_bandwidth']} B/s, "
+               f"PCIe {emu['pcie_bandwidth']} B/s, direct I/O {emu['direct_io']})")
     selections = results.get("selections")
     if selections and selections["mode"] == "replay":
         out.append(f"- selections: **replayed** from {selections['folder']} (" + "; ".join(

@@ -115,6 +115,8 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
 
 def test_cli_end_to_end_with_fake_model(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: FakeModel())
+    monkeypatch.delenv("SPECJAX_ATTENTION_IMPL", raising=False)
+    monkeypatch.setenv("SPECJAX_KERNEL_IMPL", "pallas")  # what "auto" resolves to is recorded, not the flag
     from absl import flags
 
     flags.FLAGS(["prog", "--limit=6", f"--output_dir={tmp_path}", "--noprogress"])
@@ -127,6 +129,10 @@ def test_cli_end_to_end_with_fake_model(tmp_path, monkeypatch):
     assert results["model"] == "fake" and results["task"] == "needle" and results["weights"] == "random"
     assert results["config"]["resolved"]["systems"] == ["recompute"]
     assert results["config"]["limit"] == 6 and "meaningless" in results["notes"][0]
+    assert results["config"]["resolved"]["engine"]["kernel_impl"] == "auto"
+    assert results["config"]["implementations"] == {"kernels": "pallas, interpreted", "attention": "blocked"}
+    md = (tmp_path / "results.md").read_text()
+    assert "- kernels: pallas, interpreted; the model's attention: blocked" in md
 
 
 def _cli(*args, timeout=120):
