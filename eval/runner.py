@@ -166,8 +166,8 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         summary = system.summary() if hasattr(system, "summary") else None
         # named as built: a system with options of its own carries them in its name ("spec-no_prefetch",
         # "spec_gqa-candidates2"), so a result never passes for the system's default form
-        results.append(Run(getattr(system, "name", name), retention, outcomes, t1 - t0, time.perf_counter() - t1,
-                           sweep, folder.record(base, len(repaired)), summary))
+        results.append(Run(system.name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep,
+                           folder.record(base, len(repaired)), summary))
         if partial:
             partial.save(label, results[-1])
     return results

@@ -141,7 +141,7 @@ class SystemSettings:
 
 
 class System(Protocol):
-    name: str
+    name: str  # the name it was registered under, and after a "-" the options it was built with, if any
     needs_store: bool
 
     def populate(self, store_path: str, prefixes: Sequence[Sequence[int]]) -> None: ...
@@ -198,7 +198,14 @@ def uses_retention(name: str) -> bool:
 
 
 def make_system(name: str, model, settings: SystemSettings) -> System:
+    """The system registered as `name`, built with `settings`. Its own `name` labels its results: the registered
+    name, extended by the options it was built with ("spec-no_prefetch"); any other is refused, so that no run is
+    filed under another system."""
     factories = available()
     if name not in factories:
         resolve(name)  # raises the right one-line error
-    return factories[name](model, settings)
+    system = factories[name](model, settings)
+    if system.name != name and not system.name.startswith(name + "-"):
+        raise EvalError(f"system {name!r} was built as {system.name!r}: a system's name must be the name it is "
+                        f"registered under, with any options after a '-' ({name}-...)")
+    return system

@@ -203,3 +203,14 @@ def test_a_run_is_named_as_its_system_was_built(tmp_path, monkeypatch):
                                    emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
     assert set(results["systems"]) == {"recompute", "fake_options-no_prefetch"}
     assert tradeoff._describe("spec-no_prefetch") == tradeoff._describe("spec") != ""
+
+
+class _Misnamed(PlainRecompute):
+    """A plugin that inherits another system's name: its runs would be filed under "recompute"."""
+
+
+def test_a_system_built_under_another_name_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setitem(systems.PLUGINS, "fake_misnamed", _Misnamed)
+    model = FakeModel()
+    with pytest.raises(systems.EvalError, match="'fake_misnamed' was built as 'recompute'"):
+        _run(model, _needle(model.tokenizer, limit=2), ["fake_misnamed"], tmp_path / "store")
