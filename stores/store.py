@@ -175,10 +175,6 @@ class KVStore(ChunkReads):
         return self._cat.generation
 
     @property
-    def _tree(self) -> RadixTree:
-        return self._cat.tree
-
-    @property
     def _segments(self) -> dict[int, Segment]:
         return self._cat.segments
 
@@ -187,7 +183,7 @@ class KVStore(ChunkReads):
     @property
     def tree(self) -> RadixTree:
         """The radix tree of the generation this handle serves (read it; change the store through its methods)."""
-        return self._tree
+        return self._cat.tree
 
     def segments(self, *, referenced: bool = False) -> list[Segment]:
         """The segments of this generation; `referenced`: only those a tree node points at (not yet retired)."""
@@ -226,7 +222,7 @@ class KVStore(ChunkReads):
         tokens = np.asarray(tokens, np.int64)
         self.refresh()
         with self._lock:
-            steps = self._tree.match(tokens)
+            steps = self.tree.match(tokens)
             self._pin_snapshot(self.generation, [s.node_id for s in steps])
             return Match(self, steps, tokens, self.generation)
 
@@ -358,10 +354,10 @@ class KVStore(ChunkReads):
     def _evict_one(self) -> bool:
         """Drop the least recently matched unpinned whole prefix tail (a leaf node); False if none."""
         def evict():
-            leaves = [n for n in self._tree.leaves() if n.node_id not in self._pinned]
+            leaves = [n for n in self.tree.leaves() if n.node_id not in self._pinned]
             if not leaves:
                 return Change(False, publish=False)
-            self._tree.remove_leaf(min(leaves, key=lambda n: n.last_access).node_id)
+            self.tree.remove_leaf(min(leaves, key=lambda n: n.last_access).node_id)
             return Change(True)
 
         return self._cat.transact(evict)
@@ -394,7 +390,7 @@ class KVStore(ChunkReads):
 
         def insert():
             try:
-                node_id, created = self._tree.insert(writer.tokens, seg.seg_id, base_len)
+                node_id, created = self.tree.insert(writer.tokens, seg.seg_id, base_len)
             except KeyError:
                 log.info("insert dropped: its base prefix was evicted meanwhile by another handle")
                 return Change(None, publish=False)
@@ -513,9 +509,9 @@ class KVStore(ChunkReads):
         def drop():
             lost = []
             for n in node_ids:
-                if n in self._tree.nodes:
-                    lost += [self._tree.prefix_tokens(leaf) for leaf in self._tree.leaves_below(n)]
-                    self._tree.remove_subtree(n)
+                if n in self.tree.nodes:
+                    lost += [self.tree.prefix_tokens(leaf) for leaf in self.tree.leaves_below(n)]
+                    self.tree.remove_subtree(n)
             return Change(lost, publish=bool(lost))
 
         if not node_ids:
@@ -550,7 +546,7 @@ class KVStore(ChunkReads):
         """Average observed importance of each token of a node (0 where never observed): `[n]` averaged over
         layers, or `[layers, n]` with `per_layer`."""
         with self._lock:
-            node = self._tree.nodes[node_id]
+            node = self.tree.nodes[node_id]
             seg = self._segments[node.seg_id]
             lo, hi = node.seg_start, node.seg_start + len(node)
             avg = seg.imp_sum[:, lo:hi] / np.maximum(seg.imp_count[lo:hi], 1)
@@ -559,19 +555,19 @@ class KVStore(ChunkReads):
     def node_observations(self, node_id: int) -> int:
         """How many requests reported importance for this node since it was last repacked."""
         with self._lock:
-            node = self._tree.nodes[node_id]
+            node = self.tree.nodes[node_id]
             seg = self._segments[node.seg_id]
             counts = seg.imp_count[node.seg_start:node.seg_start + len(node)]
             return int(counts.max()) if len(counts) else 0
 
     def node_ids(self) -> list[int]:
         with self._lock:
-            return [n for n in self._tree.nodes if n != RadixTree.ROOT]
+            return [n for n in self.tree.nodes if n != RadixTree.ROOT]
 
     def node_view(self, node_id: int) -> tuple[int, int, int, Match]:
         """(seg_id, seg_start, n_tokens) of a node and a pinning snapshot of it (for copy-on-write)."""
         with self._lock:
-            node = self._tree.nodes[node_id]
+            node = self.tree.nodes[node_id]
             steps = [PathStep(node_id, node.seg_id, node.seg_start, 0, len(node))]
             self._pin_snapshot(self.generation, [node_id])
             return node.seg_id, node.seg_start, len(node), Match(self, steps, node.tokens, self.generation)
@@ -587,7 +583,7 @@ class KVStore(ChunkReads):
         new = writer.seg
 
         def swap():
-            node = self._tree.nodes.get(node_id)
+            node = self.tree.nodes.get(node_id)
             if node is None or (node.seg_id, node.seg_start, len(node)) != expect:
                 return Change(False, publish=False)  # split or evicted meanwhile: keep the old version
             old = self._segments[node.seg_id]
@@ -609,8 +605,8 @@ class KVStore(ChunkReads):
         self.refresh()
         with self._lock:
             live = [s for s in self._segments.values() if s.refs > 0]
-            return {"generation": self.generation, "nodes": len(self._tree.nodes) - 1, "segments": len(live),
-                    "chunks": sum(s.n_chunks for s in live), "tokens": sum(len(n) for n in self._tree.nodes.values()),
+            return {"generation": self.generation, "nodes": len(self.tree.nodes) - 1, "segments": len(live),
+                    "chunks": sum(s.n_chunks for s in live), "tokens": sum(len(n) for n in self.tree.nodes.values()),
                     "disk_bytes_used": self.disk_bytes_used, "commits": self._cat.commits,
                     "commit_conflicts": self._cat.conflicts}
 
