@@ -241,7 +241,7 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
     """
     _check_attention_args(q, prefix_k, prefix_v, own_k, own_v)
     num_heads, n_q, head_dim = q.shape
-    num_tokens = _prefix_geometry(prefix_k)[1]
+    num_kv, num_tokens, _ = _prefix_geometry(prefix_k)
     selection.check(num_heads, num_tokens, check_indices)
     c.check_length("q_len", q_len, n_q)
     scale = c.default_scale(head_dim, scale)
@@ -253,7 +253,6 @@ def gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection: Selection
                                             q_len=q_len, scale=scale)
     interpret = dispatch.interpret
     idx, count = selection.token_indices(num_heads)
-    num_kv = _prefix_geometry(prefix_k)[0]
     pack = packing(num_heads, num_kv, idx.shape[0]) if pack_heads else 1
     if block_q is not None and block_q < pack:  # a tile too short for the group: one per query head
         pack = 1
