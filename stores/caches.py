@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import operator
 import threading
 
 import numpy as np
@@ -136,7 +137,8 @@ class TieredCache:
         self.events: list | None = [] if record_events else None
         self._read: dict = {}  # key -> chunk read from disk, placed at `settle` (a view of its read buffer)
         self._read_bytes = 0
-        self._later: list = []  # (_USE, key, its use) and (_READ, key, chunk): what `settle` applies, in order
+        # what `settle` applies, in order: (_USE, keys, their uses) per lookup, (_READ, keys, chunks) per read
+        self._later: list = []
 
     def attach(self, pool) -> None:
         """Mirror the device tier in `pool` (stores.pool.DevicePool): told of every chunk placed and dropped."""
@@ -169,7 +171,8 @@ class TieredCache:
 
     def holds_many(self, layer: int, kind: int, chunks) -> np.ndarray:
         """`holds` per chunk of (layer, kind), under one lock (bool per chunk)."""
-        return self._in_memory([(layer, kind, c) for c in np.asarray(chunks, np.int64).tolist()], pending=True)
+        keys = zip(itertools.repeat(layer), itertools.repeat(kind), np.asarray(chunks, np.int64).tolist())
+        return self._in_memory(list(keys), pending=True)
 
     def held(self, keys) -> np.ndarray:
         """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""
@@ -248,15 +251,20 @@ class TieredCache:
     def admit_later(self, keys, arrays) -> None:
         """Chunks just read from disk (`arrays[i]` of `keys[i]`, views of their read buffer, which they keep until
         then), placed by `settle`. Past what both tiers could hold (the bound on read buffers kept for it), a chunk
-        is not offered."""
+        is not offered. One record per call: nothing per chunk but a membership test and a dict entry."""
         limit = sum(t.budget_bytes for t in self.tiers.values())
         with self._lock:
-            for key, array in zip(keys, arrays):
-                if key in self._read or self.where(key) is not None or self._read_bytes + array.nbytes > limit:
+            known = self._in_memory(keys, pending=True)
+            kept_keys, kept = [], []
+            for key, array, seen in zip(keys, arrays, known.tolist()):
+                if seen or key in self._read or self._read_bytes + array.nbytes > limit:
                     continue
                 self._read[key] = array
                 self._read_bytes += array.nbytes
-                self._later.append((_READ, key, array))
+                kept_keys.append(key)
+                kept.append(array)
+            if kept_keys:
+                self._later.append((_READ, kept_keys, kept))
 
     def settle(self) -> None:
         """Apply what the request did, in the order it happened: each use re-scores its chunk (and a host hit is
@@ -265,17 +273,20 @@ class TieredCache:
         with self._lock:
             later, read, self._later, self._read, self._read_bytes = self._later, self._read, [], {}, 0
             host = self.tiers[HOST]
-            for event, key, detail in later:
+            for event, keys, detail in later:
                 if event is _READ:
-                    if key in read:  # not invalidated since
-                        self.admit(key, np.array(detail))
+                    for key, array in zip(keys, detail):
+                        if key in read:  # not invalidated since
+                            self.admit(key, np.array(array))
                     continue
-                n_needed, chunk_tokens, important_fraction, importance, host_hit = detail
-                self._update(key, n_needed, chunk_tokens, important_fraction, importance)
-                if host_hit and key in host.items:
-                    array = host.pop(key)
-                    if not self._try_place(DEVICE, key, array):
-                        host.put(key, array, self.score(key))
+                n_needed, chunk_tokens, important_fraction, importance, host_hits = detail
+                for i, key in enumerate(keys):
+                    self._update(key, n_needed[i], chunk_tokens, important_fraction,
+                                 None if importance is None else importance[i])
+                    if host_hits[i] and key in host.items:
+                        array = host.pop(key)
+                        if not self._try_place(DEVICE, key, array):
+                            host.put(key, array, self.score(key))
 
     def lookup(self, key, n_needed: int | None = None, *, chunk_tokens: int | None = None,
                important_fraction: float | None = None, importance: float | None = None):
@@ -288,23 +299,21 @@ class TieredCache:
                     important_fraction: float | None = None, importance=None) -> list:
         """Uses of chunks (`n_needed[i]` of `keys[i]`'s tokens, `importance[i]` if given), under one lock: each the
         whole cached chunk or None on a miss; a chunk this request read is served from its read buffer (a host
-        hit). Hits are counted per tier now; the uses re-score their chunks at `settle`."""
-        out = []
+        hit). Hits are counted per tier now; the uses re-score their chunks at `settle` (one record per call: the
+        path to the first token does nothing per chunk but three dict lookups)."""
+        keys = list(keys)
         with self._lock:
-            device, host, read, later = self.tiers[DEVICE].items, self.tiers[HOST].items, self._read, self._later
-            hits = {"device_hits": 0, "host_hits": 0, "misses": 0}
-            for i, key in enumerate(keys):
-                array = device.get(key)
-                if array is not None:
-                    hits["device_hits"] += 1
-                elif (array := host.get(key)) is not None or (array := read.get(key)) is not None:
-                    hits["host_hits"] += 1
-                else:
-                    hits["misses"] += 1
-                out.append(array)
-                later.append((_USE, key, (n_needed[i], chunk_tokens, important_fraction,
-                                          None if importance is None else importance[i], key in host)))
-            self.metrics.add(**hits)
+            on_device = list(map(self.tiers[DEVICE].items.get, keys))
+            on_host = list(map(self.tiers[HOST].items.get, keys))
+            read = self._read
+            out = [d if d is not None else h if h is not None else read.get(key)
+                   for key, d, h in zip(keys, on_device, on_host)]
+            device_hits = len(keys) - sum(map(operator.is_, on_device, itertools.repeat(None)))
+            misses = sum(map(operator.is_, out, itertools.repeat(None)))
+            self._later.append((_USE, keys, (list(n_needed), chunk_tokens, important_fraction,
+                                             None if importance is None else list(importance),
+                                             [h is not None for h in on_host])))
+            self.metrics.add(device_hits=device_hits, host_hits=len(keys) - device_hits - misses, misses=misses)
         return out
 
     def invalidate(self, chunk_ids) -> None:
@@ -313,9 +322,22 @@ class TieredCache:
         with self._lock:
             for key in [k for k in self._read if k[2] in ids]:
                 self._read_bytes -= self._read.pop(key).nbytes
-            self._later = [e for e in self._later if e[1][2] not in ids]
+            self._later = [_without(e, ids) for e in self._later]
             for tier in self.tiers.values():
                 for key in [k for k in tier.items if k[2] in ids]:
                     tier.pop(key)
             for key in [k for k in self.stats if k[2] in ids]:
                 del self.stats[key]
+
+
+def _without(event: tuple, ids: set) -> tuple:
+    """A recorded `_USE` or `_READ` (`TieredCache._later`) without the keys of chunks `ids`."""
+    kind, keys, detail = event
+    keep = [i for i, key in enumerate(keys) if key[2] not in ids]
+    if len(keep) == len(keys):
+        return event
+    pick = lambda values: None if values is None else [values[i] for i in keep]  # noqa: E731
+    if kind is _READ:
+        return kind, pick(keys), pick(detail)
+    n_needed, chunk_tokens, important_fraction, importance, host_hits = detail
+    return kind, pick(keys), (pick(n_needed), chunk_tokens, important_fraction, pick(importance), pick(host_hits))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 
 import jax
@@ -148,16 +149,12 @@ class DevicePool:
     def pin_many(self, keys) -> np.ndarray:
         """The slots holding chunks of one head count for a take, under one lock: int64, -1 where a chunk is not on
         the device. Each stays its chunk's until the take `unpin`s it, whatever the tier decides meanwhile."""
-        out = np.full(len(keys), -1, np.int64)
         if not keys:
-            return out
+            return np.full(0, -1, np.int64)
         with self._lock:
             pages = self._of(keys[0])
-            for i, key in enumerate(keys):
-                slot = pages.slot_of.get(key)
-                if slot is not None:
-                    pages.pinned[slot] += 1
-                    out[i] = slot
+            out = np.fromiter(map(pages.slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+            pages.pinned.update(out[out >= 0].tolist())
         return out
 
     def unpin(self, kind: int, slots) -> None:

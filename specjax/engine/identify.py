@@ -266,10 +266,11 @@ class GroupedITF:
         if bool(use_shared):
             slots = np.asarray(shared)[:k]  # of the candidates
             chosen = cand[slots]
-            state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
-            if keys is not None:
-                keys = S.gather_tokens(keys, jnp.asarray(padded(slots, k_cap, c_pad)))
+            if keys is not None:  # the set's keys are rows of the candidates' keys: taken on the device
+                positions = iota(io.m_pad) if c == m else jnp.asarray(padded(cand, c_pad, -1))
+                state, keys = _shared_rows(state, layer, keys, shared, k, positions)
             else:
+                state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
                 keys = io.take(layer, K, chosen, k_cap)
             values = io.take(layer, V, chosen, k_cap)
             selection = SharedIndices(iota(k_cap), k)
@@ -281,6 +282,16 @@ class GroupedITF:
         state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
         return state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np]
+
+
+@jax.jit
+def _shared_rows(state, layer, keys, shared, k, positions):
+    """A shared set of candidates (`shared` [k_cap], the first k valid) in one device step: the state records its
+    prefix positions (`positions` of the candidates) and the candidates' keys [kv_heads, c_pad, d] give its rows
+    [kv_heads, k_cap, d], zeros after the k-th."""
+    valid = jnp.arange(shared.shape[0]) < k
+    state = st.record_union(state, layer, jnp.where(valid, positions[shared], -1), k)
+    return state, S.gather_tokens(keys, jnp.where(valid, shared, keys.shape[1]))
 
 
 def ranked_chunks(mass: np.ndarray) -> np.ndarray:
