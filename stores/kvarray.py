@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 
 import numpy as np
 import tensorstore as ts
@@ -120,44 +121,70 @@ class KVArrays:
         # a local directory's extents are read with preadv straight into landing buffers (stores.landing)
         self._files = LocalFiles(extents["path"], direct_io) if extents.get("driver") == "file" else None
         self.scheduler = ReadScheduler(max_inflight_bytes=max_inflight_bytes, bytes_per_s=disk_bandwidth)
+        self.direct_io = direct_io
+
+    def shares_requests(self, speculative: bool) -> bool:
+        """Do runs read together share one disk request (`ChunkReads.read_runs`)? From the page cache, yes: a read
+        there is a copy, and issuing and landing a request is the cost. Not with O_DIRECT, where each run waits on
+        the device and the disk works through them at its queue depth; nor speculative runs on an emulated disk,
+        where they wait in its queue and a run superseded there is withdrawn unread (a shared request is withdrawn
+        only once none of its runs is wanted)."""
+        return not self.direct_io and (not speculative or self.scheduler.link is None)
 
     def extent_of(self, layer: int, kind: int, seg_first: int, seg_chunks: int, chunk: int) -> tuple[str, int]:
         """(file key under `kv/`, byte offset) of a chunk of the segment starting at chunk `seg_first`."""
         return extent_key(seg_first, seg_chunks, layer, kind), (chunk - seg_first) * self.layout.chunk_nbytes(kind)
 
-    def read_run(self, layer: int, kind: int, seg_first: int, seg_chunks: int, first_chunk: int, n_chunks: int, *,
-                 speculative: bool = False, background: bool = False, head_parts: int = 1,
-                 into: np.ndarray | None = None) -> Read:
-        """Queue one read of `n_chunks` adjacent chunks of one segment (at the scheduler's priority `speculative` /
-        `background`): one byte range of the segment's extent. Its future resolves with `[n_chunks, heads,
-        chunk_tokens, head_dim]` (a view of the bytes read) once the scheduler has issued it and (on an emulated disk)
-        its bytes have crossed the link; it fails if the extent is missing or too short.
+    def read_runs(self, layer: int, kind: int, runs: list[tuple], *, speculative: bool = False,
+                  background: bool = False, head_parts: int = 1) -> Read:
+        """Queue one disk request (at the scheduler's priority `speculative` / `background`) for `runs`, each
+        `(segment's first chunk, its chunk count, first chunk, n_chunks, into)`: n_chunks adjacent chunks of one
+        segment, one byte range of its extent. Its future resolves, once the scheduler has issued it and (on an
+        emulated disk) its bytes have crossed the link, with one result per run: `[n_chunks, heads, chunk_tokens,
+        head_dim]` (a view of the bytes read), or the exception that run's read raised (its extent missing or too
+        short); one run's failure is not the others'. A local store's runs are read one after another by one disk
+        thread: several runs cost one task, one landing and one callback.
 
         `head_parts` > 1: each chunk is read as that many byte ranges of equal head counts, one per device of a
         tensor-parallel mesh (a chunk holds its heads one after another), as each device's reader would read its own
         heads; the parts are joined in head order.
 
-        `into`: `[n_chunks, heads, chunk_tokens, head_dim]` (a slice of a preallocated, aligned host buffer) that the
-        bytes are copied into on the I/O thread that landed them; the future then resolves with it."""
+        `into` (or None): `[n_chunks, heads, chunk_tokens, head_dim]` (a slice of a preallocated, aligned host buffer)
+        that the run's bytes land in; its result is then `into`."""
         lay = self.layout
-        key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
         chunk_bytes = lay.chunk_nbytes(kind)
-        shape = (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
-        if head_parts == 1:
-            ranges = [slice(offset, offset + n_chunks * chunk_bytes)]
-        else:
-            part = chunk_bytes // head_parts
-            ranges = [slice(offset + j * chunk_bytes + p * part, offset + j * chunk_bytes + (p + 1) * part)
-                      for j in range(n_chunks) for p in range(head_parts)]
+        reads = []  # (key, byte ranges, shape, into) per run
+        for seg_first, seg_chunks, first_chunk, n_chunks, into in runs:
+            key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
+            if head_parts == 1:
+                ranges = [slice(offset, offset + n_chunks * chunk_bytes)]
+            else:
+                part = chunk_bytes // head_parts
+                ranges = [slice(offset + j * chunk_bytes + p * part, offset + j * chunk_bytes + (p + 1) * part)
+                          for j in range(n_chunks) for p in range(head_parts)]
+            reads.append((key, ranges, (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim), into))
 
         def issue() -> concurrent.futures.Future:
             if self._files is not None:
-                out = into if into is not None else BUFFERS.empty(shape, lay.np_dtype)
-                return self._files.read(key, ranges, out)
-            reads = [self._kvs.read(key.encode(), byte_range=r) for r in ranges]
-            return when_all(reads, lambda results: self._decode(key, shape, results, ranges, into))
+                return self._files.read_many([(key, ranges, into if into is not None else
+                                               BUFFERS.empty(shape, lay.np_dtype))
+                                              for key, ranges, shape, into in reads])
+            futures = [[self._kvs.read(key.encode(), byte_range=r) for r in ranges] for key, ranges, _, _ in reads]
+            return when_all([f for fs in futures for f in fs], functools.partial(self._decode_all, reads))
 
-        return self.scheduler.submit(Read(issue, n_chunks * chunk_bytes, speculative, background, order=layer))
+        nbytes = sum(run[3] for run in runs) * chunk_bytes
+        return self.scheduler.submit(Read(issue, nbytes, speculative, background, order=layer))
+
+    def _decode_all(self, reads: list[tuple], results: list) -> list:
+        """Per run of `read_runs`, its array decoded from its ranges' kvstore reads, or the exception that raised."""
+        out, at = [], 0
+        for key, ranges, shape, into in reads:
+            try:
+                out.append(self._decode(key, shape, results[at:at + len(ranges)], ranges, into))
+            except Exception as e:  # noqa: BLE001 -- this run's failure, delivered with the others' data
+                out.append(e)
+            at += len(ranges)
+        return out
 
     def _decode(self, key: str, shape: tuple, results: list, ranges: list,
                 into: np.ndarray | None = None) -> np.ndarray:

@@ -56,8 +56,17 @@ class Extent:
 
 
 @dataclasses.dataclass(eq=False)
+class DiskRequest:
+    """What the runs read by one disk request share: how many chunks it reads and how many are no longer wanted (it
+    is withdrawn only once none is). No reference to the runs: nothing here keeps a run or its buffer alive."""
+    n_chunks: int
+    unwanted: int = 0
+
+
+@dataclasses.dataclass(eq=False)
 class Run:
-    """One disk read of adjacent chunks (a scheduler `Read`) and how many of them are no longer wanted. `verified`
+    """Adjacent chunks of one segment, one byte range of its extent, read by one disk request (a scheduler `Read`,
+    which may read other runs of the same call too: `DiskRequest`). `verified`
     resolves with `(chunks [n, heads, chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the
     run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread.
 
@@ -67,7 +76,7 @@ class Run:
     _read: "weakref.ref"
     first_chunk: int
     n_chunks: int
-    unwanted: int = 0
+    request: DiskRequest  # what the runs of its disk request share
     verified: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     # the aligned host buffer the run's bytes land in, shared by the runs of one read call inside one segment
     # (`Extent`); None where they stay in the read's own bytes (split reads)
@@ -123,6 +132,20 @@ class ChunkRead:
         return self._future
 
 
+def _requests(runs: list[tuple], max_chunks: int) -> list[list[tuple]]:
+    """`runs` (segment, first chunk, count) grouped into disk requests of consecutive runs of at most `max_chunks`
+    chunks in all (0: one run a request)."""
+    out, size = [], 0
+    for run in runs:
+        if out and max_chunks and size + run[2] <= max_chunks:
+            out[-1].append(run)
+            size += run[2]
+        else:
+            out.append([run])
+            size = run[2]
+    return out
+
+
 def _runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
     """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long (numpy over the
     ids: no Python step per chunk)."""
@@ -167,29 +190,37 @@ class ChunkReads:
 
     def read_runs(self, layer: int, kind: int, chunks, *, speculative: bool = False,
                   background: bool = False) -> list[Run]:
-        """Read chunks of one layer and kind: runs of adjacent ids inside one segment go to the disk as one byte
-        range of its extent (at most `max_read_bytes`, by default as large as the disk's scheduler allows), at the
-        scheduler's priority `speculative` / `background` (stores.scheduler). Each `Run.verified` resolves with its
-        chunks and which of them passed their checksums, and is cancelled if the read was withdrawn unread. The
-        runs are in chunk order; nothing here is done per chunk."""
+        """Read chunks of one layer and kind: runs of adjacent ids inside one segment are each one byte range of its
+        extent (at most `max_read_bytes`, by default as large as the disk's scheduler allows), at the scheduler's
+        priority `speculative` / `background` (stores.scheduler). Where the disk lets them (`KVArrays.shares_requests`:
+        the page cache) the runs of one call share disk requests of up to that many bytes, read one after another by
+        one disk thread; else each run is its own request. Each `Run.verified` resolves with its chunks and which of
+        them passed their checksums, and is cancelled if the read was withdrawn unread. The runs are in chunk order;
+        nothing here is done per chunk."""
         self._reads_started = True
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
-        max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
+        chunk_bytes = self.layout.chunk_nbytes(kind)
+        max_chunks = max(1, max_bytes // chunk_bytes)
         head_parts = self._parts(kind)
         runs = self._segment_runs(chunks, max_chunks)
         extents = self._extents(kind, runs) if head_parts == 1 else {}
         out = []
-        for seg, first, n in runs:
-            expected = seg.checksums[layer, kind, first - seg.first_chunk:first - seg.first_chunk + n,
-                                     :self.layout.heads(kind)]
-            extent = extents.get(seg.seg_id)
-            into = None if extent is None else extent.array[first - extent.first_chunk:first - extent.first_chunk + n]
-            read = self._arrays.read_run(layer, kind, seg.first_chunk, seg.n_chunks, first, n,
-                                         speculative=speculative, background=background, head_parts=head_parts,
-                                         into=into)
-            run = Run(weakref.ref(read), first, n, extent=extent)
-            read.future.add_done_callback(functools.partial(self._verify, run, layer, kind, expected.copy()))
-            out.append(run)
+        for request in _requests(runs, max_chunks if self._arrays.shares_requests(speculative) else 0):
+            pieces, expected = [], []
+            for seg, first, n in request:
+                expected.append(seg.checksums[layer, kind, first - seg.first_chunk:first - seg.first_chunk + n,
+                                              :self.layout.heads(kind)].copy())
+                extent = extents.get(seg.seg_id)
+                into = (None if extent is None else
+                        extent.array[first - extent.first_chunk:first - extent.first_chunk + n])
+                pieces.append((seg.first_chunk, seg.n_chunks, first, n, into))
+            read = self._arrays.read_runs(layer, kind, pieces, speculative=speculative, background=background,
+                                          head_parts=head_parts)
+            shared = DiskRequest(sum(n for _, _, n in request))
+            runs_read = [Run(weakref.ref(read), first, n, request=shared, extent=extents.get(seg.seg_id))
+                         for seg, first, n in request]
+            read.future.add_done_callback(functools.partial(self._verify, runs_read, layer, kind, expected))
+            out += runs_read
         return out
 
     def read_chunks(self, layer: int, kind: int, chunks, *, speculative: bool = False,
@@ -231,31 +262,36 @@ class ChunkReads:
                     first, n = first + count, n - count
         return out
 
-    def _verify(self, run: Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
-        """Check each chunk of a landed run against its heads' checksums before any is served (on the thread that
-        landed it). `run.verified` always resolves: a failure here makes the run's chunks misses, never a reader
-        that waits forever."""
+    def _verify(self, runs: list[Run], layer: int, kind: int, expected: list[np.ndarray], f) -> None:
+        """Check each chunk of the runs one disk request landed against its heads' checksums before any is served
+        (on the thread that landed it). Every `run.verified` resolves: a failure here makes a run's chunks misses,
+        never a reader that waits forever."""
         if f.cancelled():  # withdrawn before it was read: nothing was read
-            run.verified.cancel()
+            for run in runs:
+                run.verified.cancel()
             return
         try:
-            self._check_run(run, layer, kind, expected, f)
-        except BaseException as e:  # noqa: BLE001
-            log.exception("chunks %d.. layer %d %s: checking the read failed", run.first_chunk, layer,
-                          kvarray.KIND_NAMES[kind])
-            if not run.verified.done():
-                self.metrics.add(bad_chunks=run.n_chunks)
-                run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
-            if not isinstance(e, Exception):
-                raise
+            results = f.result()
+        except Exception as e:  # noqa: BLE001 -- every run of the request unreadable
+            results = [e] * len(runs)
+        for run, want, result in zip(runs, expected, results):
+            try:
+                self._check_run(run, layer, kind, want, result)
+            except BaseException as e:  # noqa: BLE001
+                log.exception("chunks %d.. layer %d %s: checking the read failed", run.first_chunk, layer,
+                              kvarray.KIND_NAMES[kind])
+                if not run.verified.done():
+                    self.metrics.add(bad_chunks=run.n_chunks)
+                    run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
+                if not isinstance(e, Exception):
+                    raise
 
-    def _check_run(self, run: Run, layer: int, kind: int, expected: np.ndarray, f) -> None:
+    def _check_run(self, run: Run, layer: int, kind: int, expected: np.ndarray, arrays) -> None:
+        """`arrays`: the run's chunks as read, or the exception its read raised."""
         last = run.first_chunk + run.n_chunks - 1
-        try:
-            arrays = f.result()
-        except Exception as e:  # noqa: BLE001 -- unreadable chunks: misses, never an exception to serve
+        if isinstance(arrays, BaseException):  # unreadable chunks: misses, never an exception to serve
             log.warning("chunks %d..%d layer %d %s unreadable: %s", run.first_chunk, last, layer,
-                        kvarray.KIND_NAMES[kind], e)
+                        kvarray.KIND_NAMES[kind], arrays)
             self.metrics.add(bad_chunks=run.n_chunks)
             run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
             return
@@ -291,8 +327,8 @@ class ChunkReads:
         """`chunks` more of a speculative run's chunks are no longer wanted; once none is, a run not yet issued is
         dropped unread (its futures cancelled, nothing counted as read)."""
         with self._lock:
-            run.unwanted += chunks
-            done = run.unwanted >= run.n_chunks
+            run.request.unwanted += chunks
+            done = run.request.unwanted >= run.request.n_chunks
         if done and (run_read := run.read) is not None:
             self._arrays.scheduler.withdraw(run_read)
 

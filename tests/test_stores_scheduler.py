@@ -178,6 +178,69 @@ def test_store_coalesces_adjacent_chunks_and_verifies_each(tmp_path):
             np.testing.assert_array_equal(arrays[-1], k[:, (r.first_chunk + r.n_chunks - 1) * 4:][:, :4])
 
 
+def _store_of_two_segments(tmp_path, **options):
+    """A store of two 16-token prefixes (one segment each, chunks 0-3 and 4-7), opened with `options`; the KV."""
+    fp = {"arch": "t", "num_layers": 1, "kv_heads": 2, "head_dim": 8, "probe_heads": 0, "chunk_tokens": 4}
+    k = np.random.default_rng(1).standard_normal((2, 2, 16, 8)).astype(np.float32)
+    with KVStore.open(str(tmp_path / "s"), fp) as store:
+        store.insert(np.arange(16), [(k[0], k[0], None)])
+        store.insert(np.arange(100, 116), [(k[1], k[1], None)])
+    return KVStore.open(str(tmp_path / "s"), fp, **options), k
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_the_runs_of_one_call_share_a_disk_request_from_the_page_cache_and_each_is_checked_on_its_own(tmp_path,
+                                                                                                     direct_io):
+    """From the page cache, one call's runs are one request (one task, landing and callback); with O_DIRECT each run
+    is its own, so the disk works through them at its queue depth. Either way each run is verified and counted as a
+    disk read of its own, and one run's unreadable extent is that run's miss only."""
+    store, k = _store_of_two_segments(tmp_path, direct_io=direct_io)
+    with store:
+        runs = store.read_runs(0, K, [0, 2, 3, 5, 7])
+        assert [(r.first_chunk, r.n_chunks) for r in runs] == [(0, 1), (2, 2), (5, 1), (7, 1)]
+        for r in runs:
+            arrays, ok = r.verified.result(timeout=10)
+            assert ok.all()
+            rows = k[r.first_chunk // 4][:, (r.first_chunk % 4) * 4:(r.first_chunk % 4 + r.n_chunks) * 4]
+            np.testing.assert_array_equal(arrays.transpose(1, 0, 2, 3).reshape(2, -1, 8), rows)
+        requests = {id(r.request) for r in runs}
+        assert len(requests) == (4 if direct_io else 1)
+        assert store.metrics.snapshot()["read_requests"] == 4
+        # the second prefix's extent gone: its runs are misses, the first prefix's runs in the same request are not
+        (second,) = [f for f in (tmp_path / "s").rglob("0/k") if "000000000004+" in str(f)]
+        second.unlink()
+        runs = store.read_runs(0, K, [0, 2, 5])
+        assert [bool(r.verified.result(timeout=10)[1].all()) for r in runs] == [True, True, False]
+        assert len({id(r.request) for r in runs}) == (3 if direct_io else 1)
+
+
+def test_a_shared_speculative_request_is_withdrawn_only_when_none_of_its_runs_is_wanted(tmp_path):
+    """Speculative runs read together from the page cache share a request: withdrawing one run leaves it queued for
+    the others; once none is wanted, nothing is read. On an emulated disk each speculative run is its own request,
+    withdrawn on its own."""
+    gate = threading.Event()
+    store, _ = _store_of_two_segments(tmp_path, max_inflight_bytes=0)
+    with store:
+        blocker = Read(lambda: _after(gate), 1, False)
+        store.scheduler.submit(blocker)  # holds the disk, so the reads below stay queued
+        runs = store.read_runs(0, K, [0, 2, 5], speculative=True)
+        assert len({id(r.request) for r in runs}) == 1
+        store.withdraw(runs[0])
+        store.withdraw(runs[2])
+        assert runs[1].read.state == QUEUED  # chunk 2 is still wanted
+        store.withdraw(runs[1])
+        assert all(r.verified.cancelled() for r in runs)
+        gate.set()
+        blocker.future.result(timeout=5)
+        assert store.metrics.snapshot()["chunks_read"] == 0
+    store, _ = _store_of_two_segments(tmp_path, disk_bandwidth=1e6)
+    with store:
+        speculative, demand = store.read_runs(0, K, [0, 2, 5], speculative=True), store.read_runs(0, K, [1, 3, 6])
+        assert len({id(r.request) for r in speculative}) == 3
+        assert len({id(r.request) for r in demand}) == 1
+        assert all(r.verified.result(timeout=10)[1].all() for r in speculative + demand)
+
+
 def test_store_withdraws_a_run_only_when_none_of_its_chunks_is_wanted(tmp_path):
     fp = {"arch": "t", "num_layers": 1, "kv_heads": 1, "head_dim": 8, "probe_heads": 0, "chunk_tokens": 4}
     k = np.ones((1, 16, 8), np.float32)
