@@ -151,7 +151,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
         store_dir = pathlib.Path(values["store"]).expanduser() if values["store"] else pathlib.Path(tmp)
-        done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial)
+        done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial,
+                              interleave=values["interleave"])
     progress.close()
 
     notes = []
@@ -170,6 +171,9 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     elif values["record_selections"]:
         notes.append(f"selections recorded into {values['record_selections']}: each layer's scores were copied to "
                      "the host as it identified, and that is in these TTFTs")
+    if values["interleave"] and len(runs) > 1:
+        notes.append("runs timed in turns (--interleave): each request by every run before the next request, the "
+                     "first run of a turn rotating; all runs were warmed and compiled first and stayed open")
     if partial.loaded:
         notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
                      "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")

@@ -104,25 +104,85 @@ def stored_sequences(system, warm: list) -> list:
 
 
 def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], settings: systems_lib.SystemSettings,
-            store_dir: pathlib.Path, progress: Progress | None = None, partial: PartialRuns | None = None) -> list[Run]:
-    """Every (system, retention) run in order; with `partial`, each finished run is saved as it ends and runs
-    saved by an interrupted evaluation are loaded instead of run again."""
+            store_dir: pathlib.Path, progress: Progress | None = None, partial: PartialRuns | None = None, *,
+            interleave: bool = False) -> list[Run]:
+    """Every (system, retention) run, one after another, or with `interleave` request by request in turns; with
+    `partial`, each finished run is saved as it ends and runs saved by an interrupted evaluation are loaded instead
+    of run again."""
     with StoreFolder(store_dir) as folder:
-        return _run_all(model, workload, runs, settings, folder, progress, partial)
+        return _run_all(model, workload, runs, settings, folder, progress, partial, interleave)
 
 
-def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, partial) -> list[Run]:
-    warm, compile_only = warmup_requests(workload), compile_requests(workload)
+def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, partial, interleave) -> list[Run]:
     sweep = len({r for _, r in runs if r is not None}) > 1
-    results = []
+    results: dict = {}
+    todo = []
     for name, retention in runs:
         label = name if retention is None else f"{name} r={retention:g}"
         saved = partial.load(label) if partial else None
         if saved is not None:
-            results.append(Run(**{**saved, "sweep": sweep}))
+            results[label] = Run(**{**saved, "sweep": sweep})
             if progress:
-                progress.skip(len(warm) + len(compile_only) + len(workload.requests))
-            continue
+                progress.skip(_steps(workload))
+        else:
+            todo.append((name, retention, label))
+    for group in ([todo] if interleave else [[run] for run in todo]):
+        opened = []
+        try:
+            for name, retention, label in group:
+                opened.append(_Opened.prepare(model, workload, name, retention, label, settings, folder, progress))
+            _time(workload, opened, progress)
+        finally:
+            for run in opened:
+                run.close()
+            # Each compiled program holds memory mappings and a process may have only vm.max_map_count of them;
+            # dropping the programs of the runs done keeps a long evaluation of many runs within that. The next
+            # runs compile what they need in their own untimed warm-up and compile passes.
+            jax.clear_caches()
+        for run in opened:
+            results[run.label] = run.result(folder, sweep)
+            if partial:
+                partial.save(run.label, results[run.label])
+    return [results[name if retention is None else f"{name} r={retention:g}"] for name, retention in runs]
+
+
+def _steps(workload) -> int:
+    """Progress steps of one run: its warm-up, compile and timed requests."""
+    return len(warmup_requests(workload)) + len(compile_requests(workload)) + len(workload.requests)
+
+
+def _time(workload, opened: list["_Opened"], progress) -> None:
+    """The timed requests of the opened runs: each request by every run in turn, the first run of the turn rotating
+    with the request (with one run: its requests in order)."""
+    with CompileCounter() as compiles:
+        for i, request in enumerate(workload.requests):
+            for j in range(len(opened)):
+                run = opened[(i + j) % len(opened)]
+                if progress:
+                    progress.set_label(run.label)
+                before, start = compiles.count, time.perf_counter()
+                outcome = systems_lib.as_outcome(run.system.run(request))
+                run.run_s += time.perf_counter() - start
+                outcome.counters["compilations"] = compiles.count - before
+                run.outcomes.append(outcome)
+                if progress:
+                    progress.update()
+
+
+@dataclasses.dataclass
+class _Opened:
+    """One run's system, open on its private store copy, warmed and compiled; its timed outcomes so far."""
+    label: str
+    retention: float | None
+    system: object
+    base: pathlib.Path | None
+    private: pathlib.Path | None
+    warm_s: float
+    outcomes: list = dataclasses.field(default_factory=list)
+    run_s: float = 0.0
+
+    @classmethod
+    def prepare(cls, model, workload, name, retention, label, settings, folder, progress) -> "_Opened":
         run_settings = settings if retention is None else settings.at_retention(retention)
         system = systems_lib.make_system(name, model, run_settings)
         if progress:
@@ -130,47 +190,38 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         t0 = time.perf_counter()
         private = base = None
         if system.needs_store:
-            base = folder.base(system, warm)
+            base = folder.base(system, warmup_requests(workload))
             private = folder.private_copy(base, label.replace(" ", "_").replace("=", ""))
             system.open(str(private))
-        system.warm(warm)
-        if progress:
-            progress.update(len(warm))
-        for request in compile_only:
-            system.run(request)
-            if progress:
-                progress.update()
-        if progress:
-            progress.set_label(label)
-        t1 = time.perf_counter()
-        outcomes = []
+        opened = cls(label, retention, system, base, private, 0.0)
         try:
-            with CompileCounter() as compiles:
-                for request in workload.requests:
-                    before = compiles.count
-                    outcomes.append(systems_lib.as_outcome(system.run(request)))
-                    outcomes[-1].counters["compilations"] = compiles.count - before
-                    if progress:
-                        progress.update()
-        finally:
-            system.close()
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
-            # Each compiled program holds memory mappings and a process may have only vm.max_map_count of
-            # them; dropping one system's programs keeps a long run of several systems within that. The
-            # next system compiles what it needs in its own untimed warm-up and compile passes.
-            jax.clear_caches()
-        repaired = list(getattr(system, "repaired", ()))
+            system.warm(warmup_requests(workload))
+            if progress:
+                progress.update(len(warmup_requests(workload)))
+            for request in compile_requests(workload):
+                system.run(request)
+                if progress:
+                    progress.update()
+        except BaseException:
+            opened.close()
+            raise
+        opened.warm_s = time.perf_counter() - t0
+        return opened
+
+    def close(self) -> None:
+        self.system.close()
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+
+    def result(self, folder, sweep: bool) -> Run:
+        repaired = list(getattr(self.system, "repaired", ()))
         if repaired:
-            folder.repair(base, system, repaired)
-        summary = system.summary() if hasattr(system, "summary") else None
+            folder.repair(self.base, self.system, repaired)
+        summary = self.system.summary() if hasattr(self.system, "summary") else None
         # named as built: a system with options of its own carries them in its name ("spec-no_prefetch",
         # "spec_gqa-candidates2"), so a result never passes for the system's default form
-        results.append(Run(system.name, retention, outcomes, t1 - t0, time.perf_counter() - t1, sweep,
-                           folder.record(base, len(repaired)), summary))
-        if partial:
-            partial.save(label, results[-1])
-    return results
+        return Run(self.system.name, self.retention, self.outcomes, self.warm_s, self.run_s, sweep,
+                   folder.record(self.base, len(repaired)), summary)
 
 
 class StoreFolder:

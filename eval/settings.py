@@ -188,6 +188,10 @@ class RunSettings:
                                             "and relative prefix offset. Same task only; onto random weights or the "
                                             "recording model. Accuracy of a replayed run is meaningless; its TTFT, "
                                             "bytes, reads and hits are what it is for.")
+    interleave: bool = setting(False, "Time the runs request by request in turns (each request's runs in a rotating "
+                               "order) instead of one run after another: every run is warmed and compiled first and "
+                               "all stay open, so a slow phase of a shared machine falls on each alike. Holds every "
+                               "run's engine, caches and private store at once.")
     output_dir: str | None = setting(None, "Where results.json, results.md and plots go; default "
                                      "results/<model>-<task>.")
     preset: str | None = setting(None, "Experiment preset from specjax.configs.presets (" +

@@ -75,6 +75,64 @@ def test_fake_compile_in_timed_requests_is_counted_per_request(tmp_path, monkeyp
     assert results["systems"]["recompute"]["compilations_timed"] == 0
 
 
+class _Logged(PlainRecompute):
+    """Logs every call (system, what, request id) to the class's shared log; closes are logged too."""
+
+    log: list = []
+
+    def warm(self, requests):
+        self.log.append((self.name, "warm", None))
+        super().warm(requests)
+
+    def run(self, request):
+        self.log.append((self.name, "run", request.request_id))
+        return super().run(request)
+
+    def close(self):
+        self.log.append((self.name, "close", None))
+
+
+class _LoggedA(_Logged):
+    name = "fake_a"
+
+
+class _LoggedB(_Logged):
+    name = "fake_b"
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_interleaved_runs_take_turns_request_by_request_and_give_what_runs_in_sequence_give(tmp_path, monkeypatch,
+                                                                                          interleave):
+    """--interleave: both runs are warmed and compiled, then each timed request goes to both, the first of each turn
+    rotating; the runs close only after every request; each run's outcomes are its own, in request order. In
+    sequence: one run's whole life, then the other's."""
+    for fake in (_LoggedA, _LoggedB):
+        monkeypatch.setitem(systems.PLUGINS, fake.name, fake)
+    monkeypatch.setattr(_Logged, "log", [])
+    model = FakeModel()
+    wl = _needle(model.tokenizer)
+    ids = [r.request_id for r in wl.requests]
+    runs = runner.run_all(model, wl, runner.plan(["fake_a", "fake_b"], [0.25]), systems.SystemSettings(),
+                          tmp_path / "store", interleave=interleave)
+    log = _Logged.log
+    # each system's timed requests are its last ones (any untimed compile requests come before them)
+    last = {name: [k for k, (who, what, _) in enumerate(log) if who == name and what == "run"][-len(ids):]
+            for name in ("fake_a", "fake_b")}
+    timed = [log[k][::2] for k in sorted(last["fake_a"] + last["fake_b"])]
+    if interleave:
+        turns = [("fake_a", "fake_b") if j % 2 == 0 else ("fake_b", "fake_a") for j in range(len(ids))]
+        assert timed == [(name, i) for i, turn in zip(ids, turns) for name in turn]
+        assert [what for _, what, _ in log if what != "run"] == ["warm", "warm", "close", "close"]
+    else:
+        assert timed == [("fake_a", i) for i in ids] + [("fake_b", i) for i in ids]
+        assert [(name, what) for name, what, _ in log if what != "run"] == [
+            ("fake_a", "warm"), ("fake_a", "close"), ("fake_b", "warm"), ("fake_b", "close")]
+    assert [run.system for run in runs] == ["fake_a", "fake_b"]
+    for run in runs:
+        assert len(run.outcomes) == len(ids) and run.run_s > 0
+        assert [o.counters["prefix_tokens"] for o in run.outcomes] == [len(r.prefix_ids) for r in wl.requests]
+
+
 class _Reads(PlainRecompute):
     """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers."""
 
