@@ -356,7 +356,8 @@ class Prefetcher:
                     in_stack = np.full(len(chunks), -1, np.int64)
                     in_stack[on_host] = np.arange(len(on_host))
                     rows = np.flatnonzero(in_stack[inverse] >= 0)
-                    parts.append((np.stack([cached[int(i)] for i in on_host]), rows, in_stack[inverse[rows]]))
+                    parts.append((np.stack(list(map(cached.__getitem__, on_host.tolist()))), rows,
+                                  in_stack[inverse[rows]]))
             extent = _one_whole_extent(runs)  # with no host-buffer hit, every row not in a page is read
             if extent is not None and (parts or 2 * int((slots[:n] < 0).sum()) < extent.array.shape[0] * c):
                 extent = None
