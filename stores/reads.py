@@ -66,9 +66,9 @@ class DiskRequest:
 @dataclasses.dataclass(eq=False)
 class Run:
     """Adjacent chunks of one segment, one byte range of its extent, read by one disk request (a scheduler `Read`,
-    which may read other runs of the same call too: `DiskRequest`). `verified`
-    resolves with `(chunks [n, heads, chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the
-    run unreadable; its rows are then not to be served); it is cancelled if the read was withdrawn unread.
+    which may read other runs of the same call too: `DiskRequest`). `verified` resolves with `(chunks [n, heads,
+    chunk_tokens, head_dim], ok [n])` once they are checked (ok False: bad, or the run unreadable; its rows are then
+    not to be served); it is cancelled if the read was withdrawn unread.
 
     The run holds its `Read` weakly: the scheduler holds it until it has landed, and nothing a landed read did refers
     back to its run, so a run and its landing buffer are freed as soon as their readers let go, not at the next
@@ -199,8 +199,7 @@ class ChunkReads:
         nothing here is done per chunk."""
         self._reads_started = True
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
-        chunk_bytes = self.layout.chunk_nbytes(kind)
-        max_chunks = max(1, max_bytes // chunk_bytes)
+        max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
         head_parts = self._parts(kind)
         runs = self._segment_runs(chunks, max_chunks)
         extents = self._extents(kind, runs) if head_parts == 1 else {}
@@ -324,8 +323,8 @@ class ChunkReads:
         return run_read is not None and self._arrays.scheduler.waiting(run_read)
 
     def withdraw(self, run: Run, chunks: int = 1) -> None:
-        """`chunks` more of a speculative run's chunks are no longer wanted; once none is, a run not yet issued is
-        dropped unread (its futures cancelled, nothing counted as read)."""
+        """`chunks` more of a speculative run's chunks are no longer wanted; once none of its disk request's chunks
+        is, a request not yet issued is dropped unread (its futures cancelled, nothing counted as read)."""
         with self._lock:
             run.request.unwanted += chunks
             done = run.request.unwanted >= run.request.n_chunks
