@@ -18,6 +18,6 @@ def test_take_path_reads_each_layers_keys_and_values_as_one_read_per_chunk_size(
         assert r["disk_bytes"] == layers * 2 * kv_heads * 128 * head_dim * 2
         assert r["read_requests"] == layers * 2
         assert r["chunks_read"] == r["misses"] == layers * 2 * 128 // r["chunk_tokens"]
-        assert r["ms_per_request"] > 0
+        assert r["ms_per_request"] > 0 and 0 < r["thread_cpu_ms_per_request"] <= r["cpu_ms_per_request"]
     assert json.loads(out.read_text())["rows"] == rows
     assert not list(tmp_path.glob("take_path-*"))  # the scratch stores are removed
