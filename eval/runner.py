@@ -114,6 +114,7 @@ def run_all(model, workload: Workload, runs: list[tuple[str, float | None]], set
 
 
 def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, partial, interleave) -> list[Run]:
+    warm, compile_only = warmup_requests(workload), compile_requests(workload)
     sweep = len({r for _, r in runs if r is not None}) > 1
     results: dict = {}
     todo = []
@@ -130,7 +131,8 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         opened = []
         try:
             for name, retention, label in group:
-                opened.append(_Opened.prepare(model, workload, name, retention, label, settings, folder, progress))
+                opened.append(_Opened.prepare(model, warm, compile_only, name, retention, label, settings, folder,
+                                              progress))
             _time(workload, opened, progress)
         finally:
             for run in opened:
@@ -182,7 +184,9 @@ class _Opened:
     run_s: float = 0.0
 
     @classmethod
-    def prepare(cls, model, workload, name, retention, label, settings, folder, progress) -> "_Opened":
+    def prepare(cls, model, warm, compile_only, name, retention, label, settings, folder, progress) -> "_Opened":
+        """The run's system made, opened on a private copy of its base store, warmed on `warm` and run on
+        `compile_only` (untimed)."""
         run_settings = settings if retention is None else settings.at_retention(retention)
         system = systems_lib.make_system(name, model, run_settings)
         if progress:
@@ -190,15 +194,15 @@ class _Opened:
         t0 = time.perf_counter()
         private = base = None
         if system.needs_store:
-            base = folder.base(system, warmup_requests(workload))
+            base = folder.base(system, warm)
             private = folder.private_copy(base, label.replace(" ", "_").replace("=", ""))
             system.open(str(private))
         opened = cls(label, retention, system, base, private, 0.0)
         try:
-            system.warm(warmup_requests(workload))
+            system.warm(warm)
             if progress:
-                progress.update(len(warmup_requests(workload)))
-            for request in compile_requests(workload):
+                progress.update(len(warm))
+            for request in compile_only:
                 system.run(request)
                 if progress:
                     progress.update()
@@ -345,4 +349,4 @@ def _copy_failed(base: pathlib.Path, copy: pathlib.Path, error: BaseException) -
 
 
 def total_steps(workload: Workload, runs) -> int:
-    return len(runs) * (len(workload.requests) + len(warmup_requests(workload)) + len(compile_requests(workload)))
+    return len(runs) * _steps(workload)

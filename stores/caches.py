@@ -56,6 +56,11 @@ def make_score(policy: str, ema: float = 0.5):
     raise ValueError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
+def chunk_keys(layer: int, kind: int, chunks) -> list:
+    """The cache keys (layer, kind, chunk id) of `chunks`, built without a Python step per chunk."""
+    return list(zip(itertools.repeat(layer), itertools.repeat(kind), np.asarray(chunks, np.int64).tolist()))
+
+
 class _Tier:
     """One budgeted store of arrays with a lazy min-heap of (score, seq, key).
 
@@ -171,8 +176,7 @@ class TieredCache:
 
     def holds_many(self, layer: int, kind: int, chunks) -> np.ndarray:
         """`holds` per chunk of (layer, kind), under one lock (bool per chunk)."""
-        keys = zip(itertools.repeat(layer), itertools.repeat(kind), np.asarray(chunks, np.int64).tolist())
-        return self._in_memory(list(keys), pending=True)
+        return self._in_memory(chunk_keys(layer, kind, chunks), pending=True)
 
     def held(self, keys) -> np.ndarray:
         """Which of `keys` a tier holds (bool per key), under one lock: what a request would not read from disk."""

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from specjax.shapes import padded
-from specjax.stores.caches import DEVICE, TieredCache
+from specjax.stores.caches import DEVICE, TieredCache, chunk_keys
 from specjax.stores.pool import DevicePool
 from specjax.stores.store import KVStore, Locations, Match
 
@@ -294,7 +294,7 @@ class Prefetcher:
             imp = None if importance is None else np.asarray(importance, np.float64)
             counts = np.bincount(inverse, minlength=len(chunks))
             importance_of = None if imp is None else np.bincount(inverse, weights=imp, minlength=len(chunks))
-            found = self.cache.lookup_many(_keys(layer, kind, chunks), counts.tolist(),
+            found = self.cache.lookup_many(chunk_keys(layer, kind, chunks), counts.tolist(),
                                            chunk_tokens=lay.chunk_tokens, importance=importance_of)
             cached = {i: array for i, array in enumerate(found) if array is not None}
         else:
@@ -346,7 +346,7 @@ class Prefetcher:
             parts = []  # (chunk arrays, rows of this take, their chunk index in the arrays) to copy on the host
             if cached:  # hits: rows from their device pages, else from their host copies stacked in one array
                 hit = np.fromiter(cached, np.int64, len(cached))
-                hit_slots = self.pool.pin_many(_keys(layer, kind, chunks[hit]))
+                hit_slots = self.pool.pin_many(chunk_keys(layer, kind, chunks[hit]))
                 pinned = hit_slots[hit_slots >= 0].tolist()
                 slot_of = np.full(len(chunks), -1, np.int64)
                 slot_of[hit] = hit_slots
@@ -368,7 +368,7 @@ class Prefetcher:
                 if self.caching:  # placed once the first token is out (`close`)
                     used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
                     if len(used):
-                        self.cache.admit_later(_keys(layer, kind, run.first_chunk + used), _views(arrays, used))
+                        self.cache.admit_later(chunk_keys(layer, kind, run.first_chunk + used), _views(arrays, used))
                 if extent is None:
                     parts.append((arrays, rows, index))
                 else:
@@ -405,11 +405,6 @@ class Prefetcher:
         if self.caching:
             self.cache.settle()
             self.pool.flush()
-
-
-def _keys(layer: int, kind: int, chunks: np.ndarray) -> list:
-    """The cache keys (layer, kind, chunk id) of `chunks`, built without a Python step per chunk."""
-    return list(zip(itertools.repeat(layer), itertools.repeat(kind), np.asarray(chunks, np.int64).tolist()))
 
 
 def _views(arrays: np.ndarray, index: np.ndarray) -> list:
