@@ -188,6 +188,7 @@ def _counters(r, prefix_tokens: int) -> dict:
         **_split_counters(r),
         **_plan_counters(r),
         **({} if r.host_exposed_ms is None else {"host_exposed_ms": r.host_exposed_ms}),
+        **({} if r.cpu_ms is None else {"cpu_ms": r.cpu_ms}),
     }
 
 

@@ -43,6 +43,7 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   predicted_ttft_ms: the planner's prediction of the request's TTFT (its plan's; planner.prediction_error_median)
 #   planned_load_all: the planner loaded the whole stored prefix (1) or selected from it (0);
 #   planned_held_share: the share of the stored tokens its plan loaded that the cache tiers held when it was planned
+#   cpu_ms: the process's CPU time, every thread's, from the request's start to its first token (cpu_ms per request)
 #   recomputed_tokens: cacheblend / full_reuse, the context tokens recomputed per layer, averaged over the layers
 COUNTER_KEYS = (
     "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
@@ -51,7 +52,8 @@ COUNTER_KEYS = (
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
-    "computed_prefix_tokens", "compilations", "host_exposed_ms", "predicted_ttft_ms", "recomputed_tokens",
+    "computed_prefix_tokens", "compilations", "host_exposed_ms", "cpu_ms", "predicted_ttft_ms",
+    "recomputed_tokens",
     "planned_load_all", "planned_held_share",
 )
 DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh

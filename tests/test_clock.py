@@ -2,6 +2,7 @@
 the host went on past overlapped (specjax.engine.layer_io.Clock)."""
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -73,6 +74,22 @@ def test_device_work_counts_from_its_dispatch_or_the_previous_work_done_whicheve
     clock.end_monotonic = t0 + 5.0
     # uncovered: [0, 1), [3, 3.5), [4, 5); a disk read in flight over [0, 0.5)
     assert abs(clock.exposed_host_ms([(t0 - 1.0, t0 + 0.5)]) - 2000.0) < 1e-6
+
+
+def test_cpu_time_counts_work_not_waiting():
+    """`cpu_ms` is the process's CPU time to the first token: a request that sleeps has little, one that computes
+    has its computing time, whatever its wall time."""
+    clock = Clock()
+    time.sleep(0.2)
+    clock.finish()
+    assert clock.cpu_ms < 100
+
+    clock = Clock()
+    spent = time.thread_time()
+    while time.thread_time() - spent < 0.15:  # 150 ms of this thread's CPU
+        sum(range(1000))
+    ttft, _ = clock.finish()
+    assert 150 <= clock.cpu_ms <= ttft * len(os.sched_getaffinity(0)) + 1
 
 
 class Untimed(Clock):

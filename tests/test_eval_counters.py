@@ -134,7 +134,7 @@ def test_interleaved_runs_take_turns_request_by_request_and_give_what_runs_in_se
 
 
 class _Reads(PlainRecompute):
-    """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers."""
+    """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers, for 10 i ms of CPU."""
 
     name = "fake_reads"
 
@@ -142,7 +142,8 @@ class _Reads(PlainRecompute):
         out = super().run(request)
         i = request.request_id
         out.counters.update(disk_bytes=3000, read_requests=i, host_to_device_transfers=2 * i,
-                            device0_disk_bytes=1000, device1_disk_bytes=1000 + i)  # as a 2-device mesh reports
+                            device0_disk_bytes=1000, device1_disk_bytes=1000 + i,  # as a 2-device mesh reports
+                            cpu_ms=10.0 * i)
         return out
 
 
@@ -169,6 +170,10 @@ def test_fake_read_and_transfer_fields_in_results_json_and_resume(tmp_path, monk
     assert (ref["read_requests_per_request"], ref["bytes_per_read"], ref["host_to_device_transfers_per_request"]) \
         == (0.0, None, 0.0)
     assert "| fake_reads | 1.5 | 1.95 KiB | 3.0 | 0 |" in (tmp_path / "out" / "results.md").read_text()
+    assert loaded["systems"]["fake_reads"]["cpu_ms"] == pytest.approx(15.0)  # (0 + 10 + 20 + 30) ms over 4
+    assert loaded["systems"]["recompute"]["cpu_ms"] is None  # not measured by that fake: not reported as 0
+    breakdown = (tmp_path / "out" / "results.md").read_text().split("## TTFT breakdown")[1]
+    assert "process CPU |" in breakdown.splitlines()[2] and "| 15.0 |" in breakdown
 
     saved = partial.PartialRuns(tmp_path / "out", {"f": 1}, resume=False)
     for run in runs:

@@ -2,6 +2,7 @@
 opened is closed when it fails part-way, and every schedule reports the same result fields."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +71,7 @@ def test_every_schedule_reports_the_same_fields(model, name):
     r = engine.run(req)
     assert r.reused_tokens == (80 if name == "full_reuse" else 64)
     assert 0.0 <= r.host_exposed_ms <= r.ttft_ms  # measured for every schedule, not only the layer loop
+    assert 0.0 < r.cpu_ms <= r.ttft_ms * len(os.sched_getaffinity(0)) + 1  # so is the process's CPU time
     assert set(r.breakdown_ms) == {"probe_io", "identify", "kv_io_stall", "compute"}
     assert len(r.layers["retained"]) == model.config.num_layers
     assert set(r.prefetch) >= {"prefetch_issued", "precision"}

@@ -294,7 +294,7 @@ class Engine:
             reused_tokens=m, computed_tokens=prefill.computed_tokens, io={}, layers=prefill.layers,
             prefetch=prefill.prefetch(), recomputed_bad_chunks=prefill.bad_chunk,
             selections=prefill.selections if self.config.trace else None, split=prefill.split,
-            host_exposed_ms=exposed)
+            host_exposed_ms=exposed, cpu_ms=clock.cpu_ms)
 
     def _prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened: contextlib.ExitStack) -> Prefill:
         """The layer loop's schedule: each layer's stored KV is loaded (what its identification selects, read through

@@ -34,11 +34,18 @@ class Clock:
 
     It also keeps when the device was busy, so that `exposed_host_ms` can tell the host time that neither a disk read
     nor device work overlapped: the intervals the host spent blocked on the device (`device_wait`), and the device
-    work it went on past (`device_work`: each layer's compute and identification)."""
+    work it went on past (`device_work`: each layer's compute and identification).
+
+    `cpu_ms` (after `finish`): the CPU time every thread of the process spent from the start to the first token: the
+    request's own thread, the disk threads, the I/O worker and, on a CPU device, XLA's compute. One request runs at a
+    time, so it is the request's work (plus what little the previous one left running); on a shared machine it moves
+    less than wall time, and above the TTFT it tells that threads ran in parallel."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self.start_monotonic = time.monotonic()
+        self.start_cpu = time.process_time()
+        self.cpu_ms: float | None = None
         self.ms = {"probe_io": 0.0, "identify": 0.0, "kv_io_stall": 0.0}
         self._device_waits: list[tuple[float, float]] = []  # monotonic (start, end) blocked on the device
         self._device_busy: list[tuple[float, float]] = []  # monotonic (start, end) of device work not waited for
@@ -104,6 +111,7 @@ class Clock:
     def finish(self) -> tuple[float, dict]:
         self.end_monotonic = time.monotonic()
         ttft = (time.perf_counter() - self.start) * 1e3
+        self.cpu_ms = (time.process_time() - self.start_cpu) * 1e3
         self._all_work_noted()
         return ttft, dict(self.ms, compute=max(0.0, ttft - sum(self.ms.values())))
 

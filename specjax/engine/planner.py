@@ -270,11 +270,12 @@ class PlannerEngine(Engine):
     def _run(self, request: Request, *, reuse: bool) -> RequestResult:
         if not reuse:
             return super()._run(request, reuse=False)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
             plan, predicted, shares = self.plan(m, self.held_by_position(match)) if m else (Plan(0), {}, {})
         planning_ms = (time.perf_counter() - started) * 1e3
+        planning_cpu_ms = (time.process_time() - started_cpu) * 1e3
         if m and plan.head >= m:
             result = super()._run(request, reuse=False)
             result.reused_tokens = m  # stored, and computed instead of loaded (as cake reports a computed share)
@@ -289,6 +290,8 @@ class PlannerEngine(Engine):
         result.breakdown_ms["compute"] = result.breakdown_ms.get("compute", 0.0) + planning_ms
         if result.host_exposed_ms is not None:
             result.host_exposed_ms += planning_ms
+        if result.cpu_ms is not None:
+            result.cpu_ms += planning_cpu_ms
         head = min(plan.head, m)
         result.split = {"stored_tokens": m, "computed_prefix_tokens": head, "loaded_prefix_tokens": m - head}
         result.plan = {"stored_tokens": m, "head_tokens": head, "load_all": plan.load_all, "plan": plan.label,
