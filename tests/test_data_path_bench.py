@@ -1,6 +1,7 @@
 """benchmarks/data_path.py on a tiny random model: the disk's rate and each system's TTFT, bytes and host time."""
 
 import json
+import os
 
 import pytest
 
@@ -27,6 +28,7 @@ def test_systems_are_measured_against_the_disks_own_rate_in_the_same_run(tmp_pat
         assert s["ttft_over_bytes_ms"] == pytest.approx(s["ttft_ms"] / s["bytes_ms"])
         assert s["ttft_over_bound_ms"] == pytest.approx(s["ttft_ms"] / max(s["bytes_ms"], r["device_floor_ms"]))
         assert 0 <= s["host_exposed_ms"] <= max(s["ttft_ms_per_request"])
+        assert 0 < s["cpu_ms"] <= max(s["ttft_ms_per_request"]) * len(os.sched_getaffinity(0)) + 1
         assert s["compilations_timed"] == 0
     # as_full reads each layer's K and V as one extent: 2 reads per layer (tiny-llama: 2 layers, one segment)
     assert r["systems"]["as_full"]["reads"] == 2 * 2
