@@ -377,8 +377,8 @@ def markdown(results: dict) -> str:
         [k, *(f"{s['breakdown_ms'][b]:.1f}" for b in BREAKDOWN_KEYS), _ms(s.get("cpu_ms"))]
         for k, s in systems.items()]))
     out += ["", "`process CPU`: the CPU time of every thread of the process from a request's start to its first token "
-            "(the request's thread, the disk threads and, on a CPU device, XLA's compute): a request's work, steadier "
-            "than its wall time on a shared machine; above the TTFT where threads ran in parallel."]
+            "(the request's thread, the disk threads and, on a CPU device, XLA's compute): the request's work, above "
+            "its TTFT where threads ran in parallel."]
     out += ["", "## I/O and caches (totals over the run)", ""]
     rows = []
     for k, s in systems.items():

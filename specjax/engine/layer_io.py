@@ -38,8 +38,8 @@ class Clock:
 
     `cpu_ms` (after `finish`): the CPU time every thread of the process spent from the start to the first token: the
     request's own thread, the disk threads, the I/O worker and, on a CPU device, XLA's compute. One request runs at a
-    time, so it is the request's work (plus what little the previous one left running); on a shared machine it moves
-    less than wall time, and above the TTFT it tells that threads ran in parallel."""
+    time, so it is the request's work (plus what little the previous one left running); above the TTFT, threads ran
+    in parallel."""
 
     def __init__(self):
         self.start = time.perf_counter()
