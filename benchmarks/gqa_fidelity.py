@@ -34,10 +34,9 @@ from absl import app, flags
 
 import specjax
 from specjax.engine import make_system, steps
-from specjax.engine import engine as engine_lib
 from specjax.eval import tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
-from specjax.engine.identify import covering, ranked_chunks
+from specjax.engine.identify import covering, probe_query_heads, ranked_chunks
 from specjax.eval.observe_measure import (itf_selection, keep_count, kv_itf_selection, ordered_by_prefix, prefix_kv,
                                          top_k)
 from specjax.kernels import PerHeadIndices, quest
@@ -70,7 +69,7 @@ def measure(model, requests, progress=print) -> dict:
     kv_of_head = tuple(h // group for h in range(H))
     gqa = make_system("spec_gqa")
     min_share = gqa.min_head_share if FLAGS.min_head_share is None else FLAGS.min_head_share
-    spec_probes = list(engine_lib.probe_query_heads(cfg))
+    spec_probes = list(probe_query_heads(cfg))
     kept: dict[str, list] = {}
     recall: dict[str, list] = {}
     started, kv, pid = time.time(), None, None

@@ -1,5 +1,6 @@
 """The prefill engine and its systems on random tiny OPT and Llama models with an in-memory store."""
 
+import dataclasses
 import math
 
 import jax
@@ -219,7 +220,7 @@ def test_a_fallback_layer_reads_no_keys_when_the_probe_keys_are_every_kv_head(mo
     for reuse in (True, False):
         engine = Engine(model, make_system("impress", alpha=0.0), _store(model), config)
         engine.warm(req.prefix)
-        engine.probe_is_k = engine.probe_is_k and reuse
+        engine.facts = dataclasses.replace(engine.facts, probe_is_k=engine.facts.probe_is_k and reuse)
         reads, read_runs = [], engine.store.read_runs
 
         def recording(layer, kind, chunks, **kw):
@@ -244,7 +245,7 @@ def test_a_shared_set_reads_no_keys_when_the_probe_keys_are_every_kv_head(model)
         engine = Engine(model, make_system("spec", alpha=50.0), _store(model),
                         EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
         engine.warm(req.prefix)
-        engine.probe_is_k = engine.probe_is_k and reuse
+        engine.facts = dataclasses.replace(engine.facts, probe_is_k=engine.facts.probe_is_k and reuse)
         reads, read_runs = [], engine.store.read_runs
 
         def recording(layer, kind, chunks, **kw):
@@ -272,7 +273,7 @@ def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     assert not any(spec.layers["fallback"])
     probe_heads = len(engine.probe_kv)
     per_token_head = cfg.head_dim * 4  # float32
-    kinds = 1 if engine.probe_is_k else 2  # V, and K unless the probe keys are every KV head's K
+    kinds = 1 if engine.facts.probe_is_k else 2  # V, and K unless the probe keys are every KV head's K
     expected = cfg.num_layers * per_token_head * (probe_heads * m + kinds * cfg.num_kv_heads * k)
     assert spec.io["used_token_bytes"] == expected < full.io["used_token_bytes"]
     p = spec.prefetch

@@ -158,7 +158,7 @@ def test_only_candidate_chunks_are_read_and_selections_lie_in_them(model):
     k = math.ceil(0.25 * 160)
     # tiny-opt: its probe kind holds 3 of its 4 KV heads, the probe KV heads; tiny-llama: both of its 2; tiny-gqa:
     # the probe kind holds KV heads 0 and 1 (query heads 0-2), the probe KV heads are 0-2, read from K
-    probe_kind = engine.identification.probe_source(engine)
+    probe_kind = engine.identification.probe_source(engine.facts)
     assert probe_kind == (K if model.config.num_kv_heads == 4 and model.config.q_per_kv == 2 else PROBE)
     with engine.store.match(req.prefix) as m:
         for layer, chosen in enumerate(r.selections):
@@ -214,7 +214,7 @@ def test_the_candidate_stage_is_a_setting_and_off_by_default():
     engine.warm(req.prefix)
     reads = _record_reads(engine)
     engine.run(req)
-    probe_kind = engine.identification.probe_source(engine)
+    probe_kind = engine.identification.probe_source(engine.facts)
     with engine.store.match(req.prefix) as m:
         for layer in range(model.config.num_layers):
             every = set(engine.store.locate(m, np.arange(160), layer).chunks.tolist())

@@ -23,7 +23,7 @@ import numpy as np
 from specjax import sharding as sh
 from specjax.engine import state as st
 from specjax.engine import steps as S
-from specjax.engine.identify import policy
+from specjax.engine.identify import Facts, policy, probe_kv_heads
 from specjax.engine.layer_io import BadChunk, Clock, LayerIO
 from specjax.engine.replay import Recorder, Replay
 from specjax.engine.speculation import Speculator, prefetch_report
@@ -86,17 +86,6 @@ def _continuation_bucket(tokens: int) -> int:
     return bucket(tokens, minimum=8)
 
 
-def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
-    """The first `count` query heads (SPEC: which ones does not matter). With grouped-query attention they
-    share as few KV heads as possible, so the probe keys read are fewest (design 4.2)."""
-    return tuple(range(min(count, cfg.num_heads)))
-
-
-def probe_kv_heads(cfg, count: int = 3) -> tuple[int, ...]:
-    group = cfg.q_per_kv
-    return tuple(sorted({h // group for h in probe_query_heads(cfg, count)}))
-
-
 class Engine:
     """Runs requests for one system over one store; owns that system's caches and prefetcher."""
 
@@ -115,16 +104,11 @@ class Engine:
         if store is not None and self.mesh is not None and self.mesh.is_multi_process:
             raise SpecjaxError(f"system {system.name!r} reads and writes the KV store, which does not run across "
                                "processes yet: a model split over several processes runs `recompute` only")
+        # how a layer chooses its tokens, and what it knows deciding (`LayerIO.select` carries its steps out)
         self.identification = policy(system.identify)
-        probe_q = probe_query_heads(self.cfg, system.num_probe_heads)
-        probe_kv = probe_kv_heads(self.cfg, system.num_probe_heads)
-        group = self.cfg.q_per_kv
-        self.kv_of_probe = tuple(probe_kv.index(h // group) for h in probe_q)
-        self.probe_q, self.probe_kv = np.asarray(probe_q), np.asarray(probe_kv)
-        # the probe heads' keys are every KV head's, in order (e.g. tiny-llama: 3 probe heads over its 2 KV heads;
-        # not smollm2, whose 3 probe heads share one KV head): the probe keys a layer reads are then its K
-        self.probe_is_k = tuple(probe_kv) == tuple(range(self.cfg.num_kv_heads))
-        self.kv_of_head = tuple(h // group for h in range(self.cfg.num_heads))
+        self.facts = Facts.of(self.cfg, system, store.layout.chunk_tokens if store is not None else None,
+                              config.kernel_impl)
+        self.probe_kv = np.asarray(self.facts.probe_kv)  # the KV heads whose keys the store's probe kind holds
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self._host_cache_bytes = config.cpu_cache_bytes
         self.requests_run = 0
@@ -373,8 +357,8 @@ class Engine:
                 if head:
                     h_head, head_k, head_v = T.self_attention_layer(cfg, lp, h_head, head_positions,
                                                                     head_positions < head, head_rotary)
-                state, prefix_k, prefix_v, selection, imp, chosen = self.identification.select(
-                    self, io, state, layer, q, own_k, n, k, k_cap)
+                state, prefix_k, prefix_v, selection, imp, chosen = io.select(
+                    self.identification, state, layer, q, own_k, n, k, k_cap)
                 if head:
                     prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
                 importance.append(imp)

@@ -1,21 +1,34 @@
 """How a layer chooses which reused prefix tokens it keeps, and therefore what it must read: one policy per
 identification a `System` names (`System.identify`).
 
-Each policy declares `certain_reads(engine)`, the store kinds a layer reads whatever it then selects (the request's
-read plan issues them for every layer at its start), `selection_reads(engine)`, the kinds it reads for the tokens it
-selects (what speculation reads ahead), and `select`, which reads through the request's `LayerIO`, updates the
-`ImportanceState` and returns the layer's prefix KV with its selection:
+A policy decides; it reads nothing and knows no engine. Its `select(facts, layer, state)` is a generator that yields
+the steps its decision needs, one at a time, and is sent each one's result back:
+
+    Take(kind, positions, pad_to)   vectors of the reused prefix [heads, pad_to, d], read through the caches
+    Decide(fn, args, kwargs)        a pure device step of the decision (`specjax.engine.state`, `kernels.quest`)
+    Score(...)                      a scoring step, which a selection trace may record or stand in for
+    Locate(positions), Summaries(chunks), Credit(...), PlanPeriod(chosen)
+                                    where positions lie, their chunks' key summaries, ContiguousKV's feedback and reads
+
+and returns the layer's `Selected`:
 
     (state, prefix_k, prefix_v, selection, importance of R [m], chosen positions of R [1 or H, k])
+
+The engine's layer loop carries the steps out (`LayerIO.select`): it reads, times and paces them, and is the only
+one that touches the store, the caches and the clock. What a policy knows of the model and system is its `Facts`,
+of the request's layer its `Layer`. It also declares `certain_reads(facts)`, the store kinds a layer reads whatever it
+then selects (the request's read plan issues them for every layer at its start), and `selection_reads(facts)`, the
+kinds it reads for the tokens it selects (what speculation reads ahead).
 
 `policy(name)` refuses an unknown identification, so a `System` naming one fails when it is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Generator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +36,156 @@ import numpy as np
 
 from specjax.engine import state as st
 from specjax.engine import steps as S
-from specjax.engine.layer_io import BadChunk
 from specjax.errors import SpecjaxError
 from specjax.kernels import PerHeadIndices, SharedIndices, quest
-from specjax.models.inference import bucket, padded
+from specjax.shapes import bucket, padded
 from specjax.stores import K, PROBE, V
 
 if TYPE_CHECKING:
-    from specjax.engine.engine import Engine
-    from specjax.engine.layer_io import LayerIO
+    from specjax.config import ModelConfig
+    from specjax.engine.systems import System
+
+
+def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
+    """The first `count` query heads (SPEC: which ones does not matter). With grouped-query attention they
+    share as few KV heads as possible, so the probe keys read are fewest (design 4.2)."""
+    return tuple(range(min(count, cfg.num_heads)))
+
+
+def probe_kv_heads(cfg, count: int = 3) -> tuple[int, ...]:
+    """The KV heads of `probe_query_heads`: the heads of the store's probe kind."""
+    group = cfg.q_per_kv
+    return tuple(sorted({h // group for h in probe_query_heads(cfg, count)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What identification knows, fixed for an engine (`Facts.of`): the model's heads, the system, the store's chunk
+    size, the kernels' implementation, and SPEC's probe heads."""
+
+    cfg: ModelConfig
+    system: System
+    chunk_tokens: int | None
+    kernel_impl: str
+    probe_q: tuple[int, ...]  # SPEC's probe query heads (`probe_query_heads`)
+    probe_kv: tuple[int, ...]  # their KV heads: the heads of the store's probe kind
+    kv_of_probe: tuple[int, ...]  # for each probe query head, its KV head's row among the probe keys
+    kv_of_head: tuple[int, ...]  # for each query head, its KV head
+    # the probe heads' keys are every KV head's, in order (e.g. tiny-llama: 3 probe heads over its 2 KV heads; not
+    # smollm2, whose 3 probe heads share one KV head): the probe keys a layer reads are then its K
+    probe_is_k: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, system: System, chunk_tokens: int | None = None,
+           kernel_impl: str = "auto") -> "Facts":
+        probe_q = probe_query_heads(cfg, system.num_probe_heads)
+        probe_kv = probe_kv_heads(cfg, system.num_probe_heads)
+        group = cfg.q_per_kv
+        return cls(cfg, system, chunk_tokens, kernel_impl, probe_q, probe_kv,
+                   kv_of_probe=tuple(probe_kv.index(h // group) for h in probe_q),
+                   kv_of_head=tuple(h // group for h in range(cfg.num_heads)),
+                   probe_is_k=probe_kv == tuple(range(cfg.num_kv_heads)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layer:
+    """One layer of one request, as its identification sees it: the new tokens' queries and keys, how many prefix
+    tokens it keeps, and the reused prefix (m positions, `positions` in the match, padded to m_pad)."""
+
+    index: int
+    q: jax.Array  # [H, n_pad, d] the new tokens' queries
+    own_k: jax.Array  # [H_kv, n_pad, d] their keys
+    n: int  # new tokens
+    k: int  # prefix tokens kept
+    k_cap: int  # bucket of k: the selection's padded size
+    m: int
+    m_pad: int
+    positions: np.ndarray
+
+
+class Selected(NamedTuple):
+    """What a layer's identification returns."""
+
+    state: st.ImportanceState
+    keys: jax.Array  # [H_kv, rows, d] the prefix keys the layer attends to
+    values: jax.Array
+    selection: SharedIndices | PerHeadIndices  # which rows each head attends to
+    importance: np.ndarray  # [m] of every reused position (for reordering)
+    chosen: np.ndarray  # [1 or H, k] the chosen positions
+
+
+# -- the steps a policy yields ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Take:
+    """`kind`'s vectors of `positions` [heads, pad_to, d], zeros after them (positions None: every position of the
+    reused prefix, padded to m_pad). `phase`: the breakdown's wait it counts as; `importance` (per position) feeds
+    the attention-score cache."""
+
+    kind: int
+    positions: np.ndarray | None = None
+    pad_to: int | None = None
+    phase: str = "kv_io_stall"
+    importance: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decide:
+    """fn(*args, **kwargs): a pure device step of the decision, run once the device has done the work its inputs
+    come from, and timed as identification."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Score(Decide):
+    """A scoring step whose rows [len(heads), >= len(columns)] a selection trace records or stands in for
+    (`specjax.engine.replay`). `role`: "probes" (a policy's probe heads) or "heads" (every head); `columns`: the
+    positions of the reused prefix the first columns score (None: every position)."""
+
+    heads: tuple = ()
+    role: str = "heads"
+    columns: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Locate:
+    """Where `positions` lie in the store (`stores.Locations`)."""
+
+    positions: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Summaries:
+    """The key summaries of `chunks` of this layer's keys (`stores.summaries`), in their order."""
+
+    chunks: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Credit:
+    """Feed `importance` (per position) of `positions` to their cached chunks of `kind` without reading them."""
+
+    kind: int
+    positions: np.ndarray
+    importance: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanPeriod:
+    """ContiguousKV's reads once a period's first layer has chosen (`LayerIO.plan_period`)."""
+
+    chosen: np.ndarray
+
+
+Steps = Generator[Any, Any, Selected]
+
+
+def decide(fn, *args, **kwargs) -> Decide:
+    return Decide(fn, args, kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,59 +194,54 @@ def iota(size: int) -> jax.Array:
     return jnp.arange(size, dtype=jnp.int32)
 
 
-def _every_head_scores(engine: Engine, io: LayerIO, layer, q, keys, own_k, n, columns=None):
-    """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys (timed); or of
-    the positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
-    columns = io.all_positions if columns is None else columns
-    scores = io.identify(S.scores, q, keys, own_k, len(columns), n,
-                         kv_head_of_probe=engine.kv_of_head, impl=engine.config.kernel_impl)
-    return _seen(engine, io, layer, range(engine.cfg.num_heads), "heads", columns, scores)
+def _every_head_scores(f: Facts, layer: Layer, keys, columns=None) -> Score:
+    """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys; or of the
+    positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
+    count = layer.m if columns is None else len(columns)
+    return Score(S.scores, (layer.q, keys, layer.own_k, count, layer.n),
+                 dict(kv_head_of_probe=f.kv_of_head, impl=f.kernel_impl), heads=tuple(range(f.cfg.num_heads)),
+                 role="heads", columns=columns)
 
 
-def _seen(engine: Engine, io: LayerIO, layer, heads, role, columns, scores):
-    """The scores a layer decides from: those it computed, or a recorded run's in their place when the engine
-    replays a selection trace (`Engine.selections`, `specjax.engine.replay`; a recorder keeps them). `heads`: the
-    query heads of the rows; `role`: "probes" (a policy's probe heads) or "heads" (every head); `columns`: the
-    positions of the reused prefix the first columns score."""
-    hook = engine.selections
-    return scores if hook is None else hook.scores(layer, heads, role, columns, io.m, scores)
+# -- the policies ------------------------------------------------------------------------------------------------
 
 
 class LoadAll:
     """No identification: every prefix token's K and V (AttentionStore, and CacheBlend's full reuse)."""
 
-    def certain_reads(self, engine: Engine) -> tuple:
+    def certain_reads(self, f: Facts) -> tuple:
         return (K, V)
 
-    def selection_reads(self, engine: Engine) -> tuple:
+    def selection_reads(self, f: Facts) -> tuple:
         return ()
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
-        m, m_pad = io.m, io.m_pad
-        keys, values = io.take_all(layer, K), io.take_all(layer, V)
-        state = st.record_union(state, layer, iota(m_pad), m)
+    def select(self, f: Facts, layer: Layer, state) -> Steps:
+        m, m_pad = layer.m, layer.m_pad
+        keys = yield Take(K)
+        values = yield Take(V)
+        state = st.record_union(state, layer.index, iota(m_pad), m)
         selection = SharedIndices(iota(m_pad), m)
-        return state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None]
+        return Selected(state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None])
 
 
 class H2O:
     """Per-head H2O (AS+H2O): every head's scores from all keys, then the values of each head's top-k."""
 
-    def certain_reads(self, engine: Engine) -> tuple:
+    def certain_reads(self, f: Facts) -> tuple:
         return (K,)
 
-    def selection_reads(self, engine: Engine) -> tuple:
+    def selection_reads(self, f: Facts) -> tuple:
         return (V,)
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap, keys=None):
+    def select(self, f: Facts, layer: Layer, state, keys=None) -> Steps:
         """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
-        m = io.m
-        keys = io.take_all(layer, K) if keys is None else keys
-        scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
-        state, per_head = io.identify(st.per_head_select, state, layer, scores, k, m, k_cap=k_cap)
+        m, k = layer.m, layer.k
+        keys = (yield Take(K)) if keys is None else keys
+        scores = yield _every_head_scores(f, layer, keys)
+        state, per_head = yield decide(st.per_head_select, state, layer.index, scores, k, m, k_cap=layer.k_cap)
         chosen = np.asarray(per_head)[:, :k]
-        state, values = _union_values(io, state, layer, keys, np.unique(chosen), lambda slots: slots)
-        return state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen
+        state, values = yield from _union_values(layer, state, keys, np.unique(chosen), lambda slots: slots)
+        return Selected(state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen)
 
 
 class ITF(H2O):
@@ -100,71 +249,69 @@ class ITF(H2O):
     heads agree (mean pairwise Jaccard >= t = j ** alpha) every head takes their shared top-k and only its K/V
     are read; otherwise the layer falls back to per-head H2O.
 
-    When the probe keys are every KV head's (`Engine.probe_is_k`: probe heads spread over all KV heads, as
-    tiny-llama's 3 over its 2; not smollm2, whose 3 probe heads share one of its 3 KV heads), they are the layer's
-    K: the shared set's keys are gathered from them, and only its V read."""
+    When the probe keys are every KV head's (`Facts.probe_is_k`), they are the layer's K: the shared set's keys are
+    gathered from them, and only its V read."""
 
-    def certain_reads(self, engine: Engine) -> tuple:
+    def certain_reads(self, f: Facts) -> tuple:
         return (PROBE,)
 
-    def selection_reads(self, engine: Engine) -> tuple:
-        return (V,) if engine.probe_is_k else (K, V)
+    def selection_reads(self, f: Facts) -> tuple:
+        return (V,) if f.probe_is_k else (K, V)
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
-        m = io.m
-        probe_k = io.take_all(layer, PROBE, phase="probe_io")
-        scores = io.identify(S.scores, q, probe_k, own_k, m, n, kv_head_of_probe=engine.kv_of_probe,
-                             impl=engine.config.kernel_impl, q_heads=tuple(map(int, engine.probe_q)),
-                             kv_heads=tuple(map(int, engine.probe_kv)))
-        scores = _seen(engine, io, layer, engine.probe_q, "probes", io.all_positions, scores)
-        state, shared, use_shared = io.identify(st.itf_select, state, layer, scores, k, m, engine.system.alpha,
-                                                k_cap=k_cap)
+    def select(self, f: Facts, layer: Layer, state) -> Steps:
+        m, k, k_cap = layer.m, layer.k, layer.k_cap
+        probe_k = yield Take(PROBE, phase="probe_io")
+        scores = yield Score(S.scores, (layer.q, probe_k, layer.own_k, m, layer.n),
+                             dict(kv_head_of_probe=f.kv_of_probe, impl=f.kernel_impl, q_heads=f.probe_q,
+                                  kv_heads=f.probe_kv), heads=f.probe_q, role="probes")
+        state, shared, use_shared = yield decide(st.itf_select, state, layer.index, scores, k, m, f.system.alpha,
+                                                 k_cap=k_cap)
         if not bool(use_shared):  # all keys: the probe keys already are, when they are every KV head's
-            return super().select(engine, io, state, layer, q, own_k, n, k, k_cap,
-                                  keys=probe_k if engine.probe_is_k else None)
+            return (yield from super().select(f, layer, state, keys=probe_k if f.probe_is_k else None))
         chosen = np.asarray(shared)[:k]
-        if engine.probe_is_k:  # the probe keys' rows are positions of R, as `take` would give them
-            keys = S.gather_tokens(probe_k, jnp.asarray(padded(chosen, k_cap, io.m_pad)))
+        if f.probe_is_k:  # the probe keys' rows are positions of R, as a take would give them
+            keys = S.gather_tokens(probe_k, jnp.asarray(padded(chosen, k_cap, layer.m_pad)))
         else:
-            keys = io.take(layer, K, chosen, k_cap)
-        values = io.take(layer, V, chosen, k_cap)
+            keys = yield Take(K, chosen, k_cap)
+        values = yield Take(V, chosen, k_cap)
         selection = SharedIndices(iota(k_cap), k)
-        return state, keys, values, selection, S.normalised_importance(scores, m), chosen[None]
+        return Selected(state, keys, values, selection, S.normalised_importance(scores, m), chosen[None])
 
 
 class Chunks:
     """ContiguousKV (design 4.6): a period's first layer scores every head on all keys and keeps the best whole
-    chunks; the period's other layers reuse that set from the state and find it prefetched (`LayerIO.plan_period`
-    plans every read, so nothing is certain ahead of it)."""
+    chunks; the period's other layers reuse that set and its importance from the state and find it prefetched
+    (`PlanPeriod` plans every read, so nothing is certain ahead of it)."""
 
-    def certain_reads(self, engine: Engine) -> tuple:
+    def certain_reads(self, f: Facts) -> tuple:
         return ()
 
-    def selection_reads(self, engine: Engine) -> tuple:
+    def selection_reads(self, f: Facts) -> tuple:
         return (K, V)
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
-        c, m, m_pad = engine.store.layout.chunk_tokens, io.m, io.m_pad
-        first = layer - layer % engine.system.period_layers
-        n_chunks = -(-k // c)
+    def select(self, f: Facts, layer: Layer, state) -> Steps:
+        c, m, m_pad = f.chunk_tokens, layer.m, layer.m_pad
+        first = layer.index - layer.index % f.system.period_layers
+        n_chunks = -(-layer.k // c)
         k_cap = min(bucket(n_chunks * c), m_pad)
-        if layer == first:
-            keys = io.take_all(layer, K)
-            scores = _every_head_scores(engine, io, layer, q, keys, own_k, n)
-            state, positions, count, importance = io.identify(
-                st.chunk_select, state, layer, scores, n_chunks, m, chunk_tokens=c,
+        if layer.index == first:
+            keys = yield Take(K)
+            scores = yield _every_head_scores(f, layer, keys)
+            state, positions, count, importance = yield decide(
+                st.chunk_select, state, layer.index, scores, n_chunks, m, chunk_tokens=c,
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
-            chosen, io.period_importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
-            io.credit(layer, K, chosen)
-            io.plan_period(layer, chosen)
+            chosen, importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
+            yield Credit(K, chosen, importance[chosen])
+            yield PlanPeriod(chosen)
             keys = S.gather_tokens(keys, positions)
         else:
-            state = st.reuse_selection(state, layer, first)
-            chosen = np.asarray(state.selected[layer])[: int(state.count[layer])]
-            keys = io.take(layer, K, chosen, k_cap, importance=io.period_importance[chosen])
-        values = io.take(layer, V, chosen, k_cap, importance=io.period_importance[chosen])
+            state = st.reuse_selection(state, layer.index, first)
+            chosen = np.asarray(state.selected[layer.index])[: int(state.count[layer.index])]
+            importance = np.asarray(state.period_importance)[:m]
+            keys = yield Take(K, chosen, k_cap, importance=importance[chosen])
+        values = yield Take(V, chosen, k_cap, importance=importance[chosen])
         selection = SharedIndices(iota(k_cap), len(chosen))
-        return state, keys, values, selection, io.period_importance, chosen[None]
+        return Selected(state, keys, values, selection, importance, chosen[None])
 
 
 class GroupedITF:
@@ -187,101 +334,98 @@ class GroupedITF:
     Probe keys come from the store's probe kind when its heads are these probe KV heads (one query head per KV
     head), else from K (grouped-query models: the candidates' keys of every KV head come with the chunk files)."""
 
-    def certain_reads(self, engine: Engine) -> tuple:
+    def certain_reads(self, f: Facts) -> tuple:
         """Without a candidate stage every position is a candidate: its probe keys are read whatever the layer then
         selects. With one, what is read depends on the candidates."""
-        return (self.probe_source(engine),) if engine.system.candidates is None else ()
+        return (self.probe_source(f),) if f.system.candidates is None else ()
 
-    def selection_reads(self, engine: Engine) -> tuple:
+    def selection_reads(self, f: Facts) -> tuple:
         """A selected position's keys and values. Its keys come with its probe keys when those are every KV head's
         (read as a candidate's: already planned without a candidate stage), else they are read apart."""
-        with_probe = self.probe_source(engine) == K or engine.probe_is_k
+        with_probe = self.probe_source(f) == K or f.probe_is_k
         if not with_probe:
             return (K, V)
-        return (V,) if engine.system.candidates is None else (self.probe_source(engine), V)
+        return (V,) if f.system.candidates is None else (self.probe_source(f), V)
 
     @staticmethod
-    def probe_kv(engine: Engine) -> tuple[int, ...]:
-        return tuple(range(min(engine.system.num_probe_heads, engine.cfg.num_kv_heads)))
+    def probe_kv(f: Facts) -> tuple[int, ...]:
+        return tuple(range(min(f.system.num_probe_heads, f.cfg.num_kv_heads)))
 
-    def probe_source(self, engine: Engine) -> int:
+    def probe_source(self, f: Facts) -> int:
         """PROBE when the store's probe kind holds exactly the probe KV heads, else K."""
-        return PROBE if self.probe_kv(engine) == tuple(map(int, engine.probe_kv)) else K
+        return PROBE if self.probe_kv(f) == f.probe_kv else K
 
-    def candidates(self, engine: Engine, io: LayerIO, layer, q, n, k) -> np.ndarray:
+    def candidates(self, f: Facts, layer: Layer) -> Generator[Any, Any, np.ndarray]:
         """The positions scored: whole chunks, in order of their bounded attention mass summed over every query
         head, until B x k positions (all of them when B is None or B x k covers the prefix)."""
-        budget = engine.system.candidates
-        if budget is None or budget * k >= io.m:
-            return io.all_positions
-        chunk_of = io.locate(layer, io.all_positions).chunks
+        budget = f.system.candidates
+        if budget is None or budget * layer.k >= layer.m:
+            return layer.positions
+        chunk_of = (yield Locate(layer.positions)).chunks
         chunks, slot_of = np.unique(chunk_of, return_inverse=True)
-        got = io.clock.timed("probe_io", engine.store.key_summaries, layer, chunks)
-        if not got.ok.all():
-            raise BadChunk()
-        summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.array.shape[1:], got.array.dtype)
-        summaries[: len(chunks)] = got.array
-        mass = io.identify(quest.chunk_mass, q, jnp.asarray(summaries), n, len(chunks),
-                           kv_of_head=engine.kv_of_head)
+        got = yield Summaries(chunks)
+        summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.shape[1:], got.dtype)
+        summaries[: len(chunks)] = got
+        mass = yield decide(quest.chunk_mass, layer.q, jnp.asarray(summaries), layer.n, len(chunks),
+                            kv_of_head=f.kv_of_head)
         keep = covering(ranked_chunks(np.asarray(mass)[:, : len(chunks)]), np.bincount(slot_of),
-                        math.ceil(budget * k))
-        return io.all_positions[np.isin(slot_of, keep)]
+                        math.ceil(budget * layer.k))
+        return layer.positions[np.isin(slot_of, keep)]
 
-    def select(self, engine: Engine, io: LayerIO, state, layer, q, own_k, n, k, k_cap):
-        m, impl = io.m, engine.config.kernel_impl
-        cand = self.candidates(engine, io, layer, q, n, k)
+    def select(self, f: Facts, layer: Layer, state) -> Steps:
+        m, k, k_cap, impl = layer.m, layer.k, layer.k_cap, f.kernel_impl
+        cand = yield from self.candidates(f, layer)
         c = len(cand)
         # whole chunks until B x k: fewer than B x k + chunk_tokens positions, a bucket fixed by the prefix and k
-        c_pad = io.m_pad if c == m else min(io.m_pad, bucket(math.ceil(engine.system.candidates * k) +
-                                                             engine.store.layout.chunk_tokens))
-        probe_kv = self.probe_kv(engine)
-        group = engine.cfg.q_per_kv
+        c_pad = layer.m_pad if c == m else min(layer.m_pad, bucket(math.ceil(f.system.candidates * k) +
+                                                                   f.chunk_tokens))
+        probe_kv = self.probe_kv(f)
+        group = f.cfg.q_per_kv
         heads = tuple(h for g in probe_kv for h in range(g * group, (g + 1) * group))  # the probes' query heads
-        stored_probe = self.probe_source(engine) == PROBE
-        probe_k = io.take(layer, PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
+        stored_probe = self.probe_source(f) == PROBE
+        probe_k = yield Take(PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
         keys = every = per_head = None  # every KV head's keys of the candidates, every query head's scores and
         # own top-k, once known
-        guarded = group > 1 and engine.system.min_head_share is not None
-        if stored_probe and not engine.probe_is_k:
-            scores = io.identify(S.scores, q, probe_k, own_k, c, n,
-                                 kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
-                                 kv_heads=probe_kv)
-            scores = _seen(engine, io, layer, heads, "probes", cand, scores)
-            probes = io.identify(st.kv_head_scores, scores, c, groups=len(probe_kv))
+        guarded = group > 1 and f.system.min_head_share is not None
+        if stored_probe and not f.probe_is_k:
+            scores = yield Score(S.scores, (layer.q, probe_k, layer.own_k, c, layer.n),
+                                 dict(kv_head_of_probe=tuple(h // group for h in heads), impl=impl, q_heads=heads,
+                                      kv_heads=probe_kv), heads=heads, role="probes", columns=cand)
+            probes = yield decide(st.kv_head_scores, scores, c, groups=len(probe_kv))
             # the test's threshold is j(k, c) ** alpha, the Jaccard expected of random k-sets of the c candidates
-            state, shared, use_shared = io.identify(st.itf_select, state, layer, probes, k, c, engine.system.alpha,
-                                                    k_cap=k_cap, kept_of=m)
+            state, shared, use_shared = yield decide(st.itf_select, state, layer.index, probes, k, c, f.system.alpha,
+                                                     k_cap=k_cap, kept_of=m)
             if guarded or not bool(use_shared):  # the guard and the fallback score every head
-                keys = io.take(layer, K, cand, c_pad)
-                every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
+                keys = yield Take(K, cand, c_pad)
+                every = yield _every_head_scores(f, layer, keys, columns=cand)
             if guarded:
-                state, use_shared = io.identify(st.guard_shared, state, layer, every, shared, k, c,
-                                                use_shared, engine.system.min_head_share, k_cap=k_cap)
+                state, use_shared = yield decide(st.guard_shared, state, layer.index, every, shared, k, c,
+                                                 use_shared, f.system.min_head_share, k_cap=k_cap)
         else:  # the probe keys are every KV head's: every head's scores, and the whole decision from them in one step
             keys = probe_k
-            every = _every_head_scores(engine, io, layer, q, keys, own_k, n, columns=cand)
-            state, probes, shared, per_head, use_shared = io.identify(
-                st.gqa_select, state, layer, every, k, c, engine.system.alpha, engine.system.min_head_share or 0.0,
+            every = yield _every_head_scores(f, layer, keys, columns=cand)
+            state, probes, shared, per_head, use_shared = yield decide(
+                st.gqa_select, state, layer.index, every, k, c, f.system.alpha, f.system.min_head_share or 0.0,
                 groups=len(probe_kv), probe_rows=len(heads), k_cap=k_cap, guarded=guarded, kept_of=m)
         if bool(use_shared):
             slots = np.asarray(shared)[:k]  # of the candidates
             chosen = cand[slots]
             if keys is not None:  # the set's keys are rows of the candidates' keys: taken on the device
-                positions = iota(io.m_pad) if c == m else jnp.asarray(padded(cand, c_pad, -1))
-                state, keys = _shared_rows(state, layer, keys, shared, k, positions)
+                positions = iota(layer.m_pad) if c == m else jnp.asarray(padded(cand, c_pad, -1))
+                state, keys = _shared_rows(state, layer.index, keys, shared, k, positions)
             else:
-                state = st.record_union(state, layer, jnp.asarray(padded(chosen, k_cap, -1)), k)
-                keys = io.take(layer, K, chosen, k_cap)
-            values = io.take(layer, V, chosen, k_cap)
+                state = st.record_union(state, layer.index, jnp.asarray(padded(chosen, k_cap, -1)), k)
+                keys = yield Take(K, chosen, k_cap)
+            values = yield Take(V, chosen, k_cap)
             selection = SharedIndices(iota(k_cap), k)
-            return (state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
-                    chosen[None])
+            return Selected(state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
+                            chosen[None])
         if per_head is None:
-            state, per_head = io.identify(st.per_head_select, state, layer, every, k, c, k_cap=k_cap, kept_of=m)
+            state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
-        state, values = _union_values(io, state, layer, keys, np.unique(per_head_np), lambda slots: cand[slots])
+        state, values = yield from _union_values(layer, state, keys, np.unique(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
-        return state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np]
+        return Selected(state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np])
 
 
 @jax.jit
@@ -305,14 +449,14 @@ def covering(order: np.ndarray, sizes: np.ndarray, need: int) -> np.ndarray:
     return order[: int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1]
 
 
-def _union_values(io: LayerIO, state, layer, keys, union, positions_of):
+def _union_values(layer: Layer, state, keys, union, positions_of) -> Generator[Any, Any, tuple]:
     """Per-head sets' values: the union's V (`union`: slots of `keys`' token axis, at prefix positions
     `positions_of(union)`) read once and placed in its slots, zeros elsewhere; the union recorded in the state."""
     positions = positions_of(union)
-    state = st.record_union(state, layer, jnp.asarray(padded(positions, io.m_pad, -1)), len(union))
+    state = st.record_union(state, layer.index, jnp.asarray(padded(positions, layer.m_pad, -1)), len(union))
     union_pad = bucket(len(union))
-    values = S.scatter_tokens(keys, jnp.asarray(padded(union, union_pad, keys.shape[1])),
-                              io.take(layer, V, positions, union_pad))
+    slots = jnp.asarray(padded(union, union_pad, keys.shape[1]))
+    values = S.scatter_tokens(keys, slots, (yield Take(V, positions, union_pad)))
     return state, values
 
 

@@ -1,5 +1,6 @@
-"""The I/O side of one request: what is read for each layer and when (`LayerIO`), and the clock that splits the
-request's time into the TTFT breakdown (`Clock`)."""
+"""The I/O side of one request: what is read for each layer and when (`LayerIO`), which carries out the steps a
+layer's identification asks for (`specjax.engine.identify`), and the clock that splits the request's time into the
+TTFT breakdown (`Clock`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from specjax.engine import events
+from specjax.engine import identify as I
 from specjax.engine.speculation import prefetch_report
 from specjax.stores import K, PROBE, V, Locations
 
@@ -177,7 +179,6 @@ class LayerIO:
         self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0}  # tokens (prefetch_report)
         self._behind: dict[int, list] = {}  # layer -> guessed positions not on their way when the layer took them
         self._selected: list = []  # (layer, chosen, guess, behind) per layer, until `after_first_token`
-        self.period_importance: np.ndarray | None = None  # "chunks": token importance [m] the period chose by
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
         self._locations: dict = {}  # (layer, positions' bytes) -> Locations (`locate`)
         self._every_position: dict = {}  # layer -> Locations of every match position from `first` on
@@ -186,7 +187,8 @@ class LayerIO:
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
-        self._selection_kinds = engine.identification.selection_reads(engine) if engine.speculator is not None else ()
+        self._selection_kinds = (engine.identification.selection_reads(engine.facts) if engine.speculator is not None
+                                 else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
 
     def locate(self, layer: int, positions) -> Locations:
@@ -217,7 +219,7 @@ class LayerIO:
         that prefetch them."""
         if self.engine.system.prefetch in ("none", "periods"):
             return
-        for kind in self.engine.identification.certain_reads(self.engine):
+        for kind in self.engine.identification.certain_reads(self.engine.facts):
             self._request(layer, kind, self.all_positions)
 
     def plan_reads(self, layers) -> None:
@@ -284,15 +286,14 @@ class LayerIO:
                 self.prefetched[layer] = chosen
         self.clock.timed("kv_io_stall", pf.wait, tickets)
 
-    def credit(self, layer: int, kind: int, positions: np.ndarray) -> None:
-        """Feed the period's importance of `positions` to their cached chunks without reading them again."""
+    def credit(self, layer: int, kind: int, positions: np.ndarray, importance: np.ndarray) -> None:
+        """Feed `importance` (per position) of `positions` to their cached chunks without reading them again."""
         cache = self.engine.cache
-        if cache is None or self.period_importance is None:
+        if cache is None:
             return
         chunks = self.locate(layer, positions).chunks
         for chunk in np.unique(chunks):
-            importance = self.period_importance[positions[chunks == chunk]].sum()
-            cache.feedback((layer, kind, int(chunk)), importance=float(importance))
+            cache.feedback((layer, kind, int(chunk)), importance=float(importance[chunks == chunk].sum()))
 
     def after_selection(self, layer: int, chosen: np.ndarray) -> None:
         """The layer's token set is loaded and its compute dispatched: keep what the speculation made for it
@@ -402,6 +403,51 @@ class LayerIO:
 
     def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
         return self.take(layer, kind, self.all_positions, self.m_pad, phase)
+
+    def select(self, policy, state, layer: int, q, own_k, n: int, k: int, k_cap: int) -> I.Selected:
+        """Layer `layer`'s identification by `policy` (`specjax.engine.identify`): its steps carried out in the
+        order it yields them, each one's result sent back, until it returns the layer's selection."""
+        steps = policy.select(self.engine.facts, I.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
+                                                         self.all_positions), state)
+        result = None
+        try:
+            while True:
+                result = self._carry_out(layer, steps.send(result))
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def _carry_out(self, layer: int, step):
+        """One step of a layer's identification: a read, a device step of the decision (timed and paced, as
+        `identify`), a scoring step (through a selection trace, if one is recorded or replayed), where positions lie,
+        their chunks' key summaries, or ContiguousKV's feedback and period plan."""
+        match step:
+            case I.Take():
+                positions = self.all_positions if step.positions is None else step.positions
+                return self.take(layer, step.kind, positions, self.m_pad if step.pad_to is None else step.pad_to,
+                                 step.phase, importance=step.importance)
+            case I.Score():
+                scores = self.identify(step.fn, *step.args, **step.kwargs)
+                hook = self.engine.selections
+                if hook is None:
+                    return scores
+                columns = self.all_positions if step.columns is None else step.columns
+                return hook.scores(layer, step.heads, step.role, columns, self.m, scores)
+            case I.Decide():
+                return self.identify(step.fn, *step.args, **step.kwargs)
+            case I.Locate():
+                return self.locate(layer, step.positions)
+            case I.Summaries():
+                got = self.clock.timed("probe_io", self.engine.store.key_summaries, layer, step.chunks)
+                if not got.ok.all():
+                    raise BadChunk()
+                return got.array
+            case I.Credit():
+                return self.credit(layer, step.kind, step.positions, step.importance)
+            case I.PlanPeriod():
+                return self.plan_period(layer, step.chosen)
+        raise TypeError(f"an identification yielded {step!r}, which is no step (specjax.engine.identify)")
 
     def prefetch_report(self) -> dict:
         return prefetch_report(**self.stats)

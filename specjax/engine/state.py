@@ -23,7 +23,9 @@ class ImportanceState:
         per-head sets; -1 pads. jaccard / threshold: probe heads' mean pairwise Jaccard and SPEC's t = j^alpha
         (NaN where not measured). head_share: the least share of a head's own top-k attention the shared set
         keeps (spec_gqa on grouped-query models; NaN where not measured). fallback: the layer loaded all keys and
-        used per-head sets. retained: kept fraction of the reused prefix.
+        used per-head sets. retained: kept fraction of the reused prefix. period_importance: [capacity] each
+        prefix token's importance as the current ContiguousKV period's first layer scored it (`chunk_select`),
+        which the period's later layers weigh their chunks by (zeros until a period chooses).
     """
 
     selected: jax.Array
@@ -33,6 +35,7 @@ class ImportanceState:
     head_share: jax.Array
     fallback: jax.Array
     retained: jax.Array
+    period_importance: jax.Array
 
     @classmethod
     def init(cls, num_layers: int, capacity: int) -> "ImportanceState":
@@ -45,6 +48,7 @@ class ImportanceState:
             head_share=nan,
             fallback=jnp.zeros((num_layers,), bool),
             retained=nan,
+            period_importance=jnp.zeros((capacity,), jnp.float32),
         )
 
 
@@ -152,7 +156,8 @@ def chunk_select(state: ImportanceState, layer, head_scores, n_chunks, prefix_le
     head_scores: f32 [H, m_pad] H2O importance of every head. A token's importance is its share of each head's
     attention averaged over heads; a chunk's score is the sum over its tokens (ContiguousKV eq. 1). The
     `n_chunks` (<= chunk_cap) best chunks are kept. Returns (state, positions int32[k_cap] ascending, the first
-    `count` valid, count, importance f32 [m_pad] of each token for the cache score); k_cap must hold them.
+    `count` valid, count, importance f32 [m_pad] of each token for the cache score, kept as the state's
+    `period_importance` for the period's later layers); k_cap must hold them.
     """
     c = chunk_tokens
     valid = jnp.arange(head_scores.shape[-1]) < prefix_len
@@ -173,6 +178,7 @@ def chunk_select(state: ImportanceState, layer, head_scores, n_chunks, prefix_le
         selected=state.selected.at[layer].set(_row(state.selected[layer], positions, count)),
         count=state.count.at[layer].set(count),
         retained=state.retained.at[layer].set(count / jnp.maximum(prefix_len, 1)),
+        period_importance=jnp.zeros_like(state.period_importance).at[: importance.shape[0]].set(importance),
     )
     return state, positions, count, importance
 
