@@ -5,10 +5,14 @@ Knows nothing of models or evaluation: the model fingerprint is an opaque dict; 
 """
 
 from specjax.stores.errors import DiskFullError, ManifestError, StoreError, StoreMismatchError
+from specjax.stores.index import StoreIndex
 from specjax.stores.kvarray import K, PROBE, V, Layout
 from specjax.stores.metrics import StoreMetrics
+from specjax.stores.reads import ChunkReader
 from specjax.stores.scheduler import Link
 from specjax.stores.store import Gathered, KVStore, Locations, Match, PrefixWriter
+from specjax.stores.writer import StoreWriter
 
 __all__ = ["DiskFullError", "ManifestError", "StoreError", "StoreMismatchError", "K", "V", "PROBE", "Layout",
-           "Link", "StoreMetrics", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter"]
+           "Link", "StoreMetrics", "Gathered", "KVStore", "Locations", "Match", "PrefixWriter", "StoreIndex",
+           "ChunkReader", "StoreWriter"]

@@ -26,6 +26,8 @@ import tensorstore as ts
 
 from specjax.stores.errors import StoreError
 from specjax.stores.manifest import MANIFEST_KEY, describe_weights
+from specjax.stores.index import StoreIndex
+from specjax.stores.reads import ChunkReader
 from specjax.stores.store import KVStore
 
 
@@ -45,9 +47,9 @@ class FsckReport:
         return not self.problems
 
 
-def _check_structure(store: KVStore, report: FsckReport) -> None:
-    lay = store.layout
-    tree, segments = store.tree, {s.seg_id: s for s in store.segments(referenced=True)}
+def _check_structure(index: StoreIndex, report: FsckReport) -> None:
+    lay = index.layout
+    tree, segments = index.tree, {s.seg_id: s for s in index.segments(referenced=True)}
     report.nodes, report.segments = len(tree.nodes) - 1, len(segments)
     spans = sorted((s.first_chunk, s.first_chunk + s.n_chunks, s.seg_id) for s in segments.values())
     for (a0, a1, a), (b0, _, b) in zip(spans, spans[1:]):
@@ -93,16 +95,16 @@ def belongs_to(store: KVStore) -> str:
             f"{lay.probe_heads} probe heads")
 
 
-def _check_chunks(store: KVStore, report: FsckReport) -> None:
-    before = store.metrics.bad_chunks
-    for seg in store.segments(referenced=True):
+def _check_chunks(index: StoreIndex, reader: ChunkReader, report: FsckReport) -> None:
+    before = reader.metrics.bad_chunks
+    for seg in index.segments(referenced=True):
         chunks = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
-        reads = [r for layer in range(store.layout.num_layers) for kind in store.layout.kinds()
-                 for r in store.read_chunks(layer, kind, chunks)]
+        reads = [r for layer in range(index.layout.num_layers) for kind in index.layout.kinds()
+                 for r in reader.read_chunks(layer, kind, chunks)]
         for r in reads:
             r.future.result()
         report.chunks_checked += len(reads)
-    report.bad_chunks = store.metrics.bad_chunks - before
+    report.bad_chunks = reader.metrics.bad_chunks - before
     if report.bad_chunks:
         report.problems.append(f"{report.bad_chunks} chunks fail their checksum or cannot be read")
 
@@ -111,14 +113,15 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
     """Check a store; raises StoreError if its manifest cannot be read at all."""
     report = FsckReport()
     with KVStore.open(location, None, read_only=True, create=False, context=context, gc_orphans=False) as store:
+        index = store.index
         report.belongs_to = belongs_to(store)
-        _check_structure(store, report)
-        _check_chunks(store, report)
-        listed = store.stored_chunk_ids()
+        _check_structure(index, report)
+        _check_chunks(index, store.reader, report)
+        listed = index.stored_chunk_ids()
         owned = set()
-        for seg in store.segments():
+        for seg in index.segments():
             owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
-        ranges = store.writer_ranges()
+        ranges = index.writer_ranges()
         unowned = listed - owned
         report.inflight_chunks = sum(any(lo <= c < hi for lo, hi in ranges) for c in unowned)
         report.orphan_chunks = len(unowned) - report.inflight_chunks

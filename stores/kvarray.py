@@ -124,7 +124,7 @@ class KVArrays:
         self.direct_io = direct_io
 
     def shares_requests(self, speculative: bool) -> bool:
-        """Do runs read together share one disk request (`ChunkReads.read_runs`)? From the page cache, yes: a read
+        """Do runs read together share one disk request (`ChunkReader.read_runs`)? From the page cache, yes: a read
         there is a copy, and issuing and landing a request is the cost. Not with O_DIRECT, where each run waits on
         the device and the disk works through them at its queue depth; nor speculative runs on an emulated disk,
         where they wait in its queue and a run superseded there is withdrawn unread (a shared request is withdrawn

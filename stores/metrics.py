@@ -23,7 +23,7 @@ class StoreMetrics:
 
     def __post_init__(self):
         self._lock = threading.Lock()
-        self._device_bytes: list[int] = []  # per device of a mesh whose heads split the reads (ChunkReads.split_reads)
+        self._device_bytes: list[int] = []  # per device of a mesh whose heads split the reads (ChunkReader.split_reads)
 
     def add_device_bytes(self, per_device: list[int]) -> None:
         """Bytes each device's reader read of its own heads (one entry per device of the mesh)."""

@@ -1,8 +1,8 @@
-"""The disk read path of a store: chunk reads coalesced into runs (byte ranges of one segment's extent) through the
-disk's read scheduler, each run's chunks checked against their heads' checksums on the I/O thread that landed it,
-before any is served; gathering token positions from the chunks read.
+"""The disk read path of a store (`ChunkReader`): chunk reads coalesced into runs (byte ranges of one segment's
+extent) through the disk's read scheduler, each run's chunks checked against their heads' checksums on the I/O thread
+that landed it, before any is served; gathering token positions from the chunks read; the chunks' key summaries.
 
-Under tensor parallelism (`ChunkReads.split_reads`) a kind whose heads the mesh splits is read as each device's
+Under tensor parallelism (`ChunkReader.split_reads`) a kind whose heads the mesh splits is read as each device's
 own heads' byte ranges of every chunk, and each device's bytes are counted (`StoreMetrics.device_bytes`)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import threading
+import typing
 import weakref
 
 import numpy as np
@@ -19,6 +21,11 @@ from specjax.stores import kvarray
 from specjax.stores.landing import BUFFERS
 from specjax.stores.manifest import chunk_checksums
 from specjax.stores.scheduler import when_all
+
+if typing.TYPE_CHECKING:
+    from specjax.stores.index import Match, StoreIndex
+    from specjax.stores.metrics import StoreMetrics
+    from specjax.stores.summaries import KeySummaries
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +167,19 @@ def _runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
     return runs
 
 
-class ChunkReads:
-    """Reading chunks and located positions (mixed into `KVStore`: uses its layout, arrays, metrics, lock
-    and `_expected_checksums`)."""
+class ChunkReader:
+    """Reading one store's chunks and located positions: where they are and what they must hash to come from its
+    index; the bytes from its chunk data (`index.arrays`) through the disk's scheduler. `max_read_bytes`: the largest
+    read (None: as the read scheduler sizes reads for the disk)."""
+
+    def __init__(self, index: "StoreIndex", metrics: "StoreMetrics", summaries: "KeySummaries", *,
+                 max_read_bytes: int | None = None):
+        self.index, self.layout, self.metrics, self.summaries = index, index.layout, metrics, summaries
+        self.max_read_bytes = max_read_bytes
+        self._arrays = index.arrays
+        self._head_parts: dict[int, int] | None = None  # `split_reads`; None: whole chunk files
+        self._reads_started = False
+        self._lock = threading.Lock()  # the head parts, and what runs' shared disk requests still want
 
     def split_reads(self, devices: dict[int, int]) -> None:
         """Read kind `k`'s chunks as `devices[k]` byte ranges of equal head counts, one per device of a mesh that
@@ -201,7 +218,7 @@ class ChunkReads:
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
         max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
         head_parts = self._parts(kind)
-        runs = self._segment_runs(chunks, max_chunks)
+        runs = self.index.segment_runs(chunks, max_chunks)
         extents = self._extents(kind, runs) if head_parts == 1 else {}
         out = []
         for request in _requests(runs, max_chunks if self._arrays.shares_requests(speculative) else 0):
@@ -245,21 +262,6 @@ class ChunkReads:
                                lo,
                                lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
                 for seg_id, (seg, lo, hi) in spans.items()}
-
-    def _segment_runs(self, chunks, max_chunks: int) -> list[tuple]:
-        """(segment, first chunk, count): runs of adjacent chunk ids, each inside one segment and at most
-        `max_chunks` long; KeyError for a chunk no segment holds."""
-        out = []
-        with self._lock:
-            for first, n in _runs(chunks, 1 << 62):
-                while n:
-                    seg = self._cat.segment_of(first)
-                    if seg is None:
-                        raise KeyError(f"chunk {first} belongs to no segment of the store")
-                    count = min(n, seg.first_chunk + seg.n_chunks - first, max_chunks)
-                    out.append((seg, first, count))
-                    first, n = first + count, n - count
-        return out
 
     def _verify(self, runs: list[Run], layer: int, kind: int, expected: list[np.ndarray], f) -> None:
         """Check each chunk of the runs one disk request landed against its heads' checksums before any is served
@@ -348,3 +350,41 @@ class ChunkReads:
             return Gathered(out, ok)
 
         return when_all([run.verified for run in runs], assemble)
+
+    def key_summaries(self, layer: int, chunks) -> Gathered:
+        """The key summaries `[n, kv_heads, 2, head_dim]` (min, max; `stores.summaries`) of `chunks` at `layer`, from
+        host memory; the keys of chunks this handle has no summary of are read (verified, counted) and summarised.
+        `ok[i]` is False where that read found a bad chunk (its summary is zeros)."""
+        chunks = [int(c) for c in chunks]
+        expected = {c: self.index.expected_checksums(layer, kvarray.K, c) for c in set(chunks)}
+        missing = []
+        for c, e in expected.items():
+            if e is None:
+                raise KeyError(f"chunk {c} belongs to no segment of the store")
+            if self.summaries.get(layer, c, e) is None:
+                missing.append(c)
+        bad = set()
+        for read in self.read_chunks(layer, kvarray.K, sorted(missing)):
+            keys = read.future.result()
+            if keys is None:
+                bad.add(read.chunk)
+            else:
+                self.summaries.put(layer, read.chunk, expected[read.chunk], keys)
+        lay = self.layout
+        out = np.zeros((len(chunks), lay.kv_heads, 2, lay.head_dim), lay.np_dtype)
+        for i, c in enumerate(chunks):
+            if c not in bad:
+                out[i] = self.summaries.get(layer, c, expected[c])
+        return Gathered(out, np.array([c not in bad for c in chunks], bool))
+
+    def failing_nodes(self, match: "Match") -> list[int]:
+        """The nodes on a match's path whose segment holds a chunk (of any layer or kind) that fails its checksum
+        or cannot be read: every chunk of those segments is read and verified (counted as bad where it fails)."""
+        lay = self.layout
+        failing = []
+        for node_id, seg in self.index.path_segments(match):
+            reads = [self.read_chunk(layer, kind, c) for layer in range(lay.num_layers) for kind in lay.kinds()
+                     for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)]
+            if any(read.result() is None for read in reads):
+                failing.append(node_id)
+        return failing

@@ -1,5 +1,6 @@
-"""Writing a new segment: layers queued write-behind, checksummed, durable before any manifest references them;
-`PrefixWriter.commit()` then publishes the new prefix (merged with whatever other handles committed)."""
+"""Writing new segments for one store handle (`StoreWriter`): layers queued write-behind, checksummed, durable
+before any manifest references them; `PrefixWriter.commit()` then publishes the new prefix through the store's index
+(merged with whatever other handles committed)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,59 @@ from specjax.stores.kvarray import K, PROBE, V
 from specjax.stores.manifest import chunk_checksums
 
 if typing.TYPE_CHECKING:
-    from specjax.stores.store import KVStore, Match
+    from specjax.stores.index import Match, StoreIndex
+    from specjax.stores.metrics import StoreMetrics
+    from specjax.stores.summaries import KeySummaries
+
+
+class StoreWriter:
+    """New segments of one store: room for them from the index (`allocate`), their layers written on a pool of
+    `threads` write-behind, each chunk's checksums and key summaries kept as it is written."""
+
+    def __init__(self, index: "StoreIndex", metrics: "StoreMetrics", summaries: "KeySummaries", *, threads: int = 4):
+        self.index, self.layout, self.metrics, self.summaries = index, index.layout, metrics, summaries
+        self.arrays = index.arrays
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kv-write")
+
+    @property
+    def where(self) -> str:
+        return self.index.where
+
+    def begin_insert(self, tokens, base: "Match | None" = None) -> "PrefixWriter":
+        """Start storing `tokens[base.length:]` below the matched `base` (the writer owns and closes `base`).
+
+        Write every layer with `writer.write_layer(...)`, then `writer.commit()`.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        base_len = base.length if base is not None else 0
+        if base is not None and not np.array_equal(base.tokens, tokens[:base_len]):
+            raise ValueError("base match is not a prefix of the tokens to insert")
+        if base_len >= len(tokens):
+            raise ValueError("nothing to insert: every token is already in the matched prefix")
+        return PrefixWriter(self, self.index.allocate(len(tokens) - base_len), tokens, base)
+
+    def insert(self, tokens, layers_kv, base: "Match | None" = None) -> int | None:
+        """Synchronous convenience: `layers_kv[layer] = (k, v, probe_k)` for the new tokens."""
+        writer = self.begin_insert(tokens, base)
+        with writer:
+            for layer, kv in enumerate(layers_kv):
+                writer.write_layer(layer, *kv)
+            return writer.commit()
+
+    def new_segment_writer(self, n_tokens: int) -> "SegmentWriter":
+        """A segment no node points at yet (a reordered copy: `StoreIndex.swap_segment` publishes it)."""
+        return SegmentWriter(self, self.index.allocate(n_tokens))
+
+    def close(self) -> None:
+        """Finish the queued writes."""
+        self.pool.shutdown(wait=True)
 
 
 class SegmentWriter:
     """Writes one new segment layer by layer (write-behind); `wait_durable()` before it may be referenced."""
 
-    def __init__(self, store: "KVStore", seg: Segment):
-        self.store, self.seg = store, seg
+    def __init__(self, owner: StoreWriter, seg: Segment):
+        self.owner, self.seg = owner, seg  # owner: the StoreWriter that made it
         self._layers: dict[int, concurrent.futures.Future] = {}
         self._closed = False
 
@@ -32,7 +78,7 @@ class SegmentWriter:
 
     def write_layer(self, layer: int, k, v, probe_k=None) -> concurrent.futures.Future:
         """Queue one layer's K, V `[kv_heads, n, head_dim]` and probe keys `[probe_heads, n, head_dim]`."""
-        lay = self.store.layout
+        lay = self.owner.layout
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} outside 0..{lay.num_layers - 1}")
         if layer in self._layers:
@@ -47,12 +93,12 @@ class SegmentWriter:
             if tuple(a.shape) != want:
                 raise ValueError(f"{kvarray.KIND_NAMES[kind]} of layer {layer} has shape {tuple(a.shape)}, "
                                  f"expected {want}")
-        future = self.store._pool.submit(self._write_layer_now, layer, arrays)
+        future = self.owner.pool.submit(self._write_layer_now, layer, arrays)
         self._layers[layer] = future
         return future
 
     def _write_layer_now(self, layer: int, arrays: dict) -> None:
-        lay, seg = self.store.layout, self.seg
+        lay, seg = self.owner.layout, self.seg
         padded_tokens = seg.n_chunks * lay.chunk_tokens
         pending = []
         try:
@@ -64,19 +110,19 @@ class SegmentWriter:
                 seg.checksums[layer, kind, :, :lay.heads(kind)] = checksums
                 if kind == K:  # the chunks' key summaries, while their keys are at hand
                     for j in range(seg.n_chunks):
-                        self.store.summaries.put(layer, seg.first_chunk + j, tuple(checksums[j].tolist()), chunks[j])
-                pending.append(self.store._arrays.write_range(layer, kind, seg.first_chunk, data))
+                        self.owner.summaries.put(layer, seg.first_chunk + j, tuple(checksums[j].tolist()), chunks[j])
+                pending.append(self.owner.arrays.write_range(layer, kind, seg.first_chunk, data))
             for w in pending:
                 w.result()  # resolves once the chunk files are written and synced
         except Exception as e:  # noqa: BLE001 -- mapped to a clear store error
             if is_disk_full(e):
-                raise DiskFullError(f"disk full while writing the KV store at {self.store.where}; "
+                raise DiskFullError(f"disk full while writing the KV store at {self.owner.where}; "
                                     f"free space or set a smaller disk capacity (reads still work)") from None
-            raise StoreError(f"writing layer {layer} to the KV store at {self.store.where} failed: {e}") from e
-        self.store.metrics.add(disk_bytes_written=sum(a.nbytes for a in arrays.values()))
+            raise StoreError(f"writing layer {layer} to the KV store at {self.owner.where} failed: {e}") from e
+        self.owner.metrics.add(disk_bytes_written=sum(a.nbytes for a in arrays.values()))
 
     def wait_durable(self) -> None:
-        missing = sorted(set(range(self.store.layout.num_layers)) - set(self._layers))
+        missing = sorted(set(range(self.owner.layout.num_layers)) - set(self._layers))
         if missing:
             raise StoreError(f"cannot commit: layers {missing} were never written")
         for layer in sorted(self._layers):
@@ -88,14 +134,14 @@ class SegmentWriter:
             for f in self._layers.values():
                 f.cancel()
             concurrent.futures.wait(list(self._layers.values()))
-            self.store._discard_uncommitted(self.seg)
+            self.owner.index.discard(self.seg)
 
 
 class PrefixWriter(SegmentWriter):
     """New prefix tokens appended below a matched prefix; `commit()` makes them visible and durable."""
 
-    def __init__(self, store: "KVStore", seg: Segment, tokens: np.ndarray, base: "Match | None"):
-        super().__init__(store, seg)
+    def __init__(self, owner: StoreWriter, seg: Segment, tokens: np.ndarray, base: "Match | None"):
+        super().__init__(owner, seg)
         self.tokens = tokens
         self.base = base
 
@@ -106,7 +152,8 @@ class PrefixWriter(SegmentWriter):
             raise StoreError("this insert was already committed or aborted")
         try:
             self.wait_durable()
-            node_id = self.store._publish_insert(self)
+            node_id = self.owner.index.publish_insert(self.seg, self.tokens,
+                                                      self.base.length if self.base is not None else 0)
         except BaseException:
             self.abort()
             raise

@@ -130,7 +130,7 @@ def test_calibration_leaves_the_caches_and_speculation_the_timed_requests_find(m
     engine = _planner(model, gpu_cache_bytes=1 << 14, cpu_cache_bytes=1 << 16)  # holds a part of the prefix
     engine.warm(req.prefix)
     engine.run(req)
-    cache, speculator, callbacks = engine.cache, engine.speculator, list(engine.store._free_callbacks)
+    cache, speculator, callbacks = engine.cache, engine.speculator, engine.store.index.free_callbacks()
     held = {name: set(tier.items) for name, tier in cache.tiers.items()}
     stats = {key: (s.freq, s.important_fraction) for key, s in cache.stats.items()}
     assert held["device"] or held["host"]
@@ -138,10 +138,10 @@ def test_calibration_leaves_the_caches_and_speculation_the_timed_requests_find(m
     assert engine.cache is cache and engine.speculator is speculator
     assert {name: set(tier.items) for name, tier in cache.tiers.items()} == held
     assert {key: (s.freq, s.important_fraction) for key, s in cache.stats.items()} == stats
-    assert engine.store._free_callbacks == callbacks
+    assert engine.store.index.free_callbacks() == callbacks
     engine.empty_caches()  # a new start lets the old caches go as well
-    assert engine.cache is not cache and len(engine.store._free_callbacks) == len(callbacks)
-    assert cache.invalidate not in engine.store._free_callbacks
+    assert engine.cache is not cache and len(engine.store.index.free_callbacks()) == len(callbacks)
+    assert cache.invalidate not in engine.store.index.free_callbacks()
 
 
 def test_cost_model_prediction_and_crossover():

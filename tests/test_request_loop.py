@@ -49,7 +49,7 @@ def _engine(model, name):
 
 
 def _open_matches(store) -> int:
-    return sum(store._snapshots.values())
+    return store.index.open_matches()
 
 
 def test_every_engine_runs_the_one_request_loop():

@@ -100,7 +100,7 @@ def test_reads_of_a_local_store_go_to_its_files_and_another_kvstore_still_reads(
     kv = np.arange(16 * 16, dtype=np.float32).reshape(1, 16, 16)
     for location in (str(tmp_path / "local"), "memory://"):
         store = KVStore(location, fp)
-        assert (store._arrays._files is not None) == (location != "memory://")
+        assert (store.index.arrays._files is not None) == (location != "memory://")
         writer = store.begin_insert(list(range(16)))
         with writer:
             writer.write_layer(0, kv, kv, None)

@@ -286,25 +286,25 @@ def test_another_hosts_writer_lives_by_its_heartbeat(tmp_path):
         for layer, kv in enumerate(kv_for(tokens)):
             writer.write_layer(layer, *kv)
         writer.wait_durable()
-        wid = slow._cat.writer_id
+        wid = slow.index.catalog.writer_id
 
         def elsewhere():                                    # pretend the writer runs on another host
             from specjax.stores.catalog import Change
-            slow._cat.writers[wid]["host"] = "another-host"
+            slow.index.catalog.writers[wid]["host"] = "another-host"
             return Change()
 
-        slow._cat.transact(elsewhere)
+        slow.index.catalog.transact(elsewhere)
         with KVStore.open(directory, FP, lease_s=lease) as other:
             assert other.collect_orphans() == 0             # its heartbeat is fresh
         old = json.dumps({"time": time.time() - 2 * lease}).encode()
-        slow._cat._heartbeat.stop()                         # the slow writer's heartbeat stops ...
-        slow._cat.io.put(leases.HEARTBEAT_PREFIX + wid, old)  # ... long ago
+        slow.index.catalog._heartbeat.stop()                         # the slow writer's heartbeat stops ...
+        slow.index.catalog.io.put(leases.HEARTBEAT_PREFIX + wid, old)  # ... long ago
         with KVStore.open(directory, FP, lease_s=lease) as other:
-            assert wid not in other._cat.writers
+            assert wid not in other.index.catalog.writers
         assert fsck(directory).orphan_chunks == 0           # its chunks are gone
         with pytest.raises(StoreError, match="revoked"):
             writer.commit()
-        slow._cat._heartbeat = None
+        slow.index.catalog._heartbeat = None
         insert(slow, own_prefix(5, 1))                      # it registers again for new inserts
         check(slow, own_prefix(5, 1))
         with slow.match(tokens) as m:
@@ -324,14 +324,14 @@ def test_conditional_writes_merge_on_a_kvstore():
     location, ctx = {"driver": "memory", "path": f"shared{time.monotonic_ns()}/"}, ts.Context()
     a, b, c = (KVStore.open(location, FP, context=ctx) for _ in range(3))
     insert(b, own_prefix(1, 0))
-    publish = b._cat.io.publish
+    publish = b.index.catalog.io.publish
 
     def race(body, expect):                    # another handle commits between b's read and b's write
-        b._cat.io.publish = publish
+        b.index.catalog.io.publish = publish
         insert(a, own_prefix(0, 0))
         return publish(body, expect)
 
-    b._cat.io.publish = race
+    b.index.catalog.io.publish = race
     insert(b, own_prefix(1, 1))
     assert b.stats()["commit_conflicts"] == 1
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

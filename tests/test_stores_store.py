@@ -57,6 +57,56 @@ def test_write_then_read_bit_exact(tmp_path, chunk_tokens):
             np.testing.assert_array_equal(got.array, kv[1][V][:, perm])
 
 
+def test_the_index_reader_and_writer_work_without_the_store_handle(tmp_path):
+    """A store's three parts, opened over one location by hand: the writer stores a prefix the index then matches and
+    locates, the reader serves its bytes and finds a flipped byte; the index sees what a KVStore handle wrote."""
+    import functools
+
+    from specjax.stores import ChunkReader, StoreIndex, StoreMetrics, StoreWriter
+    from specjax.stores.kvarray import KVArrays, make_context
+    from specjax.stores.manifest import ManifestIO
+    from specjax.stores.summaries import KeySummaries
+
+    rng = np.random.default_rng(11)
+    tokens, kv = rng.integers(0, 1000, 100), random_kv(rng, 100)
+    spec, context = {"driver": "file", "path": str(tmp_path / "s")}, make_context()
+
+    def parts(fingerprint=None):
+        index = StoreIndex(ManifestIO(spec, context), functools.partial(KVArrays, spec, context=context),
+                           fingerprint)
+        metrics, summaries = StoreMetrics(), KeySummaries()
+        return index, ChunkReader(index, metrics, summaries), StoreWriter(index, metrics, summaries)
+
+    index, reader, writer = parts(FP)
+    assert writer.insert(tokens, kv) is not None
+    writer.close()
+    with index.match(tokens) as m:
+        assert m.length == 100
+        loc = index.locate(m, np.arange(100), 1)
+        got = reader.read_locations(1, V, loc).result()
+        assert got.ok.all()
+        np.testing.assert_array_equal(got.array, kv[1][V])
+        seg = index.segment_of(int(loc.chunks[0]))
+        assert index.expected_checksums(1, V, int(loc.chunks[0])) == tuple(
+            seg.checksums[1, V, loc.chunks[0] - seg.first_chunk, :FP["kv_heads"]].tolist())
+        key, offset = index.extent_of(1, V, int(loc.chunks[0]))
+        path = tmp_path / "s" / key
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0xFF
+        path.write_bytes(bytes(data))
+        assert not reader.read_locations(1, V, loc).result().ok[0] and reader.metrics.bad_chunks >= 1
+        assert reader.failing_nodes(m) == m.node_ids()
+    index.release()
+
+    with KVStore.open(tmp_path / "s", FP) as store:  # the handle's parts see the same store
+        more = rng.integers(0, 1000, 40)
+        store.insert(more, random_kv(rng, 40))
+    index, _, _ = parts()
+    with index.match(more) as m:
+        assert m.length == 40
+    index.release()
+
+
 def test_bfloat16_roundtrip(memory_location):
     import ml_dtypes
 
@@ -331,7 +381,7 @@ def test_disk_full_gives_clear_error_and_reads_continue(memory_location, monkeyp
         def no_space(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(store._arrays, "write_range", no_space)
+        monkeypatch.setattr(store.writer.arrays, "write_range", no_space)
         more = np.concatenate([tokens, [1, 2, 3]])
         with pytest.raises(DiskFullError, match="disk full"):
             store.insert(more, random_kv(rng, 3), base=store.match(more))
