@@ -77,8 +77,6 @@ class KVStore:
                                 local=io.local_dir is not None or self.kvstore_spec.get("driver") == "memory")
         self.reader = ChunkReader(self.index, self.metrics, self.summaries, max_read_bytes=max_read_bytes)
         self.writer = StoreWriter(self.index, self.metrics, self.summaries, threads=write_threads)
-        self.layout, self.fingerprint, self.where = self.index.layout, self.index.fingerprint, self.index.where
-        self.read_only = read_only
         self._closed = False
         if gc_orphans and not read_only:
             self.index.collect_orphans()
@@ -88,6 +86,22 @@ class KVStore:
         return cls(location, fingerprint, **kwargs)
 
     # -- what the store holds, and the matches on it (`index`) ----------------------------------
+
+    @property
+    def layout(self):
+        return self.index.layout
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.index.fingerprint
+
+    @property
+    def where(self) -> str:
+        return self.index.where
+
+    @property
+    def read_only(self) -> bool:
+        return self.index.read_only
 
     @property
     def generation(self) -> int:
