@@ -329,8 +329,12 @@ class LayerIO:
     def _read_ahead_of(self, layer: int, chosen: np.ndarray) -> None:
         """The guess of layer + 1's selection, issued by the engine's I/O worker while this thread goes on to the next
         layer: the host work of choosing and queueing it stays off the path to the first token. Joined before the
-        next layer's K/V are taken (`_join_ahead`)."""
-        if self.engine.speculator is None:
+        next layer's K/V are taken (`_join_ahead`). No guess where one does not pay for its host time
+        (`Speculator.pays`): the layer then reads its set on demand, and nothing is handed to the worker (on a busy
+        host, the hand-over and the join cost the request's thread more than the check does)."""
+        speculator = self.engine.speculator
+        if (speculator is None or layer + 1 >= self.engine.cfg.num_layers or not len(chosen)
+                or not speculator.pays()):
             return
         if self.engine.io_worker is None:
             self._speculate(layer + 1, chosen)
@@ -346,11 +350,9 @@ class LayerIO:
     def _speculate(self, layer: int, previous: np.ndarray) -> None:
         """SPEC's guess of `layer`'s selection from the previous layer's set (specjax.engine.speculation), read at
         speculative priority as far as the disk's budget goes and in the background beyond it; a guessed chunk the
-        layer does not need is withdrawn when its K/V are taken unless the disk has already read it. No guess where
-        one does not pay for its host time (`Speculator.pays`): the layer then reads its set on demand."""
+        layer does not need is withdrawn when its K/V are taken unless the disk has already read it (`_read_ahead_of`
+        decides whether to guess)."""
         speculator = self.engine.speculator
-        if speculator is None or layer >= self.engine.cfg.num_layers or not len(previous) or not speculator.pays():
-            return
         opened = self._window_opened[layer] = time.perf_counter()
         kinds = self._selection_kinds
         now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
