@@ -579,7 +579,11 @@ def test_a_guess_is_made_only_while_its_bytes_take_the_disk_longer_than_it_costs
     assert not speculator.pays()
     speculator.cost_s = math.inf  # no guess pays
     speculator.selection_bytes = -1.0
+    handed = []  # what the request's thread hands to the I/O worker: its read plan, and no layer's guess
+    submit = engine.io_worker.submit
+    engine.io_worker.submit = lambda fn, *args: handed.append(fn.__name__) or submit(fn, *args)
     demand = engine.run(req)
+    assert handed == ["_issue_plan"]
     assert guessed.prefetch["prefetch_issued"] > 0 and demand.prefetch["prefetch_issued"] == 0
     assert speculator.selection_bytes >= 0 and speculator.cost_s == math.inf  # still measured; no guess timed
     np.testing.assert_array_equal(demand.first_token_logits, guessed.first_token_logits)
