@@ -12,7 +12,9 @@ large reads all issued at once, with O_DIRECT, twice (the engine's timed request
 this VM's disk has a cache below the guest: compare second reads with second reads); the first (cold) and second
 rates are both reported, by two readers: `os.preadv` on a thread pool and TensorStore's file kvstore (the engine's
 reader). The disk's rate is the best second-read rate. For each system: mean TTFT, disk bytes per request, those
-bytes' time at the disk's rate, TTFT / that time, the device-side identification time, and the host time per request
+bytes' time at the disk's rate, TTFT / that time, TTFT / the larger of that time and the device floor (as_full's
+device work alone), TTFT / (that time + the floor + the device-side identification time), that identification time,
+and the host time per request
 that no disk read, device wait or device work overlapped (`host_exposed_ms`: see `layer_io.Clock`), and the process's
 CPU time to the first token (`cpu_ms`, every thread's: on a CPU device the device's compute too).
 """
@@ -224,6 +226,12 @@ def system_record(run, disk_Bps: float, floor_ms: float) -> dict:
         "ttft_over_bound_ms": ttft / max(bytes_ms, floor_ms) if max(bytes_ms, floor_ms) else None,
         "device_identify_ms": identify,
         "ttft_over_bytes_plus_identify_ms": ttft / (bytes_ms + identify) if bytes_ms else None,
+        # issue 38's bar for the systems that identify: TTFT against their bytes' time plus their device compute,
+        # taken as the floor (as_full's device work) plus the identification's device time; the clock's identify
+        # time also counts device work queued before a step (`layer_io.Clock.device_work`), so this denominator
+        # errs high and the ratio low: a ratio above 1.3 misses the bar for certain
+        "ttft_over_bytes_plus_device_ms": (ttft / (bytes_ms + floor_ms + identify)
+                                           if bytes_ms + floor_ms + identify else None),
         "host_exposed_ms": mean(exposed) if exposed else None,
         "host_exposed_share_of_ttft": mean(exposed) / ttft if exposed and ttft else None,
         "cpu_ms": mean(cpu) if cpu else None,  # the process's CPU time to the first token, every thread's
@@ -305,14 +313,15 @@ def print_summary(r: dict) -> None:
               + ", ".join(f"{x:.2f}" for x in d[reader]["second_GBps"]) + " GB/s")
     print(f"disk rate used: {d['disk_GBps']:.2f} GB/s; device floor {r['device_floor_ms']:.1f} ms")
     print(f"{'system':<16}{'TTFT ms':>10}{'MB/req':>9}{'bytes ms':>10}{'TTFT/bytes':>11}{'TTFT/bound':>11}"
-          f"{'identify':>10}{'host exp.':>11}{'CPU ms':>9}{'reads':>8}{'h2d':>6}")
+          f"{'TTFT/(bytes+dev)':>17}{'identify':>10}{'host exp.':>11}{'CPU ms':>9}{'reads':>8}{'h2d':>6}")
     for key, s in r["systems"].items():
         exposed = "-" if s["host_exposed_ms"] is None else f"{s['host_exposed_ms']:.1f}"
         cpu = "-" if s.get("cpu_ms") is None else f"{s['cpu_ms']:.0f}"
         ratio = "-" if s["ttft_over_bytes_ms"] is None else f"{s['ttft_over_bytes_ms']:.2f}"
         bound = "-" if s["ttft_over_bound_ms"] is None else f"{s['ttft_over_bound_ms']:.2f}"
+        summed = "-" if s["ttft_over_bytes_plus_device_ms"] is None else f"{s['ttft_over_bytes_plus_device_ms']:.2f}"
         print(f"{key:<16}{s['ttft_ms']:>10.1f}{s['disk_bytes'] / 1e6:>9.1f}{s['bytes_ms']:>10.1f}{ratio:>11}{bound:>11}"
-              f"{s['device_identify_ms']:>10.1f}{exposed:>11}{cpu:>9}{s['reads']:>8.0f}"
+              f"{summed:>17}{s['device_identify_ms']:>10.1f}{exposed:>11}{cpu:>9}{s['reads']:>8.0f}"
               f"{s['host_to_device_transfers']:>6.0f}")
     print(r["page_cache"])
 

@@ -27,6 +27,8 @@ def test_systems_are_measured_against_the_disks_own_rate_in_the_same_run(tmp_pat
         assert s["bytes_ms"] == pytest.approx(s["disk_bytes"] / (disk["disk_GBps"] * 1e9) * 1e3)
         assert s["ttft_over_bytes_ms"] == pytest.approx(s["ttft_ms"] / s["bytes_ms"])
         assert s["ttft_over_bound_ms"] == pytest.approx(s["ttft_ms"] / max(s["bytes_ms"], r["device_floor_ms"]))
+        assert s["ttft_over_bytes_plus_device_ms"] == pytest.approx(
+            s["ttft_ms"] / (s["bytes_ms"] + r["device_floor_ms"] + s["device_identify_ms"]))
         assert 0 <= s["host_exposed_ms"] <= max(s["ttft_ms_per_request"])
         assert 0 < s["cpu_ms"] <= max(s["ttft_ms_per_request"]) * len(os.sched_getaffinity(0)) + 1
         assert s["compilations_timed"] == 0
