@@ -1,0 +1,11 @@
+#!/bin/bash
+out=$1; rounds=$2; shift 2
+mkdir -p $out
+for r in $(seq 1 $rounds); do
+  for t in "$@"; do
+    name=$(basename $t)
+    cd $t && . .venv/bin/activate && python benchmarks/data_path.py --model timing-qwen2.5-7b --limit 4 --systems as_full,as_h2o_lfu --output $out/$name$r.json > $out/$name$r.log 2>&1
+    deactivate
+  done
+done
+echo finished > $out/done

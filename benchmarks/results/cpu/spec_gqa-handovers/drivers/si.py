@@ -1,0 +1,4 @@
+import os, sys, runpy
+sys.setswitchinterval(float(os.environ.get("SI", "0.005")))
+sys.argv = ["specjax.eval"] + sys.argv[1:]
+runpy.run_module("specjax.eval", run_name="__main__", alter_sys=True)
