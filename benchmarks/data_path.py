@@ -315,13 +315,13 @@ def print_summary(r: dict) -> None:
     print(f"{'system':<16}{'TTFT ms':>10}{'MB/req':>9}{'bytes ms':>10}{'TTFT/bytes':>11}{'TTFT/bound':>11}"
           f"{'TTFT/(bytes+dev)':>17}{'identify':>10}{'host exp.':>11}{'CPU ms':>9}{'reads':>8}{'h2d':>6}")
     for key, s in r["systems"].items():
-        exposed = "-" if s["host_exposed_ms"] is None else f"{s['host_exposed_ms']:.1f}"
-        cpu = "-" if s.get("cpu_ms") is None else f"{s['cpu_ms']:.0f}"
-        ratio = "-" if s["ttft_over_bytes_ms"] is None else f"{s['ttft_over_bytes_ms']:.2f}"
-        bound = "-" if s["ttft_over_bound_ms"] is None else f"{s['ttft_over_bound_ms']:.2f}"
-        summed = "-" if s["ttft_over_bytes_plus_device_ms"] is None else f"{s['ttft_over_bytes_plus_device_ms']:.2f}"
-        print(f"{key:<16}{s['ttft_ms']:>10.1f}{s['disk_bytes'] / 1e6:>9.1f}{s['bytes_ms']:>10.1f}{ratio:>11}{bound:>11}"
-              f"{summed:>17}{s['device_identify_ms']:>10.1f}{exposed:>11}{cpu:>9}{s['reads']:>8.0f}"
+        def shown(field: str, spec: str) -> str:  # "-" for a figure the run could not give
+            return "-" if s.get(field) is None else format(s[field], spec)
+
+        print(f"{key:<16}{s['ttft_ms']:>10.1f}{s['disk_bytes'] / 1e6:>9.1f}{s['bytes_ms']:>10.1f}"
+              f"{shown('ttft_over_bytes_ms', '.2f'):>11}{shown('ttft_over_bound_ms', '.2f'):>11}"
+              f"{shown('ttft_over_bytes_plus_device_ms', '.2f'):>17}{s['device_identify_ms']:>10.1f}"
+              f"{shown('host_exposed_ms', '.1f'):>11}{shown('cpu_ms', '.0f'):>9}{s['reads']:>8.0f}"
               f"{s['host_to_device_transfers']:>6.0f}")
     print(r["page_cache"])
 
