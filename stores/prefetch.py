@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 
+from specjax.idsets import distinct
 from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, TieredCache, chunk_keys
 from specjax.stores.pool import DevicePool
@@ -78,14 +79,14 @@ class _Table:
         if not self.slot_of:
             self.reset()
             return
-        for r in np.unique(self.run_of[slots]).tolist():
+        for r in distinct(self.run_of[slots]).tolist():
             if not (self.holders[self.run_of == r] > 0).any():
                 self.runs[r] = None
 
     def runs_of(self, slots: np.ndarray) -> list:
         """The distinct runs holding `slots`, with the slots of each: [(run index, slots)]."""
         run_of = self.run_of[slots]
-        return [(r, slots[run_of == r]) for r in np.unique(run_of).tolist()]
+        return [(r, slots[run_of == r]) for r in distinct(run_of).tolist()]
 
 
 @dataclasses.dataclass
@@ -250,7 +251,7 @@ class Prefetcher:
             slots = table.find(chunks)
             todo = np.flatnonzero(~out & (slots >= 0))
             run_of = table.run_of[slots[todo]]
-            for r in np.unique(run_of).tolist():
+            for r in distinct(run_of).tolist():
                 out[todo[run_of == r]] = not self.store.waiting(table.runs[r])
         return out
 

@@ -17,6 +17,7 @@ import weakref
 
 import numpy as np
 
+from specjax.idsets import distinct
 from specjax.stores import kvarray
 from specjax.stores.landing import BUFFERS
 from specjax.stores.manifest import chunk_checksums
@@ -39,7 +40,7 @@ class Locations:
     @functools.cached_property
     def chunk_index(self) -> tuple[np.ndarray, np.ndarray]:
         """(the distinct chunks, sorted; each position's index among them), computed once per Locations."""
-        return np.unique(self.chunks, return_inverse=True)
+        return distinct(self.chunks, return_inverse=True)
 
     def unique_chunks(self) -> np.ndarray:
         return self.chunk_index[0]
@@ -156,7 +157,7 @@ def _requests(runs: list[tuple], max_chunks: int) -> list[list[tuple]]:
 def _runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
     """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long (numpy over the
     ids: no Python step per chunk)."""
-    ids = np.unique(np.asarray(chunks, np.int64))
+    ids = distinct(np.asarray(chunks, np.int64))
     if not len(ids):
         return []
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
@@ -337,7 +338,7 @@ class ChunkReader:
         """Future of `Gathered` for the located positions: their chunks' runs read concurrently, each run's rows
         copied out in one indexing step once it is verified."""
         lay = self.layout
-        runs = self.read_runs(layer, kind, np.unique(loc.chunks))
+        runs = self.read_runs(layer, kind, distinct(loc.chunks))
         self.metrics.add(used_token_bytes=len(loc.chunks) * lay.token_nbytes(kind))
 
         def assemble(results):

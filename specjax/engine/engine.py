@@ -30,6 +30,7 @@ from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request, RequestResult
 from specjax.errors import SpecjaxError
+from specjax.idsets import distinct
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket, log_softmax
@@ -369,7 +370,7 @@ class Engine:
             io.clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
             if m:
                 # Dispatched: the next layer's reads are issued while the device computes this one.
-                io.after_selection(layer, np.unique(chosen))
+                io.after_selection(layer, distinct(chosen))
             layers_kv.append(LayerKV(prefix_k, prefix_v, selection, own_k, own_v))
             if writer is not None:
                 writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],

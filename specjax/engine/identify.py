@@ -37,6 +37,7 @@ import numpy as np
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.errors import SpecjaxError
+from specjax.idsets import distinct
 from specjax.kernels import PerHeadIndices, SharedIndices, quest
 from specjax.shapes import bucket, padded
 from specjax.stores import K, PROBE, V
@@ -240,7 +241,7 @@ class H2O:
         scores = yield _every_head_scores(f, layer, keys)
         state, per_head = yield decide(st.per_head_select, state, layer.index, scores, k, m, k_cap=layer.k_cap)
         chosen = np.asarray(per_head)[:, :k]
-        state, values = yield from _union_values(layer, state, keys, np.unique(chosen), lambda slots: slots)
+        state, values = yield from _union_values(layer, state, keys, distinct(chosen), lambda slots: slots)
         return Selected(state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen)
 
 
@@ -362,7 +363,7 @@ class GroupedITF:
         if budget is None or budget * layer.k >= layer.m:
             return layer.positions
         chunk_of = (yield Locate(layer.positions)).chunks
-        chunks, slot_of = np.unique(chunk_of, return_inverse=True)
+        chunks, slot_of = distinct(chunk_of, return_inverse=True)
         got = yield Summaries(chunks)
         summaries = np.zeros((bucket(len(chunks), minimum=4),) + got.shape[1:], got.dtype)
         summaries[: len(chunks)] = got
@@ -423,7 +424,7 @@ class GroupedITF:
         if per_head is None:
             state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
-        state, values = yield from _union_values(layer, state, keys, np.unique(per_head_np), lambda slots: cand[slots])
+        state, values = yield from _union_values(layer, state, keys, distinct(per_head_np), lambda slots: cand[slots])
         importance = _on_prefix(S.normalised_importance(every, c), cand, m)
         return Selected(state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np])
 
