@@ -1,5 +1,6 @@
 """Cache policies on hand-built traces (incl. SPEC Fig. 14), budgets under a random workload, prefetcher."""
 
+import os
 import time
 
 import numpy as np
@@ -616,3 +617,40 @@ def test_pages_hold_the_stored_bits_and_a_gather_gives_them_back_exactly(dtype):
     want = np.stack([chunks[2][:, 1], chunks[1][:, 0], chunks[1][:, 1], chunks[0][:, 0], staged[:, 4]], axis=1)
     np.testing.assert_array_equal(got.view(f"uint{lay.np_dtype.itemsize * 8}"),
                                   want.view(f"uint{lay.np_dtype.itemsize * 8}"))
+
+
+def test_a_takes_host_rows_are_a_used_buffer_yet_a_bad_chunk_and_the_padding_read_zeros(tmp_path):
+    """A sparse take's host rows are a landing buffer used again (`stores.landing`): whatever it held before, the
+    rows of a chunk that fails its checksum and the rows past the take's tokens come back as zeros, and the others
+    as stored."""
+    from specjax.stores import landing
+
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 1000, 64)
+    kv = [tuple(rng.standard_normal((h, 64, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
+    root = str(tmp_path / "s")
+    with KVStore.open(root, FP) as store:
+        store.insert(tokens, kv)
+        key, offset = store.extent_of(0, V, 1)  # layer 0, V, tokens 16..31
+    with open(os.path.join(root, key), "r+b") as f:
+        f.seek(offset + 40)
+        byte = f.read(1)
+        f.seek(offset + 40)
+        f.write(bytes([byte[0] ^ 0x20]))
+    positions = np.array([3, 17, 30, 40, 63, 20])
+    shape = (2, 16, 8)  # the take's rows: its 6 tokens padded to 16
+    for dirty in [landing.BUFFERS.empty(shape, np.float32) for _ in range(8)]:  # freed below: the next buffers of
+        dirty[:] = np.nan  # their size, for the reads' landings and the take's rows
+    del dirty
+    with KVStore.open(root, FP) as store:
+        prefetcher = Prefetcher(store, None)
+        m = store.match(tokens)
+        taken = prefetcher.take(m, 0, V, positions, pad_to=16)
+        got = np.asarray(taken.array)
+        bad = (positions >= 16) & (positions < 32)
+        np.testing.assert_array_equal(taken.ok, ~bad)
+        np.testing.assert_array_equal(got[:, :6][:, ~bad], kv[0][V][:, positions[~bad]])
+        assert not got[:, :6][:, bad].any() and not got[:, 6:].any()
+        assert landing.BUFFERS.stats["reused"] > 0
+        prefetcher.close()
+        m.close()
