@@ -67,6 +67,16 @@ def _gather(pages, table, staged):
     return jnp.where((slots >= 0)[None, :, None], rows, staged)
 
 
+@jax.jit
+def _gather_or_zeros(pages, table):
+    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
+    zeros (made inside the step: no zeros array of the take's size allocated and passed in, which on a CPU device
+    cost as much as the gather)."""
+    slots, offsets = table[0], table[1]
+    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
+    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), pages.dtype))
+
+
 @dataclasses.dataclass(eq=False)
 class _Pages:
     """The page array of one head count, and which chunk each slot holds."""
@@ -200,8 +210,7 @@ class DevicePool:
         stored_order = np.arange(count)
         if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
             return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
-        zeros = _zeros((extent.shape[1], table.shape[1], extent.shape[3]), extent.dtype)
-        return _gather(self._to_device(extent), table, zeros)
+        return _gather_or_zeros(self._to_device(extent), table)
 
     def flush(self) -> None:
         """Write every page placed since the last take now (after a request's first token), not at the next take."""

@@ -454,11 +454,10 @@ def _union_values(layer: Layer, state, keys, union, positions_of) -> Generator[A
     """Per-head sets' values: the union's V (`union`: slots of `keys`' token axis, at prefix positions
     `positions_of(union)`) read once and placed in its slots, zeros elsewhere; the union recorded in the state."""
     positions = positions_of(union)
-    state = st.record_union(state, layer.index, jnp.asarray(padded(positions, layer.m_pad, -1)), len(union))
     union_pad = bucket(len(union))
-    slots = jnp.asarray(padded(union, union_pad, keys.shape[1]))
-    values = S.scatter_tokens(keys, slots, (yield Take(V, positions, union_pad)))
-    return state, values
+    rows = yield Take(V, positions, union_pad)
+    return S.record_and_place_union(state, layer.index, padded(positions, layer.m_pad, -1), len(union), keys,
+                                    padded(union, union_pad, keys.shape[1]), rows)
 
 
 def _on_prefix(importance: np.ndarray, positions: np.ndarray, m: int) -> np.ndarray:

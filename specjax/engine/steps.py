@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from specjax import sharding as sh
+from specjax.engine import state as st
 from specjax.engine.types import LayerKV
 from specjax.kernels import PerHeadIndices, SharedIndices, gathered_attention, probe_scores
 from specjax.models import transformer as T
@@ -103,6 +104,15 @@ def head_row(cfg, params, h, row):
 def scatter_tokens(like, idx, rows):
     """Zeros shaped like `like` [heads, M, d] with rows[:, i] at token idx[i] (idx >= M is padding, dropped)."""
     return jnp.zeros_like(like).at[:, idx].set(rows.astype(like.dtype), mode="drop")
+
+
+@jax.jit
+def record_and_place_union(state, layer, positions, count, keys, slots, rows):
+    """A per-head layer's union in one device step: recorded in the state (`positions` [m_pad] of the prefix, -1
+    after the `count` valid ones: state.record_union) and its values `rows` [heads, U, d] placed at token slots
+    `slots` [U] of zeros shaped like `keys` (scatter_tokens). The index arrays go in as host arrays, with no transfer
+    step of their own."""
+    return st.record_union(state, layer, positions, count), scatter_tokens(keys, slots, rows)
 
 
 @jax.jit
