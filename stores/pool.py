@@ -58,23 +58,16 @@ def _pages_in_order(pages, size, count):
     return jnp.where((jnp.arange(size) < count)[None, :, None], rows, jnp.zeros((), pages.dtype))
 
 
-@jax.jit
-def _gather(pages, table, staged):
-    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
-    staged[:, i]. `pages` may hold the bits of staged's dtype (the pool's page arrays)."""
+@functools.partial(jax.jit, static_argnames="dtype")
+def _gather(pages, table, staged, dtype=None):
+    """[heads, size, d] of staged's dtype (or `dtype` where staged is None): row i from pages[slot, :, offset] with
+    (slot, offset) = table[:, i] where slot >= 0, else staged[:, i], or zeros where staged is None (made inside the
+    step: a zeros array of the take's size made by a step of its own cost a CPU device as much as the gather).
+    `pages` may hold the bits of that dtype (the pool's page arrays)."""
+    dtype = dtype if staged is None else staged.dtype
     slots, offsets = table[0], table[1]
-    rows = jax.lax.bitcast_convert_type(jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1), staged.dtype)
-    return jnp.where((slots >= 0)[None, :, None], rows, staged)
-
-
-@jax.jit
-def _gather_or_zeros(pages, table):
-    """[heads, size, d]: row i from pages[slot, :, offset] with (slot, offset) = table[:, i] where slot >= 0, else
-    zeros (made inside the step: no zeros array of the take's size allocated and passed in, which on a CPU device
-    cost as much as the gather)."""
-    slots, offsets = table[0], table[1]
-    rows = jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1)
-    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), pages.dtype))
+    rows = jax.lax.bitcast_convert_type(jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1), dtype)
+    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), dtype) if staged is None else staged)
 
 
 @dataclasses.dataclass(eq=False)
@@ -190,16 +183,14 @@ class DevicePool:
         size = len(slots)
         if (kind, size) not in self._compiled:
             self.compile(kind, size)
-        if staged is None:
-            staged = _zeros((self.layout.heads(kind), size, self.layout.head_dim), self.layout.np_dtype)
-        elif isinstance(staged, np.ndarray):
+        if isinstance(staged, np.ndarray):
             staged = self._to_device(staged)
-        if not (slots >= 0).any():
+        if staged is not None and not (slots >= 0).any():
             return staged
         table = np.stack([slots, offsets]).astype(np.int32)
         with self._device_lock:
             self._write_pending(pages)
-            return _gather(pages.array, table, staged)
+            return _gather(pages.array, table, staged, dtype=self.layout.np_dtype)
 
     def gather_extent(self, kind: int, extent: np.ndarray, table: np.ndarray) -> jax.Array:
         """`[heads, size, d]` on the device from a host buffer of whole chunks `[n, heads, chunk_tokens, d]` (pages:
@@ -210,7 +201,7 @@ class DevicePool:
         stored_order = np.arange(count)
         if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
             return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
-        return _gather_or_zeros(self._to_device(extent), table)
+        return _gather(self._to_device(extent), table, None, dtype=extent.dtype)
 
     def flush(self) -> None:
         """Write every page placed since the last take now (after a request's first token), not at the next take."""
@@ -246,9 +237,8 @@ class DevicePool:
         table = np.zeros((2, size), np.int32)
         with self._device_lock:
             self._compile_writes(pages)
-            for staged in (_zeros(shape, self.layout.np_dtype),
-                           jax.device_put(np.zeros(shape, self.layout.np_dtype), self.device)):
-                jax.block_until_ready(_gather(pages.array, table, staged))
+            for staged in (None, jax.device_put(np.zeros(shape, self.layout.np_dtype), self.device)):
+                jax.block_until_ready(_gather(pages.array, table, staged, dtype=self.layout.np_dtype))
         self._compiled.add((kind, size))
 
     def _compile_writes(self, pages: _Pages) -> None:
@@ -259,8 +249,3 @@ class DevicePool:
                 data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), pages.array.dtype), self.device)
                 pages.array = write_pages(pages.array, empty, data)
                 self._compiled.add((pages.array.shape, n))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros(shape, dtype):
-    return jnp.zeros(shape, dtype)
