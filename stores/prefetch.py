@@ -424,11 +424,10 @@ def _staging(shape: tuple, dtype, n: int) -> np.ndarray:
 
 def _copy_rows(out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, index: np.ndarray, offsets: np.ndarray) -> None:
     """out[:, rows[i]] = chunks[index[i], :, offsets[i]] (`out` [heads, size, d], `chunks` [n, heads, c, d]): each
-    head's row copied as one opaque element of d values' bytes, not value by value."""
+    head's row copied as one opaque element of d values' bytes, not value by value (reads land contiguous: no copy
+    of `chunks` here)."""
     heads, size, d = out.shape
-    if not chunks.flags.c_contiguous:
-        out[:, rows] = chunks[index, :, offsets].swapaxes(0, 1)
-        return
+    chunks = np.ascontiguousarray(chunks)
     row = np.dtype((np.void, d * out.itemsize))
     c = chunks.shape[2]
     src = (index[None, :] * heads + np.arange(heads)[:, None]) * c + offsets[None, :]

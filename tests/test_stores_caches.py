@@ -1,6 +1,5 @@
 """Cache policies on hand-built traces (incl. SPEC Fig. 14), budgets under a random workload, prefetcher."""
 
-import os
 import time
 
 import numpy as np
@@ -10,6 +9,7 @@ import tensorstore as ts
 from specjax.stores import K, V, KVStore
 from specjax.stores.caches import DEVICE, HOST, TieredCache
 from specjax.stores.prefetch import Prefetcher
+from test_stores_store import _chunk_file, _flip_bit
 
 C = 4  # tokens per chunk in the hand-built traces
 CHUNK = np.zeros((1, C, 2), np.float32)  # 32 bytes
@@ -631,12 +631,7 @@ def test_a_takes_host_rows_are_a_used_buffer_yet_a_bad_chunk_and_the_padding_rea
     root = str(tmp_path / "s")
     with KVStore.open(root, FP) as store:
         store.insert(tokens, kv)
-        key, offset = store.extent_of(0, V, 1)  # layer 0, V, tokens 16..31
-    with open(os.path.join(root, key), "r+b") as f:
-        f.seek(offset + 40)
-        byte = f.read(1)
-        f.seek(offset + 40)
-        f.write(bytes([byte[0] ^ 0x20]))
+    _flip_bit(_chunk_file(root, 0, V, 1), 40, 0x20)  # layer 0, V, tokens 16..31
     positions = np.array([3, 17, 30, 40, 63, 20])
     shape = (2, 16, 8)  # the take's rows: its 6 tokens padded to 16
     for dirty in [landing.BUFFERS.empty(shape, np.float32) for _ in range(8)]:  # freed below: the next buffers of
