@@ -331,12 +331,13 @@ class Prefetcher:
         """The take's `[heads, size, d]` on the device and its `ok` rows.
 
         Rows of cache hits come from their device pages (block table) where the device tier keeps them, else from a
-        host buffer. Rows read from disk: when every run landed in one segment's landing buffer of whole chunks, no
-        hit needs the host buffer and the take needs at least half of the buffer's tokens (whole pages then cost at
-        most twice the link bytes of the needed vectors; a layer's certain reads need all of them), that buffer
-        crosses as it is and the device gathers those rows; else they are copied into the host buffer too (per run
-        read one indexing step), which crosses in one copy. With the caches on, every chunk read is offered to them,
-        placed once the request's first token is out (`close`)."""
+        host buffer. Rows read from disk: when every run landed in one segment's landing buffer (its layer's certain
+        reads, or a guess and the demand read after it, side by side: `stores.reads.Extent`), no hit needs the host
+        buffer and the take needs at least half of the buffer's tokens (whole pages then cost at most twice the link
+        bytes of the needed vectors; a layer's certain reads need all of them), that buffer crosses as it is and the
+        device gathers those rows; else they are copied into the host buffer too (one indexing step per landing
+        buffer, however many runs landed in it), which crosses in one copy. With the caches on, every chunk read is
+        offered to them, placed once the request's first token is out (`close`)."""
         lay = self.store.layout
         c = lay.chunk_tokens
         n = len(inverse)
@@ -360,10 +361,11 @@ class Prefetcher:
                     rows = np.flatnonzero(in_stack[inverse] >= 0)
                     parts.append((np.stack(list(map(cached.__getitem__, on_host.tolist()))), rows,
                                   in_stack[inverse[rows]]))
-            extent = _one_whole_extent(runs)  # with no host-buffer hit, every row not in a page is read
+            extent = _one_extent(runs)  # with no host-buffer hit, every row not in a page is read
             if extent is not None and (parts or 2 * int((slots[:n] < 0).sum()) < extent.array.shape[0] * c):
                 extent = None
             extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
+            in_buffers = {}  # id(extent) -> (extent, [rows], [their chunk in it]): one copy step per landing buffer
             for run in runs:
                 arrays, good = run.verified.result()
                 rows, index = run.rows(row_chunks, good, ok)
@@ -371,11 +373,16 @@ class Prefetcher:
                     used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
                     if len(used):
                         self.cache.admit_later(chunk_keys(layer, kind, run.first_chunk + used), _views(arrays, used))
-                if extent is None:
+                if run.extent is None:
                     parts.append((arrays, rows, index))
-                else:
-                    extent_table[0, rows] = run.first_chunk - extent.first_chunk + index
-                    extent_table[1, rows] = offsets[rows]
+                    continue
+                index = run.first_chunk - run.extent.first_chunk + index
+                if extent is not None:
+                    extent_table[0, rows], extent_table[1, rows] = index, offsets[rows]
+                    continue
+                _, buffer_rows, buffer_index = in_buffers.setdefault(id(run.extent), (run.extent, [], []))
+                buffer_rows.append(rows)
+                buffer_index.append(index)
             if extent is not None:
                 read = self.pool.gather_extent(kind, extent.array, extent_table)
                 if not self.caching:
@@ -383,6 +390,7 @@ class Prefetcher:
                 # through the pool even with no row in a page: its first take of this size compiles every step a
                 # later one may need, whatever the device tier then holds
                 return self.pool.gather(kind, slots, padded(offsets, size, 0), read), ok
+            parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
             for arrays, rows, index in parts:
                 if len(rows):
                     if staged is None:
@@ -441,10 +449,7 @@ def _views(arrays: np.ndarray, index: np.ndarray) -> list:
     return list(arrays[lo:hi]) if hi - lo == len(index) else [arrays[i] for i in index.tolist()]
 
 
-def _one_whole_extent(runs):
-    """The one buffer every run landed in, if it spans its whole segment (`stores.reads.Extent`); else None."""
+def _one_extent(runs):
+    """The one landing buffer every run landed in (`stores.reads.Extent`: a whole segment's), or None."""
     extents = {id(run.extent): run.extent for run in runs}
-    if len(extents) != 1:
-        return None
-    (extent,) = extents.values()
-    return extent if extent is not None and extent.whole else None
+    return next(iter(extents.values())) if len(extents) == 1 else None

@@ -55,12 +55,14 @@ class Gathered:
 
 @dataclasses.dataclass(eq=False)
 class Extent:
-    """A preallocated, page-aligned host buffer `[n, heads, chunk_tokens, head_dim]` for chunks `first_chunk ..
-    first_chunk + n - 1` of one segment (layer and kind), which the runs of one read call land in; `whole` when it
-    spans its whole segment, as a layer's certain reads do (a take of it can cross to the device as it is)."""
+    """A preallocated, page-aligned host buffer `[n, heads, chunk_tokens, head_dim]` for the n chunks of one segment
+    from `first_chunk` on, at one layer and kind: every read of that segment's layer and kind lands in it, each run at
+    its chunks' place, while any of them is alive (`ChunkReader._extents`). A layer's certain reads fill it; a
+    speculative read and the demand read after it fill parts of it side by side, so a take of them crosses one buffer
+    as it is, or copies its rows out of it in one step (stores.prefetch). Rows no read has landed hold anything: only
+    rows of runs that landed are read."""
     array: np.ndarray
     first_chunk: int
-    whole: bool
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,8 +88,8 @@ class Run:
     n_chunks: int
     request: DiskRequest  # what the runs of its disk request share
     verified: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    # the aligned host buffer the run's bytes land in, shared by the runs of one read call inside one segment
-    # (`Extent`); None where they stay in the read's own bytes (split reads)
+    # the aligned host buffer of its segment's layer and kind the run's bytes land in, shared with every other read of
+    # them alive (`Extent`); None where they stay in the read's own bytes (split reads)
     extent: "Extent | None" = None
 
     @property
@@ -180,7 +182,10 @@ class ChunkReader:
         self._arrays = index.arrays
         self._head_parts: dict[int, int] | None = None  # `split_reads`; None: whole chunk files
         self._reads_started = False
-        self._lock = threading.Lock()  # the head parts, and what runs' shared disk requests still want
+        self._lock = threading.Lock()  # the head parts, what runs' shared disk requests still want, the live buffers
+        # (layer, kind, segment's first chunk) -> its landing buffer while a run holds it (`_extents`); chunk ids are
+        # never used again, so a buffer found here holds, where a read has landed, what any read of it would
+        self._extents_alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def split_reads(self, devices: dict[int, int]) -> None:
         """Read kind `k`'s chunks as `devices[k]` byte ranges of equal head counts, one per device of a mesh that
@@ -220,7 +225,7 @@ class ChunkReader:
         max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
         head_parts = self._parts(kind)
         runs = self.index.segment_runs(chunks, max_chunks)
-        extents = self._extents(kind, runs) if head_parts == 1 else {}
+        extents = self._extents(layer, kind, runs) if head_parts == 1 else {}
         out = []
         for request in _requests(runs, max_chunks if self._arrays.shares_requests(speculative) else 0):
             pieces, expected = [], []
@@ -252,17 +257,23 @@ class ChunkReader:
                 order[run.first_chunk + j] = ChunkRead(layer, kind, run.first_chunk + j, run)
         return [order[c] for c in chunks]
 
-    def _extents(self, kind: int, runs: list[tuple]) -> dict:
-        """Per segment read, one aligned landing buffer spanning the chunks its runs read (`Extent`)."""
+    def _extents(self, layer: int, kind: int, runs: list[tuple]) -> dict:
+        """Per segment read, its landing buffer at (layer, kind) (`Extent`): the one an earlier read still alive
+        landed in, else a new one spanning the whole segment. A buffer lives while a run (or a view of its chunks)
+        does, then serves other reads (`stores.landing`)."""
         lay = self.layout
-        spans: dict = {}
-        for seg, first, n in runs:
-            lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
-            spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
-        return {seg_id: Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype),
-                               lo,
-                               lo == seg.first_chunk and hi == seg.first_chunk + seg.n_chunks)
-                for seg_id, (seg, lo, hi) in spans.items()}
+        out = {}
+        with self._lock:
+            for seg, _, _ in runs:
+                if seg.seg_id in out:
+                    continue
+                key = (layer, kind, seg.first_chunk)
+                extent = self._extents_alive.get(key)
+                if extent is None or extent.array.shape[0] != seg.n_chunks:
+                    shape = (seg.n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim)
+                    extent = self._extents_alive[key] = Extent(BUFFERS.empty(shape, lay.np_dtype), seg.first_chunk)
+                out[seg.seg_id] = extent
+        return out
 
     def _verify(self, runs: list[Run], layer: int, kind: int, expected: list[np.ndarray], f) -> None:
         """Check each chunk of the runs one disk request landed against its heads' checksums before any is served

@@ -467,7 +467,7 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     prefetcher.request(m, 1, V, positions)
     extents = {id(r.extent): r.extent for t in prefetcher._tables.values() for r in t.runs if r is not None}
     (extent,) = extents.values()
-    assert extent.whole and extent.array.ctypes.data % landing.ALIGN == 0 and extent.array.shape[0] == 13
+    assert extent.array.ctypes.data % landing.ALIGN == 0 and extent.array.shape[0] == 13
     before = store.metrics.snapshot()
     taken = prefetcher.take(m, 1, V, positions, pad_to=256)
     after = store.metrics.snapshot()
@@ -481,6 +481,36 @@ def test_a_layers_certain_read_lands_in_one_aligned_buffer_that_crosses_as_it_is
     np.testing.assert_array_equal(np.asarray(taken.array), kv[1][V][:, sparse])
     assert store.metrics.snapshot()["host_to_device_bytes"] - after["host_to_device_bytes"] == \
         len(sparse) * store.layout.token_nbytes(V)
+    prefetcher.close()
+    m.close()
+
+
+@pytest.mark.parametrize("take", ["whole", "sparse"])
+def test_a_guess_and_the_demand_read_after_it_land_in_one_buffer_and_the_take_moves_it_once(filled_store, take):
+    """A layer's guess (speculative, chunks 0-5) and the take's demand read of the rest land side by side in the
+    segment's one landing buffer, so a take of every token crosses that buffer whole (13 chunks, not its 256 padded
+    rows from a host copy), and a sparse take copies its rows out of it in one host buffer of its own size; the
+    values are the stored ones either way. A later read of the layer while the buffer lives lands in it too."""
+    store, tokens, kv = filled_store
+    prefetcher = Prefetcher(store, TieredCache(0, 0, "lru", metrics=store.metrics))
+    m = store.match(tokens)
+    guess = prefetcher.request(m, 1, V, np.arange(96), speculative=True)
+    positions = np.arange(200) if take == "whole" else np.arange(0, 200, 7)
+    before = store.metrics.snapshot()
+    taken = prefetcher.take(m, 1, V, positions, pad_to=256)
+    after = store.metrics.snapshot()
+    extents = {id(r.extent): r.extent for t in prefetcher._tables.values() for r in t.runs if r is not None}
+    assert guess.released and not extents  # the take let go of the guess and of its own reads
+    got = np.asarray(taken.array)
+    np.testing.assert_array_equal(got[:, :len(positions)], kv[1][V][:, positions])
+    assert not got[:, len(positions):].any() and taken.ok.all()
+    rows = 13 * 16 if take == "whole" else 256
+    assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
+    assert after["host_to_device_bytes"] - before["host_to_device_bytes"] == rows * store.layout.token_nbytes(V)
+    prefetcher.request(m, 0, K, np.arange(40))
+    prefetcher.request(m, 0, K, np.arange(100, 200))
+    runs = [r for r in prefetcher._table(0, K).runs if r is not None]
+    assert len(runs) == 2 and len({id(r.extent) for r in runs}) == 1
     prefetcher.close()
     m.close()
 
