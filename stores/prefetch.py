@@ -450,6 +450,6 @@ def _views(arrays: np.ndarray, index: np.ndarray) -> list:
 
 
 def _one_extent(runs):
-    """The one landing buffer every run landed in (`stores.reads.Extent`: a whole segment's), or None."""
+    """The one landing buffer every run landed in (`stores.reads.Extent`), or None."""
     extents = {id(run.extent): run.extent for run in runs}
     return next(iter(extents.values())) if len(extents) == 1 else None

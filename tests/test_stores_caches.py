@@ -515,6 +515,27 @@ def test_a_guess_and_the_demand_read_after_it_land_in_one_buffer_and_the_take_mo
     m.close()
 
 
+def test_past_the_buffer_bound_each_read_call_lands_in_a_buffer_of_its_own_chunks(filled_store, monkeypatch):
+    """A segment's layer larger than `reads.SEGMENT_BUFFER_BYTES` is not mapped whole for a guess of a few chunks: each
+    read call lands in a buffer spanning the chunks it reads, and a take across two of them copies its rows."""
+    from specjax.stores import reads
+
+    store, tokens, kv = filled_store
+    monkeypatch.setattr(reads, "SEGMENT_BUFFER_BYTES", 12 * store.layout.chunk_nbytes(V))  # the segment has 13
+    prefetcher = Prefetcher(store, TieredCache(0, 0, "lru", metrics=store.metrics))
+    m = store.match(tokens)
+    prefetcher.request(m, 1, V, np.arange(96), speculative=True)  # chunks 0-5
+    (guess,) = [r for r in prefetcher._table(1, V).runs if r is not None]
+    assert guess.extent.array.shape[0] == 6 and guess.extent.first_chunk == guess.first_chunk
+    before = store.metrics.snapshot()
+    taken = prefetcher.take(m, 1, V, np.arange(200), pad_to=256)
+    np.testing.assert_array_equal(np.asarray(taken.array)[:, :200], kv[1][V])
+    assert store.metrics.snapshot()["host_to_device_bytes"] - before["host_to_device_bytes"] == \
+        256 * store.layout.token_nbytes(V)
+    prefetcher.close()
+    m.close()
+
+
 def test_a_take_of_a_size_seen_before_compiles_nothing_whatever_the_caches_hold(filled_store):
     """The first take of a size compiles every assembly op of that size, so a later take that starts from device
     zeros (all device hits) where the first one copied a host buffer compiles nothing in a timed request."""
