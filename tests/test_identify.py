@@ -160,7 +160,7 @@ def test_chunks_first_layer_of_a_period_chooses_and_plans_its_later_layers_reuse
     assert len(chosen) == len(chunks) * facts.chunk_tokens  # whole chunks (none of them the partial last)
     credit, plan = memory.steps[3], memory.steps[4]
     np.testing.assert_array_equal(credit.positions, chosen)
-    np.testing.assert_array_equal(credit.importance, first.importance[chosen])
+    np.testing.assert_array_equal(credit.importance, first.importance()[chosen])
     np.testing.assert_array_equal(plan.chosen, chosen)
 
     later = Memory(kv)
@@ -169,9 +169,9 @@ def test_chunks_first_layer_of_a_period_chooses_and_plans_its_later_layers_reuse
     assert later.kinds() == [("Take", K), ("Take", V)]  # nothing scored or decided: the period's choice
     for take in later.steps:
         np.testing.assert_array_equal(take.positions, chosen)
-        np.testing.assert_array_equal(take.importance, first.importance[chosen])
+        np.testing.assert_array_equal(take.importance, first.importance()[chosen])
     np.testing.assert_array_equal(np.asarray(second.chosen)[0], chosen)
-    np.testing.assert_array_equal(second.importance, first.importance)
+    np.testing.assert_array_equal(second.importance(), first.importance())
 
 
 def test_identification_imports_no_reader_and_no_engine():

@@ -318,7 +318,7 @@ class Engine:
         # loaded), then the write-behind commit.
         then = [io.after_first_token]
         if importance and not head and system.prunes:
-            then.append(lambda: self.store.record_importance(match, np.stack(importance)))
+            then.append(lambda: self.store.record_importance(match, np.stack([layer() for layer in importance])))
         if writer is not None:
             then.append(writer.commit)
         return Prefill(logits, layers_kv, own_tokens, reused_tokens=m, computed_tokens=n + head,

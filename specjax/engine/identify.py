@@ -111,7 +111,9 @@ class Selected(NamedTuple):
     keys: jax.Array  # [H_kv, rows, d] the prefix keys the layer attends to
     values: jax.Array
     selection: SharedIndices | PerHeadIndices  # which rows each head attends to
-    importance: np.ndarray  # [m] of every reused position (for reordering)
+    # [m] importance of every reused position (for reordering), made when called: after the first token, since
+    # nothing before it needs it (its scores' transfer and normalisation stay off that path)
+    importance: Callable[[], np.ndarray]
     chosen: np.ndarray  # [1 or H, k] the chosen positions
 
 
@@ -222,7 +224,7 @@ class LoadAll:
         values = yield Take(V)
         state = st.record_union(state, layer.index, iota(m_pad), m)
         selection = SharedIndices(iota(m_pad), m)
-        return Selected(state, keys, values, selection, np.ones(m, np.float32), np.arange(m)[None])
+        return Selected(state, keys, values, selection, functools.partial(np.ones, m, np.float32), np.arange(m)[None])
 
 
 class H2O:
@@ -242,7 +244,7 @@ class H2O:
         state, per_head = yield decide(st.per_head_select, state, layer.index, scores, k, m, k_cap=layer.k_cap)
         chosen = np.asarray(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(chosen), lambda slots: slots)
-        return Selected(state, keys, values, PerHeadIndices(per_head, k), S.normalised_importance(scores, m), chosen)
+        return Selected(state, keys, values, PerHeadIndices(per_head, k), _importance(scores, m), chosen)
 
 
 class ITF(H2O):
@@ -276,7 +278,7 @@ class ITF(H2O):
             keys = yield Take(K, chosen, k_cap)
         values = yield Take(V, chosen, k_cap)
         selection = SharedIndices(iota(k_cap), k)
-        return Selected(state, keys, values, selection, S.normalised_importance(scores, m), chosen[None])
+        return Selected(state, keys, values, selection, _importance(scores, m), chosen[None])
 
 
 class Chunks:
@@ -312,7 +314,7 @@ class Chunks:
             keys = yield Take(K, chosen, k_cap, importance=importance[chosen])
         values = yield Take(V, chosen, k_cap, importance=importance[chosen])
         selection = SharedIndices(iota(k_cap), len(chosen))
-        return Selected(state, keys, values, selection, importance, chosen[None])
+        return Selected(state, keys, values, selection, functools.partial(np.asarray, importance), chosen[None])
 
 
 class GroupedITF:
@@ -419,14 +421,13 @@ class GroupedITF:
                 keys = yield Take(K, chosen, k_cap)
             values = yield Take(V, chosen, k_cap)
             selection = SharedIndices(iota(k_cap), k)
-            return Selected(state, keys, values, selection, _on_prefix(S.normalised_importance(probes, c), cand, m),
-                            chosen[None])
+            return Selected(state, keys, values, selection, _importance(probes, c, cand, m), chosen[None])
         if per_head is None:
             state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(per_head_np), lambda slots: cand[slots])
-        importance = _on_prefix(S.normalised_importance(every, c), cand, m)
-        return Selected(state, keys, values, PerHeadIndices(per_head, k), importance, cand[per_head_np])
+        return Selected(state, keys, values, PerHeadIndices(per_head, k), _importance(every, c, cand, m),
+                        cand[per_head_np])
 
 
 @jax.jit
@@ -460,9 +461,16 @@ def _union_values(layer: Layer, state, keys, union, positions_of) -> Generator[A
                                     padded(union, union_pad, keys.shape[1]), rows)
 
 
-def _on_prefix(importance: np.ndarray, positions: np.ndarray, m: int) -> np.ndarray:
-    """Importance of the scored positions spread over all m positions of the prefix (0 where not scored)."""
-    if len(positions) == m:
+def _importance(scores, n: int, positions: np.ndarray | None = None, m: int | None = None
+                ) -> Callable[[], np.ndarray]:
+    """`Selected.importance` from a layer's scores [R, >= n] of n scored positions (`positions` of the m-token prefix;
+    None: all of it, n = m): each row normalised, their mean, 0 at every position not scored. Made when called."""
+    return functools.partial(_importance_now, scores, n, positions, m)
+
+
+def _importance_now(scores, n: int, positions: np.ndarray | None, m: int | None) -> np.ndarray:
+    importance = S.normalised_importance(scores, n)
+    if positions is None or len(positions) == m:
         return importance
     out = np.zeros(m, np.float32)
     out[positions] = importance
