@@ -273,19 +273,22 @@ class ChunkReader:
         for seg, first, n in runs:
             lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
             spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
+        def new(lo: int, hi: int) -> Extent:
+            return Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype), lo)
+
         out = {}
         for seg_id, (seg, lo, hi) in spans.items():
-            key = None
-            if seg.n_chunks * lay.chunk_nbytes(kind) <= SEGMENT_BUFFER_BYTES:
-                lo, hi, key = seg.first_chunk, seg.first_chunk + seg.n_chunks, (layer, kind, seg.first_chunk)
+            if seg.n_chunks * lay.chunk_nbytes(kind) > SEGMENT_BUFFER_BYTES:
+                out[seg_id] = new(lo, hi)
+                continue
+            key = (layer, kind, seg.first_chunk)
+            with self._lock:
+                extent = self._extents_alive.get(key)
+            if extent is None:  # faulted in outside the lock; of two reads racing to make it, the first one's is kept
+                extent = new(seg.first_chunk, seg.first_chunk + seg.n_chunks)
                 with self._lock:
-                    out[seg_id] = self._extents_alive.get(key)
-            if out.get(seg_id) is None:  # faulted in outside the lock (of two reads racing to make it, the first wins)
-                new = Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype), lo)
-                if key is not None:
-                    with self._lock:
-                        new = self._extents_alive.setdefault(key, new)
-                out[seg_id] = new
+                    extent = self._extents_alive.setdefault(key, extent)
+            out[seg_id] = extent
         return out
 
     def _verify(self, runs: list[Run], layer: int, kind: int, expected: list[np.ndarray], f) -> None:
