@@ -160,6 +160,11 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
                              "recall": _ratio(get("prefetch_used"), get("prefetch_needed")),
                              # beyond the contract: how much of the sets the guess named, read ahead or not
                              "guess_recall": _ratio(get("prefetch_guess_hits"), get("prefetch_needed"))}
+    if get("prefetch_guessed_layers") or get("prefetch_unpaid_layers"):
+        # beyond the contract: per request, the layers whose next layer was guessed, and those whose guess was not
+        # made because it would not have paid for its host time (their next layer read its set on demand)
+        entry["speculation"] = {"guessed_layers": _ratio(get("prefetch_guessed_layers"), len(outs)),
+                                "unpaid_layers": _ratio(get("prefetch_unpaid_layers"), len(outs))}
     devices = device_bytes(totals)
     if devices:  # beyond the contract: tensor parallel, each device's own heads' bytes (replicated heads: once)
         entry["io"]["disk_bytes_by_device"] = [int(v) for v in devices]
@@ -293,12 +298,20 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _prefetch_cell(pf: dict | None) -> str:
-    """precision / recall / guess recall; results written before guess_recall was counted have only the first two."""
+def _prefetch_cell(pf: dict | None, speculation: dict | None = None) -> str:
+    """precision / recall / guess recall (results written before guess_recall was counted have only the first two),
+    and the layers left unguessed because a guess would not have paid, where there were any."""
+    unpaid = (speculation or {}).get("unpaid_layers")
+    if not unpaid:
+        unguessed = ""
+    elif not (speculation or {}).get("guessed_layers"):
+        return f"no guess: did not pay ({unpaid:.1f} layers a request)"
+    else:
+        unguessed = f" ({unpaid:.1f} layers a request unguessed: did not pay)"
     if not pf:
-        return "-"
+        return "-" + unguessed
     return " / ".join(f"{pf[k]:.2f}" if pf.get(k) is not None else "-"
-                      for k in ("precision", "recall", "guess_recall"))
+                      for k in ("precision", "recall", "guess_recall")) + unguessed
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -388,9 +401,13 @@ def markdown(results: dict) -> str:
         rows.append([k, _fmt_bytes(io["disk_bytes"]), _fmt_bytes(io["host_to_device_bytes"]), str(io["chunks_read"]),
                      f"{io['read_amplification']:.2f}", f"{c['device_hit_ratio']:.2f}", f"{c['host_hit_ratio']:.2f}",
                      f"{itf['fallback_ratio']:.2f} / {itf['mean_jaccard']:.2f}" if itf else "-",
-                     _prefetch_cell(pf)])
+                     _prefetch_cell(pf, s.get("speculation"))])
     out.append(_table(["system", "disk read", "host->device", "chunks read", "read ampl.", "device hit", "host hit",
                        "ITF fallback / Jaccard", "prefetch precision / recall / guess recall"], rows))
+    if any((s.get("speculation") or {}).get("unpaid_layers") for s in systems.values()):
+        out += ["", "`did not pay`: a layer guesses the next one's set only where those tokens' bytes take the disk, "
+                    "at its measured rate, longer than a guess costs the host (measured too); the next layer then "
+                    "reads its set on demand (`Speculator.pays`)."]
     out += ["", "## Reads, transfers and compiles (means per timed request; compiles: total)", ""]
     out.append(_table(["system", "read requests", "bytes per read", "host->device transfers", "compiles timed"], [
         [k, f"{s['io']['read_requests_per_request']:.1f}",

@@ -36,7 +36,9 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   device_hit_ratio = device_hits / cache_lookups; host_hit_ratio = host_hits / cache_lookups
 #   fallback_ratio = itf_fallbacks / itf_layers; mean_jaccard = jaccard_sum / itf_layers
 #   prefetch precision = prefetch_used / prefetch_ahead; recall = prefetch_used / prefetch_needed;
-#   guess_recall = prefetch_guess_hits / prefetch_needed (specjax.engine.speculation.prefetch_report)
+#   guess_recall = prefetch_guess_hits / prefetch_needed (specjax.engine.speculation.prefetch_report);
+#   prefetch_guessed_layers / prefetch_unpaid_layers: layers whose next layer was guessed, or was not because a guess
+#   would not have paid for its host time (speculation's `Speculator.pays`)
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
@@ -51,6 +53,7 @@ COUNTER_KEYS = (
     "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
+    "prefetch_guessed_layers", "prefetch_unpaid_layers",
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
     "computed_prefix_tokens", "compilations", "host_exposed_ms", "cpu_ms", "predicted_ttft_ms",
     "recomputed_tokens",

@@ -585,6 +585,10 @@ def test_a_guess_is_made_only_while_its_bytes_take_the_disk_longer_than_it_costs
     demand = engine.run(req)
     assert handed == ["_issue_plan"]
     assert guessed.prefetch["prefetch_issued"] > 0 and demand.prefetch["prefetch_issued"] == 0
+    layers = model.config.num_layers - 1  # every layer but the last has a next one to guess, or not
+    assert guessed.prefetch["prefetch_guessed_layers"] > 0
+    assert guessed.prefetch["prefetch_guessed_layers"] + guessed.prefetch["prefetch_unpaid_layers"] == layers
+    assert (demand.prefetch["prefetch_guessed_layers"], demand.prefetch["prefetch_unpaid_layers"]) == (0, layers)
     assert speculator.selection_bytes >= 0 and speculator.cost_s == math.inf  # still measured; no guess timed
     np.testing.assert_array_equal(demand.first_token_logits, guessed.first_token_logits)
 

@@ -85,6 +85,52 @@ class _FakeRetentionSystem(PlainRecompute):
         return out
 
 
+class _FakeUnguessed(_FakeRetentionSystem):
+    """A speculative system whose layers guessed the next one in some requests, and in others did not because a guess
+    would not have paid for its host time (counted in layers, no tokens guessed)."""
+
+    name = "fake_unguessed"
+    guessing = True
+
+    def run(self, request):
+        out = super().run(request)
+        out.counters.update(prefetch_issued=0, prefetch_ahead=0, prefetch_used=0, prefetch_needed=0,
+                            prefetch_guess_hits=0, prefetch_guessed_layers=0, prefetch_unpaid_layers=3)
+        if self.guessing:
+            out.counters.update(prefetch_issued=12, prefetch_ahead=10, prefetch_used=8, prefetch_needed=9,
+                                prefetch_guess_hits=9, prefetch_guessed_layers=1, prefetch_unpaid_layers=2)
+        return out
+
+
+@pytest.mark.parametrize("guessing", [False, True])
+def test_layers_whose_guess_did_not_pay_are_reported(tmp_path, monkeypatch, guessing):
+    """A speculative run whose guesses did not pay for their host time says so per request in layers (results.json's
+    `speculation`, beyond the contract) and in the I/O table, not a bare "-"; the contract's `prefetch` stays what it
+    was (None without a guess)."""
+    monkeypatch.setitem(systems.PLUGINS, "fake_unguessed", _FakeUnguessed)
+    monkeypatch.setattr(_FakeUnguessed, "guessing", guessing)
+    model = FakeModel()
+    wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=4))
+    runs = runner.run_all(model, wl, runner.plan(["fake_unguessed"], [0.25]), systems.SystemSettings(),
+                          tmp_path / "store")
+    results = report.build_results(model="fake", task="needle", weights="random", device="cpu",
+                                   emulation=EMULATION, config={}, runs=runs, requests=wl.requests)
+    report.validate_results(results)
+    (s,) = results["systems"].values()
+    assert s["speculation"] == ({"guessed_layers": 1.0, "unpaid_layers": 2.0} if guessing
+                                else {"guessed_layers": 0.0, "unpaid_layers": 3.0})
+    assert (s["prefetch"] is None) == (not guessing)
+    report.write_all(results, tmp_path / "out")
+    md = (tmp_path / "out" / "results.md").read_text()
+    lines = md.splitlines()
+    row = lines[lines.index(next(line for line in lines if line.startswith("| system | disk read"))) + 2]
+    assert row.startswith("| fake_unguessed")
+    cell = row.strip(" |").split(" | ")[-1]  # the I/O table's prefetch column
+    assert cell == ("0.80 / 0.89 / 1.00 (2.0 layers a request unguessed: did not pay)" if guessing
+                    else "no guess: did not pay (3.0 layers a request)")
+    assert "`did not pay`: a layer guesses the next one's set only where" in md
+
+
 def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     monkeypatch.setitem(systems.PLUGINS, "fake_spec", _FakeRetentionSystem)
     model = FakeModel()

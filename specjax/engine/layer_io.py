@@ -176,7 +176,9 @@ class LayerIO:
         self.first = first
         self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
         self.prefetched: dict[int, np.ndarray] = {}
-        self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0}  # tokens (prefetch_report)
+        # tokens, and layers guessed or not for want of paying (prefetch_report)
+        self.stats = {"issued": 0, "ahead": 0, "needed": 0, "used": 0, "guess_hits": 0, "guessed_layers": 0,
+                      "unpaid_layers": 0}
         self._behind: dict[int, list] = {}  # layer -> guessed positions not on their way when the layer took them
         self._selected: list = []  # (layer, chosen, guess, behind) per layer, until `after_first_token`
         self._window_opened: dict[int, float] = {}  # layer -> when its speculation was issued
@@ -333,9 +335,12 @@ class LayerIO:
         (`Speculator.pays`): the layer then reads its set on demand, and nothing is handed to the worker (on a busy
         host, the hand-over and the join cost the request's thread more than the check does)."""
         speculator = self.engine.speculator
-        if (speculator is None or layer + 1 >= self.engine.cfg.num_layers or not len(chosen)
-                or not speculator.pays()):
+        if speculator is None or layer + 1 >= self.engine.cfg.num_layers or not len(chosen):
             return
+        if not speculator.pays():
+            self.stats["unpaid_layers"] += 1
+            return
+        self.stats["guessed_layers"] += 1
         if self.engine.io_worker is None:
             self._speculate(layer + 1, chosen)
         else:

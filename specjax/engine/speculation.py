@@ -157,15 +157,19 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else 0.8 * old + 0.2 * new
 
 
-def prefetch_report(issued: int = 0, ahead: int = 0, needed: int = 0, used: int = 0, guess_hits: int = 0) -> dict:
+def prefetch_report(issued: int = 0, ahead: int = 0, needed: int = 0, used: int = 0, guess_hits: int = 0,
+                    guessed_layers: int = 0, unpaid_layers: int = 0) -> dict:
     """A request's speculative prefetch, in tokens, under the names results.json uses: `prefetch_issued` (guessed
     and requested ahead), `prefetch_ahead` (of those, read ahead: held by a cache or asked of the disk when their
     layer took its K/V; the rest was withdrawn unread or became a demand read), `prefetch_needed` (selected by the
     layers that had a guess), `prefetch_used` (read ahead and selected), `prefetch_guess_hits` (guessed and
     selected, read ahead or not). precision = used / ahead, recall = used / needed, and guess_recall = guess_hits /
-    needed, how much of the sets the guess named (None without a guess)."""
+    needed, how much of the sets the guess named (None without a guess). In layers: `prefetch_guessed_layers`, those
+    whose next layer was guessed, and `prefetch_unpaid_layers`, those whose guess was not made because it would not
+    have paid for its host time (`Speculator.pays`): their next layer read its set on demand."""
     some = bool(issued)
     return {"prefetch_issued": issued, "prefetch_ahead": ahead, "prefetch_needed": needed, "prefetch_used": used,
-            "prefetch_guess_hits": guess_hits,
+            "prefetch_guess_hits": guess_hits, "prefetch_guessed_layers": guessed_layers,
+            "prefetch_unpaid_layers": unpaid_layers,
             "precision": used / max(ahead, 1) if some else None, "recall": used / max(needed, 1) if some else None,
             "guess_recall": guess_hits / max(needed, 1) if some else None}
