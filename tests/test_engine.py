@@ -593,6 +593,31 @@ def test_a_guess_is_made_only_while_its_bytes_take_the_disk_longer_than_it_costs
     np.testing.assert_array_equal(demand.first_token_logits, guessed.first_token_logits)
 
 
+def test_always_speculate_guesses_every_layer_whatever_a_guess_costs(model):
+    """`--always_speculate` (SystemOptions.always_speculate): the paper's SPEC, a guess after every layer even where
+    the measured rule says it would not pay; same answers; named so in results; refused beside no_prefetch."""
+    req = _request(model, prefix_len=96, seed=5)
+    system = make_system("spec", always_speculate=True)
+    assert system.name == "spec-always_speculate" and system.speculate_always
+    assert make_system("as_h2o_lfu", always_speculate=True) == make_system("as_h2o_lfu")  # nothing to guess there
+    with pytest.raises(SpecjaxError, match="contradict"):
+        make_system("spec", always_speculate=True, no_prefetch=True)
+    runs = {}
+    for always in (False, True):
+        engine = Engine(model, make_system("spec", always_speculate=always), _store(model),
+                        EngineConfig(retention=0.25, gpu_cache_bytes=0, cpu_cache_bytes=0))
+        engine.warm(req.prefix)
+        engine.speculator.selection_bytes, engine.speculator.cost_s = 1.0, math.inf  # no guess pays
+        runs[always] = engine.run(req)
+    layers = model.config.num_layers - 1
+    assert (runs[False].prefetch["prefetch_guessed_layers"], runs[False].prefetch["prefetch_unpaid_layers"]) == \
+        (0, layers)
+    assert (runs[True].prefetch["prefetch_guessed_layers"], runs[True].prefetch["prefetch_unpaid_layers"]) == \
+        (layers, 0)
+    assert runs[True].prefetch["prefetch_issued"] > 0 == runs[False].prefetch["prefetch_issued"]
+    np.testing.assert_array_equal(runs[True].first_token_logits, runs[False].first_token_logits)
+
+
 def test_chunk_usage_keeps_chunks_at_least_as_likely_needed_as_not():
     usage = speculation.ChunkUsage()
     assert usage.likely(3, [7]).tolist() == [True]  # never matched: read, as the paper's guess

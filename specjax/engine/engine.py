@@ -153,7 +153,9 @@ class Engine:
         store, system, config = self.store, self.system, self.config
         cache = TieredCache(config.gpu_cache_bytes, self._host_cache_bytes, system.cache_policy, metrics=store.metrics)
         prefetcher = Prefetcher(store, cache, pcie_bandwidth=config.pcie_bandwidth)
-        return cache, prefetcher, Speculator(store, cache) if system.prefetch == "speculative" else None
+        speculator = (Speculator(store, cache, always=system.speculate_always) if system.prefetch == "speculative"
+                      else None)
+        return cache, prefetcher, speculator
 
     def _let_go_of_caches(self) -> None:
         """The engine stops using its caches: the last request's reads are settled, and the store stops telling them

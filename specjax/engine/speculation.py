@@ -92,8 +92,9 @@ def ranking(locate, layer: int, previous: np.ndarray) -> tuple[np.ndarray, np.nd
 class Speculator:
     """One engine's speculation: the chunks' records and the measured window, kept across its requests."""
 
-    def __init__(self, store, cache=None):
-        self.store, self.cache = store, cache
+    def __init__(self, store, cache=None, *, always: bool = False):
+        """`always`: guess every layer, as the SPEC paper does (`pays` is then always yes)."""
+        self.store, self.cache, self.always = store, cache, always
         self.usage = ChunkUsage()
         self.window_s: float | None = None  # measured: speculation issued -> the layer's K/V demanded
         self.selection_bytes: float | None = None  # measured: bytes of a layer's selected tokens read from disk
@@ -113,9 +114,10 @@ class Speculator:
         """Is a guess worth its host time? At best it saves the layer the wait for its selected tokens' bytes from
         disk (`selection_bytes` at the disk's measured rate); it costs the host `cost_s`. Yes until all three are
         measured; the bytes and the rate go on being measured while no guess is made, so a disk that slows down or
-        caches that hold less bring the guesses back."""
+        caches that hold less bring the guesses back. Always yes for a speculator that guesses every layer (`always`:
+        the paper's SPEC, `--always_speculate`)."""
         rate = self.store.scheduler.rate_bytes_per_s()
-        if rate is None or self.selection_bytes is None or self.cost_s is None:
+        if self.always or rate is None or self.selection_bytes is None or self.cost_s is None:
             return True
         return self.selection_bytes / rate > self.cost_s
 

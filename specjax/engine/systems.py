@@ -51,6 +51,9 @@ class System:
     # spec_gqa on grouped-query models: a shared set must keep at least this share of every query head's own
     # top-k attention, else the layer falls back (None: SPEC's test alone)
     min_head_share: float | None = None
+    # "speculative" prefetch: guess every layer's next set, as the SPEC paper does (False: only where a guess pays for
+    # its host time, `speculation.Speculator.pays`)
+    speculate_always: bool = False
     description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
@@ -164,6 +167,10 @@ class SystemOptions:
                                        "previous layer's set (gradual, the default: the paper) or recomputes the "
                                        "check layer's set on every layer (fixed, the authors' code).",
                                        choices=BLEND_FILTERS)
+    always_speculate: bool = _option(False, "Systems with layer-aware speculative prefetch (spec, spec_gqa, "
+                                     "planner): guess every layer's next set, as the SPEC paper does, not only where "
+                                     "a guess pays for its host time (measured); results name the system "
+                                     "NAME-always_speculate.")
     gqa_candidates: float | None = _option(None, "spec_gqa: a candidate stage; only the chunks whose key summaries "
                                            "bound the most attention, at least this many times the kept tokens (at "
                                            "least 1), are read and scored; results name the system "
@@ -183,6 +190,8 @@ class SystemOptions:
             raise SpecjaxError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
         if self.alpha is not None and not self.alpha >= 0:
             raise SpecjaxError(f"alpha must be >= 0 (0: the threshold is 1), got {self.alpha}")
+        if self.always_speculate and self.no_prefetch:
+            raise SpecjaxError("always_speculate and no_prefetch contradict each other: pick one")
         if self.gqa_candidates and not self.gqa_candidates >= 1:
             raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
                                f"got {self.gqa_candidates}")
@@ -190,7 +199,8 @@ class SystemOptions:
     def apply(self, system: System) -> System:
         """`system` with these options: SPEC's ablations (paper Fig. 18, named in the result), ITF's alpha,
         ContiguousKV's chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio, deviation and
-        filtering, and spec_gqa's candidate stage (`gqa_candidates` x the kept tokens, named
+        filtering, speculation on every layer (`always_speculate`, named `NAME-always_speculate`), and spec_gqa's
+        candidate stage (`gqa_candidates` x the kept tokens, named
         `spec_gqa-candidatesB`)."""
         if system.schedule == "blend":  # full_reuse is CacheBlend at ratio 0 whatever the ratio asked for
             chosen = {"blend_ratio": self.blend_ratio if system.blend_ratio else None,
@@ -200,6 +210,8 @@ class SystemOptions:
             return _with_chunk_sizes(system, self.ckv_chunk_tokens, self.period_layers, self.subperiod_layers)
         if system.identify in ("itf", "gqa_itf") and self.alpha is not None:
             system = dataclasses.replace(system, alpha=float(self.alpha))
+        if self.always_speculate and system.prefetch == "speculative":
+            system = dataclasses.replace(system, speculate_always=True, name=f"{system.name}-always_speculate")
         if system.identify == "gqa_itf" and self.gqa_candidates:
             system = dataclasses.replace(system, candidates=float(self.gqa_candidates),
                                          name=f"{system.name}-candidates{self.gqa_candidates:g}")
