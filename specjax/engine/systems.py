@@ -168,8 +168,9 @@ class SystemOptions:
                                        "check layer's set on every layer (fixed, the authors' code).",
                                        choices=BLEND_FILTERS)
     always_speculate: bool = _option(False, "Systems with layer-aware speculative prefetch (spec, spec_gqa, "
-                                     "planner): guess every layer's next set, as the SPEC paper does, not only where "
-                                     "a guess pays for its host time (measured); results name the system "
+                                     "planner): guess after every layer, as the SPEC paper does, not only where a "
+                                     "guess pays for its host time (measured); each guess still reads the chunks "
+                                     "its records and the disk's budget allow. Results name the system "
                                      "NAME-always_speculate.")
     gqa_candidates: float | None = _option(None, "spec_gqa: a candidate stage; only the chunks whose key summaries "
                                            "bound the most attention, at least this many times the kept tokens (at "
