@@ -301,10 +301,11 @@ def _ms(value: float | None) -> str:
 def _prefetch_cell(pf: dict | None, speculation: dict | None = None) -> str:
     """precision / recall / guess recall (results written before guess_recall was counted have only the first two),
     and the layers left unguessed because a guess would not have paid, where there were any."""
-    unpaid = (speculation or {}).get("unpaid_layers")
+    speculation = speculation or {}
+    unpaid = speculation.get("unpaid_layers")
     if not unpaid:
         unguessed = ""
-    elif not (speculation or {}).get("guessed_layers"):
+    elif not speculation.get("guessed_layers"):
         return f"no guess: did not pay ({unpaid:.1f} layers a request)"
     else:
         unguessed = f" ({unpaid:.1f} layers a request unguessed: did not pay)"

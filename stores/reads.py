@@ -273,6 +273,7 @@ class ChunkReader:
         for seg, first, n in runs:
             lo, hi = spans.get(seg.seg_id, (seg, first, first + n))[1:]
             spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
+
         def new(lo: int, hi: int) -> Extent:
             return Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype), lo)
 
