@@ -1,7 +1,10 @@
-"""Shared pytest fixtures: data location, GPU marker handling, CPU-only determinism."""
+"""Shared pytest fixtures: data location, GPU marker handling, CPU-only determinism, one compilation cache."""
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -11,6 +14,17 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 # Tests compare against fp32 references: make CPU matmuls full precision.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Evaluations drop their compiled programs between systems, and many tests compile the same ones: with JAX's
+# persistent cache a recompile is a read (a record-then-replay evaluation test: 34 s, then 20 s). `specjax.compiles`
+# still counts a program read from it as a compile. The session's cache starts empty and is removed at the end; the
+# processes that tests start inherit it through the environment.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="specjax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _has_gpu() -> bool:
