@@ -177,8 +177,8 @@ def _counters(r, prefix_tokens: int) -> dict:
         "device_hits": io.get("device_hits", 0), "host_hits": io.get("host_hits", 0),
         "itf_layers": int(measured.sum()), "itf_fallbacks": int((fallback & measured).sum()),
         "jaccard_sum": float(jaccard[measured].sum()),
-        **{key: p[key] for key in ("prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed",
-                                   "prefetch_guess_hits", "prefetch_guessed_layers", "prefetch_unpaid_layers")},
+        # prefetch_report's counts (its ratios are made again from the run's totals)
+        **{key: value for key, value in p.items() if key.startswith("prefetch_")},
         "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
         "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
         "bad_chunks": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
