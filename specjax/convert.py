@@ -4,8 +4,8 @@ GGUF files into specjax model directories (orbax params + config + tokenizer).
     python -m specjax.convert --hf_dir /ckpt/opt-6.7b --out ~/.cache/specjax/models/opt-6.7b
     python -m specjax.convert --gguf model.gguf --out DIR [--dtype float32]
 
---out must be a new or empty folder, or hold a converted model (replaced once the new one is written); a folder of
-other files is refused and left as it is.
+--out must be a new or empty folder, or hold nothing but a converted model (its files are replaced once the new one
+is written); a folder holding any other file is refused and left as it is.
 
 Weights are stored in the checkpoint's own dtype unless --dtype asks for another: for a Hugging Face checkpoint
 the torch_dtype (or dtype) its config.json declares, else the dtype most of its tensors have; for a GGUF file the
@@ -122,6 +122,57 @@ def hf_params(cfg: ModelConfig, get: Getter) -> Params:
     return params
 
 
+# The files besides the weights that converting a Hugging Face folder reads: its config and what
+# specjax.tokenizer.tokenizer_json_from_hf_dir reads.
+_HF_METADATA = ("config.json", "tokenizer.json", "vocab.json", "merges.txt")
+
+
+def hf_weight_files(d: pathlib.Path) -> list[pathlib.Path]:
+    """The weight files a conversion of Hugging Face folder `d` reads: a shard index and its shards, or one file."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = d / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: unreadable shard index ({type(e).__name__}: {e})") from e
+            missing = [s for s in shards if not (d / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{d}: shard(s) {missing} named in {index_name} are missing")
+            return [index] + [d / s for s in shards]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (d / name).is_file():
+            return [d / name]
+    raise CheckpointError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin found")
+
+
+def hf_source_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Every file converting `hf_dir` reads (config, tokenizer, weights): what its conversion's reuse depends on."""
+    return [hf_dir / n for n in _HF_METADATA if (hf_dir / n).is_file()] + hf_weight_files(hf_dir)
+
+
+def read_hf_config(hf_dir: pathlib.Path) -> dict:
+    """config.json of a Hugging Face checkpoint folder. A converted model's folder that lost its manifest has
+    specjax's config.json instead (no model_type): refused in one line that names the fix."""
+    from specjax.checkpoint import MANIFEST
+
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face checkpoint directory?")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e}); is this a Hugging Face checkpoint directory?") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object; is this a Hugging Face checkpoint directory?")
+    if "model_type" not in config and "arch" in config:
+        raise CheckpointError(
+            f"{hf_dir} is neither a converted specjax model (no {MANIFEST}) nor a Hugging Face checkpoint "
+            f"(its config.json is specjax's): convert the checkpoint into a new folder with `python -m specjax.convert "
+            f"--hf_dir HF_DIR --out NEW_DIR` and pass that folder, or point --model at the Hugging Face folder")
+    return config
+
+
 # safetensors' codes of the dtypes specjax stores as they are
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -139,19 +190,7 @@ class _HFTensors:
                 self._where[name.removeprefix("model.")] = (path, name)
 
     def _weight_files(self) -> list[pathlib.Path]:
-        d = self.hf_dir
-        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            index = d / index_name
-            if index.is_file():
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                missing = [s for s in shards if not (d / s).is_file()]
-                if missing:
-                    raise CheckpointError(f"{d}: shard(s) {missing} named in {index_name} are missing")
-                return [d / s for s in shards]
-        for name in ("model.safetensors", "pytorch_model.bin"):
-            if (d / name).is_file():
-                return [d / name]
-        raise CheckpointError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin found")
+        return [p for p in hf_weight_files(self.hf_dir) if not p.name.endswith(".index.json")]
 
     def _names(self, path: pathlib.Path) -> list[str]:
         if path.suffix == ".safetensors":
@@ -211,14 +250,15 @@ def hf_source_dtype(hf_config: dict, tensors: _HFTensors) -> str:
 
 
 def convert_hf_dir(hf_dir: pathlib.Path, out: pathlib.Path, dtype: str | None = None) -> ModelConfig:
-    """Convert a Hugging Face checkpoint folder into `out`; dtype None keeps the checkpoint's own."""
-    from specjax.checkpoint import save_model_dir
+    """Convert a Hugging Face checkpoint folder into `out`; dtype None keeps the checkpoint's own. The manifest
+    records the size and digest of every file read (`hf_source_files`), taken before they are read for the
+    conversion: a file changed meanwhile shows as changed on the next reuse."""
+    from specjax.checkpoint import save_model_dir, source_record
 
     hf_dir = pathlib.Path(hf_dir).expanduser()
-    if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face checkpoint directory?")
-    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config = read_hf_config(hf_dir)
     cfg = from_hf_config(hf_config)
+    sources = {p.name: source_record(p) for p in hf_source_files(hf_dir)}
     tensors = _HFTensors(hf_dir)
     source_dtype = hf_source_dtype(hf_config, tensors)
     target = _np_dtype(dtype or source_dtype)
@@ -227,7 +267,8 @@ def convert_hf_dir(hf_dir: pathlib.Path, out: pathlib.Path, dtype: str | None = 
     tok = tokenizer_json_from_hf_dir(hf_dir)
     if tok is None:
         print(f"note: {hf_dir} has no tokenizer files; the converted model will accept token ids only")
-    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"hf:{hf_dir.resolve()}", source_dtype=source_dtype)
+    save_model_dir(out, cfg, params, tokenizer_json=tok, source=f"hf:{hf_dir.resolve()}", source_dtype=source_dtype,
+                   source_files=sources)
     return cfg
 
 

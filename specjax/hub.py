@@ -3,18 +3,19 @@
 A hub id ORG/NAME is downloaded by huggingface_hub (which honours HF_HOME, HF_HUB_OFFLINE and HF_TOKEN and shows
 its own progress), converted into models_dir()/hf/ORG--NAME/REVISION and from then on loaded from there without
 asking the hub. A local folder is converted into models_dir()/local/NAME-HASH of its absolute path, and again
-when one of its files is newer than that conversion.
+when a file the conversion read has other content now, or the conversion would read other files (`_stale`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
 import re
 import sys
 
 from specjax import paths
-from specjax.checkpoint import MANIFEST
+from specjax.checkpoint import MANIFEST, read_manifest, source_unchanged, store_manifest
 from specjax.errors import ModelNotFoundError
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -58,23 +59,56 @@ def from_hub(repo_id: str, revision: str | None = None) -> pathlib.Path:
 
 
 def from_local_folder(hf_dir: pathlib.Path) -> pathlib.Path:
-    """The converted model of a local Hugging Face folder; converts it when new or changed since."""
+    """The converted model of a local Hugging Face folder; converts it when new, and again when changed since."""
+    from specjax.convert import read_hf_config
+
+    read_hf_config(hf_dir)  # a converted model without its manifest is refused before anything is converted
     out = local_model_dir(hf_dir)
-    manifest = out / MANIFEST
-    if manifest.is_file() and _newest_mtime(hf_dir) <= manifest.stat().st_mtime:
-        return out
-    _convert(hf_dir, out, str(hf_dir.resolve()))
+    label = str(hf_dir.resolve())
+    if not (out / MANIFEST).is_file():
+        _convert(hf_dir, out, label)
+    elif why := _stale(hf_dir, out):
+        _convert(hf_dir, out, label, changed=why)
     return out
 
 
-def _newest_mtime(folder: pathlib.Path) -> float:
-    return max(p.stat().st_mtime for p in folder.iterdir() if p.is_file())
+def _stale(hf_dir: pathlib.Path, out: pathlib.Path) -> str | None:
+    """Why the conversion in `out` does not hold what converting `hf_dir` now gives (None: it does).
+
+    Decided by content, never by timestamps (cp -p, rsync -a and tar keep an older checkpoint's mtime): the files
+    a conversion reads now must be the ones it read, each of the recorded size and xxh3-128 digest. A file whose
+    stat (size, mtime, ctime, inode, device) is the one recorded is not read again: replacing or rewriting a file
+    changes its ctime (see checkpoint.source_record). A digest that matches under a new stat (a touch, a copy of
+    the same bytes) is recorded in the conversion's manifest, so the next check reads nothing."""
+    from specjax.convert import hf_source_files
+
+    manifest = read_manifest(out)
+    recorded = manifest.get("source_files")
+    if not recorded:
+        return "its conversion kept no digests of the files it read"
+    now = {p.name: p for p in hf_source_files(hf_dir)}
+    added, gone = sorted(set(now) - set(recorded)), sorted(set(recorded) - set(now))
+    if added or gone:
+        return ", ".join([f"{name} is new" for name in added] + [f"{name} is gone" for name in gone])
+    records = {}
+    for name, path in now.items():
+        same, records[name] = source_unchanged(path, recorded[name])
+        if not same:
+            return f"{name} has other content"
+    if records != recorded:
+        with contextlib.suppress(OSError):  # read-only: the digests are taken again next time
+            store_manifest(out, dict(manifest, source_files=records))
+    return None
 
 
-def _convert(source: pathlib.Path, out: pathlib.Path, label: str) -> None:
+def _convert(source: pathlib.Path, out: pathlib.Path, label: str, changed: str | None = None) -> None:
+    """Convert `source` into `out`, saying so in one line; `changed`: why the conversion there is replaced."""
     from specjax.convert import convert_gguf, convert_hf_dir
 
-    _say(f"converting {label} -> {out} (once; later runs load it from there)")
+    if changed:
+        _say(f"{label} has changed since it was converted ({changed}): converting it again -> {out}")
+    else:
+        _say(f"converting {label} -> {out} (once; later runs load it from there)")
     if source.suffix == ".gguf":
         convert_gguf(source, out)
     else:

@@ -50,3 +50,26 @@ def shared_data_dir() -> pathlib.Path:
     if not path.is_dir():
         pytest.skip(f"evaluation data not found at {path} (set SPECJAX_DATA)")
     return path
+
+
+@pytest.fixture
+def specjax_home(tmp_path, monkeypatch) -> pathlib.Path:
+    """SPECJAX_HOME (converted models, fetched files) in the test's own folder."""
+    monkeypatch.setenv("SPECJAX_HOME", str(tmp_path / "sj"))
+    return tmp_path / "sj"
+
+
+@pytest.fixture
+def conversions(monkeypatch) -> list:
+    """The Hugging Face folders converted during a test (the real converter still runs)."""
+    from specjax import convert
+
+    calls = []
+    real = convert.convert_hf_dir
+
+    def counting(hf_dir, out, dtype=None):
+        calls.append(pathlib.Path(hf_dir))
+        return real(hf_dir, out, dtype)
+
+    monkeypatch.setattr(convert, "convert_hf_dir", counting)
+    return calls

@@ -118,26 +118,6 @@ def test_hub_gguf_repo_is_converted_from_its_gguf(tmp_path):
     assert proc.stdout.split()[0] == "float16" and proc.stdout.strip().endswith("hf/acme--tiny-gguf/main")
 
 
-@pytest.fixture
-def specjax_home(tmp_path, monkeypatch) -> pathlib.Path:
-    monkeypatch.setenv("SPECJAX_HOME", str(tmp_path / "sj"))
-    return tmp_path / "sj"
-
-
-@pytest.fixture
-def conversions(monkeypatch) -> list:
-    """The sources converted during a test (the real converter still runs)."""
-    calls = []
-    real = convert.convert_hf_dir
-
-    def counting(hf_dir, out, dtype=None):
-        calls.append(pathlib.Path(hf_dir))
-        return real(hf_dir, out, dtype)
-
-    monkeypatch.setattr(convert, "convert_hf_dir", counting)
-    return calls
-
-
 def test_registered_names_resolve_to_their_hub_repo(specjax_home, monkeypatch):
     asked = []
     monkeypatch.setattr(hub, "from_hub", lambda repo_id, revision=None: asked.append((repo_id, revision)))
@@ -160,7 +140,12 @@ def test_local_hf_folder_is_converted_once_and_again_after_a_change(tmp_path, hf
     specjax.load_model(str(folder))
     assert conversions == [folder]
     later = (model.path / "specjax_model.json").stat().st_mtime + 10
-    os.utime(folder / "model.safetensors", (later, later))  # as a new training run writing its weights
+    os.utime(folder / "model.safetensors", (later, later))  # newer, the same bytes: nothing to convert again
+    specjax.load_model(str(folder))
+    assert conversions == [folder]
+    weights = bytearray((folder / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # as a new training run writing its weights
+    (folder / "model.safetensors").write_bytes(weights)
     specjax.load_model(str(folder))
     assert conversions == [folder, folder]
 
