@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from specjax.stores import leases
-from specjax.stores.errors import DiskFullError, ManifestError, StoreError, is_disk_full
+from specjax.stores.errors import DiskFullError, ManifestError, StoreError, disk_full_message, is_disk_full
 from specjax.stores.manifest import FORMAT, ManifestIO, decode_array, encode_array
 from specjax.stores.radix import RadixTree
 
@@ -249,8 +249,9 @@ class Catalog:
                 except BaseException as e:
                     self._rollback()
                     if is_disk_full(e):
-                        raise DiskFullError(f"disk full while committing the manifest of the KV store at "
-                                            f"{self.io.where}; free space (reads still work)") from None
+                        raise DiskFullError(disk_full_message(
+                            f"committing the manifest of the KV store at {self.io.where}", self.io.local_dir,
+                            "free space (reads still work)")) from None
                     raise
                 if stamp is None:  # another handle published first: merge with it and apply again
                     self.conflicts += 1

@@ -1,6 +1,7 @@
 """Errors a store user can cause; each message names the fix. `stores` stays independent of `specjax`."""
 
 import errno
+import os
 
 
 class StoreError(Exception):
@@ -12,7 +13,7 @@ class StoreMismatchError(StoreError):
 
 
 class DiskFullError(StoreError):
-    """A write found no room (device full or the configured disk capacity reached)."""
+    """A write found no room (device full, its inodes exhausted, or the configured disk capacity reached)."""
 
 
 class ManifestError(StoreError):
@@ -21,3 +22,26 @@ class ManifestError(StoreError):
 
 def is_disk_full(e: BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e) or "ENOSPC" in str(e)
+
+
+def disk_full_message(doing: str, path, fix: str) -> str:
+    """The one-line message of a write that found no room while `doing` (e.g. "writing the KV store at DIR"): disk
+    full and `fix`, or, where `os.statvfs(path)` shows free bytes but no free inodes, that the file system's inodes
+    are exhausted and how to get some back. `path` need not be local (then the message says disk full)."""
+    free = _free_bytes_without_inodes(path)
+    if free is None:
+        return f"disk full while {doing}; {fix}"
+    return (f"inodes exhausted while {doing}: its file system has {free / 1e6:.1f} MB free but no free inodes (too "
+            f"many files, not too many bytes); remove files you no longer need from that file system or move the "
+            f"store to one with more inodes (reads still work)")
+
+
+def _free_bytes_without_inodes(path) -> int | None:
+    """The bytes free to this process on the file system at `path` if no inode is free there, else None (inodes left, an
+    inode count it does not report, no bytes free either, or no such local path)."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    free = st.f_bavail * st.f_frsize
+    return free if st.f_files and not st.f_favail and free else None

@@ -9,21 +9,28 @@ the folder are still checked.
 DIR may also be a kvstore URL or JSON spec. Orphan chunk files (left by an insert a crash interrupted) are
 reported but are not a problem: they were never committed, and the next writable open deletes them. Chunks
 that registered writers (other processes sharing the store) have written but not committed yet are counted
-apart, as in flight. The check reads one generation; it may run while other processes use the store.
+apart: as in flight while their writer lives, as abandoned once it is dead (killed before it committed; how
+liveness is known: stores/leases.py), which the next writable open deletes too. The check reads one generation;
+it may run while other processes use the store. A chunk is bad where its own bytes fail their checksum or are
+missing (an extent cut short fails only the chunks whose bytes it lost).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 import tensorstore as ts
 
+from specjax.stores import leases
 from specjax.stores.errors import StoreError
 from specjax.stores.manifest import MANIFEST_KEY, describe_weights
 from specjax.stores.index import StoreIndex
@@ -39,6 +46,8 @@ class FsckReport:
     bad_chunks: int = 0
     orphan_chunks: int = 0
     inflight_chunks: int = 0
+    abandoned_chunks: int = 0  # uncommitted chunks of registered writers that are dead
+    dead_writers: list = dataclasses.field(default_factory=list)  # "pid P on this host" per dead writer that left some
     belongs_to: str = ""  # the weights, tokenizer and layout the store was written for
     problems: list = dataclasses.field(default_factory=list)
 
@@ -96,17 +105,71 @@ def belongs_to(store: KVStore) -> str:
 
 
 def _check_chunks(index: StoreIndex, reader: ChunkReader, report: FsckReport) -> None:
-    before = reader.metrics.bad_chunks
+    lay, bad = index.layout, []
     for seg in index.segments(referenced=True):
         chunks = range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
-        reads = [r for layer in range(index.layout.num_layers) for kind in index.layout.kinds()
-                 for r in reader.read_chunks(layer, kind, chunks)]
-        for r in reads:
-            r.future.result()
-        report.chunks_checked += len(reads)
-    report.bad_chunks = reader.metrics.bad_chunks - before
-    if report.bad_chunks:
-        report.problems.append(f"{report.bad_chunks} chunks fail their checksum or cannot be read")
+        runs = [(layer, kind, run) for layer in range(lay.num_layers) for kind in lay.kinds()
+                for run in reader.read_runs(layer, kind, chunks)]
+        bad += [(layer, kind, chunk, why) for layer, kind, run in runs
+                for chunk, why in _bad_chunks(reader, layer, kind, run)]
+        report.chunks_checked += len(chunks) * lay.num_layers * len(lay.kinds())
+    report.bad_chunks = len(bad)
+    if bad:
+        report.problems.append(_bad_chunks_problem(index, bad))
+
+
+def _bad_chunks(reader: ChunkReader, layer: int, kind: int, run) -> list[tuple[int, str]]:
+    """(chunk, why) of each chunk of a run that fails its checksum or cannot be read. A run that cannot be read as a
+    whole (its extent cut short, say) is read again a chunk at a time: only chunks whose own bytes are lost are bad."""
+    arrays, ok = run.verified.result()
+    if arrays is None and run.n_chunks > 1:
+        singles = [r for c in range(run.first_chunk, run.first_chunk + run.n_chunks)
+                   for r in reader.read_runs(layer, kind, [c])]
+        return [bad for r in singles for bad in _bad_chunks(reader, layer, kind, r)]
+    why = "cannot be read" if arrays is None else "fails its checksum"
+    return [(run.first_chunk + j, why) for j in np.flatnonzero(~ok).tolist()]
+
+
+def _bad_chunks_problem(index: StoreIndex, bad: list, shown: int = 5) -> str:
+    where = ", ".join(f"chunk {chunk} in {index.extent_of(layer, kind, chunk)[0]} {why}"
+                      for layer, kind, chunk, why in bad[:shown])
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    return (f"{len(bad)} chunks fail their checksum or cannot be read ({where}{more}); they are never served: a "
+            f"request that reaches them is recomputed, and an engine that may write the store stores its prefix anew")
+
+
+def _writers(index: StoreIndex) -> tuple[list[tuple[int, int]], dict[str, dict]]:
+    """(the chunk-id ranges of the registered writers that live, the dead ones' entries by writer id)."""
+    catalog, now = index.catalog, time.time()
+    live, dead = [], {}
+    for wid, entry in catalog.writers.items():
+        if leases.alive(wid, entry, lambda w: leases.read_heartbeat(catalog.io, w), catalog.lease_s, now):
+            live += [tuple(r) for r in entry.get("ranges", [])]
+        else:
+            dead[wid] = entry
+    return live, dead
+
+
+def _describe_writer(entry: dict) -> str:
+    if entry.get("host") == leases.host_key():
+        return f"pid {entry.get('pid')} on this host"
+    return f"pid {entry.get('pid')} on host {str(entry.get('host', '?')).split('|')[0]}"
+
+
+def _count_uncommitted(index: StoreIndex, report: FsckReport) -> None:
+    """Sort the chunks on disk that no segment owns: a live writer's (in flight), a dead one's (abandoned), or
+    nobody's (orphans)."""
+    owned = set()
+    for seg in index.segments():
+        owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
+    unowned = index.stored_chunk_ids() - owned
+    live, dead = _writers(index)
+    left = {wid: sum(any(lo <= c < hi for lo, hi in entry.get("ranges", [])) for c in unowned)
+            for wid, entry in dead.items()}
+    report.inflight_chunks = sum(any(lo <= c < hi for lo, hi in live) for c in unowned)
+    report.abandoned_chunks = sum(left.values())  # writers' ranges are disjoint
+    report.orphan_chunks = len(unowned) - report.inflight_chunks - report.abandoned_chunks
+    report.dead_writers = [_describe_writer(dead[wid]) for wid, n in left.items() if n]
 
 
 def fsck(location, context: ts.Context | None = None) -> FsckReport:
@@ -117,14 +180,7 @@ def fsck(location, context: ts.Context | None = None) -> FsckReport:
         report.belongs_to = belongs_to(store)
         _check_structure(index, report)
         _check_chunks(index, store.reader, report)
-        listed = index.stored_chunk_ids()
-        owned = set()
-        for seg in index.segments():
-            owned.update(range(seg.first_chunk, seg.first_chunk + seg.n_chunks))
-        ranges = index.writer_ranges()
-        unowned = listed - owned
-        report.inflight_chunks = sum(any(lo <= c < hi for lo, hi in ranges) for c in unowned)
-        report.orphan_chunks = len(unowned) - report.inflight_chunks
+        _count_uncommitted(index, report)
     return report
 
 
@@ -154,11 +210,20 @@ def _check(location, label: str = "") -> int:
     print(f"{prefix}belongs to {report.belongs_to}")
     print(f"{prefix}nodes {report.nodes}  segments {report.segments}  chunks checked {report.chunks_checked}  "
           f"bad chunks {report.bad_chunks}  orphan chunks {report.orphan_chunks} (uncommitted, harmless)  "
-          f"in flight {report.inflight_chunks} (live writers)")
+          f"in flight {report.inflight_chunks} (live writers)  abandoned {report.abandoned_chunks} (dead writers)")
+    if report.abandoned_chunks:
+        print(f"{prefix}note: {_abandoned_note(report, location)}")
     for problem in report.problems:
         print(f"{prefix}problem: {problem}")
     print(f"{prefix}OK" if report.ok else f"{prefix}FAILED: {len(report.problems)} problem(s)")
     return 0 if report.ok else 1
+
+
+def _abandoned_note(report: FsckReport, location) -> str:
+    return (f"{report.abandoned_chunks} uncommitted chunks were left by {len(report.dead_writers)} writer(s) that "
+            f"died before committing them ({', '.join(report.dead_writers)}): abandoned, never served and safe to "
+            f"reclaim; the next writable open of the store deletes them, e.g. python -c \"from specjax.stores import "
+            f"KVStore; KVStore.open({location!r}).close()\"")
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -184,12 +249,36 @@ def main(argv=None) -> int:
     parser.add_argument("store", help="store directory, a folder of stores, a kvstore URL (gs://bucket/kv/) "
                                       "or a TensorStore kvstore JSON spec")
     args = parser.parse_args(argv)
-    if args.store.lstrip().startswith("{"):
-        return _check(json.loads(args.store))
-    if "://" in args.store:
-        return _check(args.store)
-    path = pathlib.Path(args.store)
-    return _check_folder(path) if path.is_dir() else _check(args.store)
+    with _quiet_reads():
+        if args.store.lstrip().startswith("{"):
+            return _check(json.loads(args.store))
+        if "://" in args.store:
+            return _check(args.store)
+        path = pathlib.Path(args.store)
+        if path.exists() and not path.is_dir():
+            print(f"error: {_not_a_folder(path)}", file=sys.stderr)
+            return 2
+        return _check_folder(path) if path.is_dir() else _check(args.store)
+
+
+def _not_a_folder(path: pathlib.Path) -> str:
+    if path.name == MANIFEST_KEY:
+        return (f"{path} is a store's manifest, not its folder; check the folder: "
+                f"python -m specjax.stores.fsck {path.parent}")
+    return (f"{path} is a file, not a KV store folder; give fsck a store's folder (the one holding {MANIFEST_KEY}) "
+            f"or a folder of stores")
+
+
+@contextlib.contextmanager
+def _quiet_reads():
+    """The read path's own warnings off while fsck runs: fsck reports each bad chunk itself, and only those."""
+    logger = logging.getLogger("specjax.stores.reads")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":

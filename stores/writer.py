@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.stores import kvarray
 from specjax.stores.catalog import Segment
-from specjax.stores.errors import DiskFullError, StoreError, is_disk_full
+from specjax.stores.errors import DiskFullError, StoreError, disk_full_message, is_disk_full
 from specjax.stores.kvarray import K, PROBE, V
 from specjax.stores.manifest import chunk_checksums
 
@@ -116,8 +116,9 @@ class SegmentWriter:
                 w.result()  # resolves once the chunk files are written and synced
         except Exception as e:  # noqa: BLE001 -- mapped to a clear store error
             if is_disk_full(e):
-                raise DiskFullError(f"disk full while writing the KV store at {self.owner.where}; "
-                                    f"free space or set a smaller disk capacity (reads still work)") from None
+                where = self.owner.where
+                raise DiskFullError(disk_full_message(f"writing the KV store at {where}", where, "free space or set "
+                                                      "a smaller disk capacity (reads still work)")) from None
             raise StoreError(f"writing layer {layer} to the KV store at {self.owner.where} failed: {e}") from e
         self.owner.metrics.add(disk_bytes_written=sum(a.nbytes for a in arrays.values()))
 
