@@ -30,6 +30,7 @@ class EngineSystem:
             cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
         self.store = None
         self.engine = None if self.needs_store else make_engine(model, self.system, None, self.config)
+        self.base_repair_io: dict = {}  # what repairing the base store read and wrote (`repair`)
         self.selections = self._selection_trace()  # a bad trace fails before any store is written
 
     def _selection_trace(self) -> replay.Recorder | replay.Replay | None:
@@ -50,8 +51,13 @@ class EngineSystem:
     @property
     def store_key(self) -> str:
         """Systems with the same key share one base store (the runner writes it once); the weights' short
-        digest keeps the stores of other weights under one --store folder apart."""
-        return f"prefixes-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
+        digest and the KV dtype keep the stores of other weights, or of the same weights cast, under one --store
+        folder apart."""
+        return f"prefixes-chunk{self.chunk_tokens}-{self._kv_of()}"
+
+    def _kv_of(self) -> str:
+        """The store key's end: whose KV a store holds, `weights-<12 hex digits of the weights digest>-<KV dtype>`."""
+        return f"weights-{self.model.weights_digest[:12]}-{np.dtype(self.model.dtype).name}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
@@ -71,14 +77,28 @@ class EngineSystem:
         """Drop what of `sequences` fails its checksum in the store at `store_path` and store it anew."""
         store = self._open_store(store_path)
         try:
-            return make_engine(self.model, self.system, store, self.config).repair(sequences)
+            engine = make_engine(self.model, self.system, store, self.config)
+            dropped = engine.repair(sequences)
         finally:
             store.close()
+        self.base_repair_io = engine.repair_io
+        return dropped
 
     @property
     def repaired(self) -> list:
         """The stored sequences this system's store had to repair (their chunks failed their checksum)."""
         return [] if self.engine is None else list(dict.fromkeys(self.engine.repaired))
+
+    @property
+    def repair_io(self) -> dict:
+        """What damaged stored KV cost the run beyond its own I/O: the reads and writes in its copy (warm-up and
+        requests, `Engine.repair_io`) and in repairing the base store after it, and the damaged chunks its copy
+        held (the base store's are the same chunks, found again)."""
+        run = {} if self.engine is None else self.engine.repair_io
+        both = (run, self.base_repair_io)
+        return {"damaged_chunks": run.get("damaged_chunks", 0),
+                "repair_disk_bytes": sum(c.get("disk_bytes", 0) for c in both),
+                "repair_disk_bytes_written": sum(c.get("disk_bytes_written", 0) for c in both)}
 
     def open(self, store_path: str) -> None:
         self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
@@ -114,7 +134,7 @@ class BlendSystem(EngineSystem):
 
     @property
     def store_key(self) -> str:
-        return f"text_chunks-sink-chunk{self.chunk_tokens}-weights-{self.model.weights_digest[:12]}"
+        return f"text_chunks-sink-chunk{self.chunk_tokens}-{self._kv_of()}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
         return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens), **kwargs)
@@ -149,11 +169,24 @@ def warm_up(engine, requests: list[Request]) -> None:
     for r in requests:
         engine.run(r)
     if engine.system.reorder:
+        _observe_repaired(engine, requests)
         engine.reorder()
     if hasattr(engine, "calibrate"):
         engine.calibrate(requests)
     for r in requests:
         engine.run(r)
+
+
+def _observe_repaired(engine, requests: list[Request]) -> None:
+    """A prefix the first pass stored anew (a chunk of it failed its checksum) holds no importance: the request
+    that met the damage was recomputed. Its first-pass requests run again on the repaired store, so that the
+    reordering repacks it as it repacks the others."""
+    repaired = set(getattr(engine, "repaired", ()))
+    if not repaired:
+        return
+    for r in requests:
+        if any(tuple(key) in repaired for key in engine.stored_keys(r)):
+            engine.run(r)
 
 
 def _outcome(r, request) -> Outcome:
@@ -182,6 +215,9 @@ def _counters(r, prefix_tokens: int) -> dict:
         "prefix_tokens": prefix_tokens, "reused_tokens": r.reused_tokens,
         "retained_tokens": float(np.nanmean(retained) * r.reused_tokens) if r.reused_tokens else 0.0,
         "bad_chunks": io.get("bad_chunks", 0) + int(r.recomputed_bad_chunks),
+        # beside disk_bytes, not in it: what damaged stored KV made the request read and write
+        "repair_disk_bytes": r.repair_io.get("disk_bytes", 0),
+        "repair_disk_bytes_written": r.repair_io.get("disk_bytes_written", 0),
         "probe_disk_bytes": io.get("probe_disk_bytes", 0),
         # tensor parallel: what each device's reader read of its own heads
         **{f"device{i}_disk_bytes": n for i, n in enumerate(r.disk_bytes_by_device)},

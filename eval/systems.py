@@ -47,6 +47,8 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   planned_held_share: the share of the stored tokens its plan loaded that the cache tiers held when it was planned
 #   cpu_ms: the process's CPU time, every thread's, from the request's start to its first token (cpu_ms per request)
 #   recomputed_tokens: cacheblend / full_reuse, the context tokens recomputed per layer, averaged over the layers
+#   repair_disk_bytes / repair_disk_bytes_written: what damaged stored KV made the request read (an attempt given up
+#   at a bad chunk, the repair's checks) and write (the repair), counted apart from disk_bytes, the system's own reads
 COUNTER_KEYS = (
     "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
     "host_to_device_transfers",
@@ -54,7 +56,7 @@ COUNTER_KEYS = (
     "itf_layers", "itf_fallbacks", "jaccard_sum",
     "prefetch_issued", "prefetch_ahead", "prefetch_used", "prefetch_needed", "prefetch_guess_hits",
     "prefetch_guessed_layers", "prefetch_unpaid_layers",
-    "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks",
+    "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks", "repair_disk_bytes", "repair_disk_bytes_written",
     "computed_prefix_tokens", "compilations", "host_exposed_ms", "cpu_ms", "predicted_ttft_ms",
     "recomputed_tokens",
     "planned_load_all", "planned_held_share",

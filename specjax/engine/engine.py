@@ -59,6 +59,13 @@ class Prefill:
     bad_chunk: bool = False  # a chunk failed its checksum and was computed instead (cake)
 
 
+# `Engine.repair_io` and `RequestResult.repair_io`: what damaged stored KV cost beyond the system's own I/O, each
+# count with the store metric it is measured by. disk_bytes: the reads of attempts abandoned at a bad chunk and of
+# the repairs' checks; disk_bytes_written: the repairs' writes; damaged_chunks: the chunks the repairs found failing.
+REPAIR_COUNTS = {"disk_bytes": "disk_bytes", "disk_bytes_written": "disk_bytes_written",
+                 "damaged_chunks": "bad_chunks"}
+
+
 def fingerprint(model, chunk_tokens: int) -> dict:
     """What a store must agree on with the model that reads it: the weights and tokenizer (their digests,
     `specjax.api.Model`), the shapes, dtype and layout. `weights_source` only says where the weights came from
@@ -116,6 +123,8 @@ class Engine:
         # a selection trace identification records its scores into or replays them from (specjax.engine.replay)
         self.selections: Recorder | Replay | None = None
         self.repaired: list[tuple[int, ...]] = []  # stored sequences whose chunks failed and were stored anew
+        # what damaged stored KV cost beyond the system's own I/O, over the engine's life (`repair_io`)
+        self.repair_io = dict.fromkeys(REPAIR_COUNTS, 0)
         # what the new tokens attend to when nothing comes before them: 16 zero rows, none selected
         self._no_prefix = self.place_kv(jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype))
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
@@ -203,25 +212,45 @@ class Engine:
             raise SpecjaxError("a request needs at least one token")
         if self.selections is not None:
             self.selections.begin(request.index)
-        before = self.store.metrics.snapshot() if self.store is not None else None
-        before_devices = self.store.metrics.device_bytes() if self.store is not None else []
+        spent = dict(self.repair_io)
+        start = served_from = self._io_counts()
         try:
             result = self._run(request, reuse=self.system.reuse)
         except BadChunk:
+            served_from = self._abandon(start)
             result = self._run(request, reuse=False)
             result.recomputed_bad_chunks = True
-        if before is not None:
-            after = self.store.metrics.snapshot()
-            result.io = {k: after[k] - before[k] for k in before if not k.endswith(("_ratio", "amplification"))}
-            after_devices = self.store.metrics.device_bytes()
-            before_devices += [0] * (len(after_devices) - len(before_devices))
-            result.disk_bytes_by_device = [a - b for a, b in zip(after_devices, before_devices)]
+        if start is not None:
+            self._measure(result, start, served_from)
         if result.recomputed_bad_chunks and not self.store.read_only:
             self._try_repair(request)
+        result.repair_io = {k: self.repair_io[k] - spent[k] for k in spent}
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
             self.reorder()
         return result
+
+    def _io_counts(self) -> tuple[dict, list[int]] | None:
+        """The store's counters and per-device disk bytes now; None without a store."""
+        if self.store is None:
+            return None
+        return self.store.metrics.snapshot(), self.store.metrics.device_bytes()
+
+    def _abandon(self, start: tuple[dict, list[int]]) -> tuple[dict, list[int]]:
+        """A request's attempt met a bad chunk and is given up: what it read is the damage's cost (`repair_io`), not
+        the system's; the counts the request's own I/O runs from (now) are returned."""
+        now = self._io_counts()
+        self.repair_io["disk_bytes"] += now[0]["disk_bytes"] - start[0]["disk_bytes"]
+        return now
+
+    def _measure(self, result: RequestResult, start, served_from) -> None:
+        """`result.io` and its per-device bytes: the store's counters over the attempt that answered the request
+        (from `served_from`), and its bad chunks over the whole request (from `start`)."""
+        (before, before_devices), (after, after_devices) = served_from, self._io_counts()
+        result.io = {k: after[k] - before[k] for k in before if not k.endswith(("_ratio", "amplification"))}
+        result.io["bad_chunks"] = after["bad_chunks"] - start[0]["bad_chunks"]
+        before_devices = before_devices + [0] * (len(after_devices) - len(before_devices))
+        result.disk_bytes_by_device = [a - b for a, b in zip(after_devices, before_devices)]
 
     def stored_keys(self, request: Request) -> list[list[int]]:
         """The token sequences the store holds a request's reused KV under: its prefix."""
@@ -237,7 +266,9 @@ class Engine:
         """Stored KV of `keys` failed its checksum (the request was recomputed, never served from it): drop the
         stored prefixes holding a failing chunk, with what is stored below them, and store all of those anew from
         the plain forward, so that later requests find them whole and nothing good is lost. Returns how many
-        stored sequences were dropped."""
+        stored sequences were dropped. What it reads and writes, and the damaged chunks it finds, are counted in
+        `repair_io`."""
+        before = self.store.metrics.snapshot()
         dropped = 0
         for key in keys:
             with self.store.match(key) as match:
@@ -247,6 +278,9 @@ class Engine:
                 self.warm(sequence)
             dropped += len(lost)
             self.repaired.append(tuple(key))
+        after = self.store.metrics.snapshot()
+        for count, metric in REPAIR_COUNTS.items():
+            self.repair_io[count] += after[metric] - before[metric]
         return dropped
 
     def reorder(self) -> int:

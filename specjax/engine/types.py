@@ -84,6 +84,9 @@ class RequestResult:
     layers: LayerRecord
     prefetch: dict  # prefetch_report: speculative prefetch in tokens
     recomputed_bad_chunks: bool = False
+    # what damaged stored KV cost the request beyond `io` (engine.REPAIR_COUNTS): the reads of its attempt abandoned
+    # at a bad chunk, the reads and writes of the repair after it, the damaged chunks that repair found
+    repair_io: dict = dataclasses.field(default_factory=dict)
     # tensor parallel: disk bytes each device's reader read of its own heads during the request (empty when no
     # read was split over devices; heads every device holds are read once and counted in io["disk_bytes"] only)
     disk_bytes_by_device: list[int] = dataclasses.field(default_factory=list)
