@@ -25,7 +25,7 @@ from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
 from specjax.kernels import resolve_impl as resolve_kernels
 from specjax.models import attention as attention_lib
-from specjax.eval import presets as presets_lib
+from specjax.eval import folders, presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import settings as settings_lib
 from specjax.eval import systems as systems_lib
@@ -63,13 +63,6 @@ def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str
         raise EvalError(f"cannot load model '{name}': {e}") from None
 
 
-def check_folder(flag: str, path: pathlib.Path) -> None:
-    """A folder flag must name a folder or nothing yet (it is created): never a file, nor a path through one."""
-    for part in [path, *path.parents]:
-        if part.exists() and not part.is_dir():
-            raise EvalError(f"{flag} {path}: {part} is a file, not a folder; give a folder (created if missing)")
-
-
 def implementations(kernel_impl: str) -> dict:
     """What the kernels (probe scoring, gathered attention) and the model's own attention ran as on this machine:
     the flag, $SPECJAX_KERNEL_IMPL / $SPECJAX_ATTENTION_IMPL and the platform resolved, so a figure names the code it
@@ -102,7 +95,26 @@ NOT_FINGERPRINTED = ("systems", "retention", "store", "output_dir", "preset")
 
 def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = False) -> dict:
     """One task end to end; returns the results dict it wrote. `resume`: reuse the runs an interrupted
-    evaluation into the same `output_dir` finished (see specjax.eval.partial)."""
+    evaluation into the same `output_dir` finished (see specjax.eval.partial). The results go into `output_dir`, or
+    beside it when it holds another evaluation's (`folders.OutputFolder`)."""
+    out = folders.OutputFolder(output_dir, resume=resume)
+    try:
+        return _run_task(model, values, out, resume)
+    except KeyboardInterrupt:
+        kept = (out.path or output_dir) / folders.PARTIAL
+        raise Interrupted(f"interrupted: the runs that finished are kept in {kept}; run the same command with "
+                          "--resume to run only the rest") from None
+    finally:
+        out.release()
+
+
+class Interrupted(EvalError):
+    """Ctrl-C during an evaluation: one line saying how to go on, exit status 130."""
+
+    exit_code = 130
+
+
+def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> dict:
     started = time.time()
     values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
     names = systems_lib.resolve(values["systems"])  # unknown systems fail before any work
@@ -140,6 +152,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
         options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values))
 
     code = code_version()
+    output_dir = out.claim()  # once the request is known to be sound, before any run
     partial = PartialRuns(output_dir, {
         **{k: v for k, v in values.items() if k not in NOT_FINGERPRINTED}, "limit": limit,
         "model_name": model.name, "weights": model.weights, "model_dtype": np.dtype(model.dtype).name,
@@ -150,7 +163,7 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     traces = _replayed(model, runs, settings)  # a trace that cannot be replayed fails before any work
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
-        store_dir = pathlib.Path(values["store"]).expanduser() if values["store"] else pathlib.Path(tmp)
+        store_dir = folders.store_folder(values["store"]) if values["store"] else pathlib.Path(tmp)
         done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial,
                               interleave=values["interleave"])
     progress.close()
@@ -174,6 +187,8 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
     if values["interleave"] and len(runs) > 1:
         notes.append("runs timed in turns (--interleave): each request by every run before the next request, the "
                      "first run of a turn rotating; all runs were warmed and compiled first and stayed open")
+    if out.moved_from is not None:
+        notes.append(f"written into {output_dir}: {out.moved_from} holds another evaluation's results")
     if partial.loaded:
         notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
                      "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
@@ -201,8 +216,12 @@ def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = Fa
                 "wall_s": time.time() - started,
                 "selections": _selections_record(values, traces),
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
-    written = report.write_all(results, output_dir)
-    report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
+    try:
+        written = report.write_all(results, output_dir)
+        report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
+    except OSError as e:
+        raise EvalError(f"could not write the results into {output_dir} ({e.strerror or e}); the finished runs are "
+                        f"kept in {partial.dir}: free space and run the same command with --resume") from None
     written.append(output_dir / "requests.jsonl")
     partial.discard()
     _print_summary(results, written)
@@ -285,9 +304,10 @@ def main(argv):
     systems_lib.resolve(values["systems"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
-    check_folder("--output_dir", base_dir)
+    folders.check_folder("--output_dir", base_dir)
     if values["store"]:
-        check_folder("--store", pathlib.Path(values["store"]).expanduser())
+        folders.store_folder(values["store"])
+    folders.check_writable("--output_dir", base_dir)
     model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"],
                        values["tensor_parallel"])
     for name in task_list:

@@ -20,6 +20,7 @@ import sys
 from absl import flags
 
 from specjax.eval import __main__ as eval_cli
+from specjax.eval import folders
 from specjax.eval.errors import EvalError
 from specjax.eval.units import parse_bandwidth
 
@@ -29,6 +30,7 @@ flags.DEFINE_bool("summarize_only", False, "Run nothing: rebuild sweep.json / .m
 FLAGS = flags.FLAGS
 
 SYSTEMS = ("recompute", "as_full", "cake")
+SWEEP_FILES = ("sweep.json", "sweep.md", "sweep.png")
 TOLERANCE = 1.05  # cake's TTFT may exceed the better of the two others by this factor (issue 6: "within 5%")
 
 
@@ -105,18 +107,24 @@ def main(argv):
             per_bandwidth[results["emulation"]["disk_bandwidth"]] = results
         if not per_bandwidth:
             raise EvalError(f"no {out}/disk-*/results.json to summarize; run the sweep first")
-    else:
+        _write(per_bandwidth, out)
+        return
+    with folders.OutputFolder(out, results=SWEEP_FILES) as claimed:  # never over an earlier sweep's
         model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"],
                                     values["revision"])
         for bandwidth in bandwidths:
             values["disk_bandwidth"] = f"{bandwidth:g}"
-            per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values), out / f"disk-{bandwidth / 1e6:g}MBps")
+            per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values),
+                                                         claimed.path / f"disk-{bandwidth / 1e6:g}MBps")
+        _write(per_bandwidth, claimed.path)
+
+
+def _write(per_bandwidth: dict, out: pathlib.Path) -> None:
     first = next(iter(per_bandwidth.values()))
     sweep = summarize(per_bandwidth)
     sweep.update(command=shlex.join(sys.argv), model=first["model"], task=first["task"], device=first["device"],
                  emulated="disk bandwidth (throttled link, demand reads first)",
                  runs={f"{b / 1e6:g}MB/s": r.get("command") for b, r in per_bandwidth.items()})
-    out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
     (out / "sweep.md").write_text(markdown(sweep))
     plot(sweep, out / "sweep.png")

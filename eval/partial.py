@@ -83,6 +83,19 @@ def requests_digest(requests) -> str:
     return h.hexdigest()[:16]
 
 
+def _read(path: pathlib.Path) -> dict:
+    """A saved run, or one line saying it is damaged (a save cut short by a full disk or a crash of the machine)."""
+    try:
+        saved = json.loads(path.read_text())
+        if isinstance(saved, dict) and {"fingerprint", "finished", "run"} <= saved.keys():
+            return saved
+        why = "not a saved run"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = "empty" if path.is_file() and path.stat().st_size == 0 else f"unreadable: {type(e).__name__}"
+    raise EvalError(f"cannot resume: {path} is damaged ({why}); delete that file to run {path.stem} again (the "
+                    "other saved runs are kept), then run the same command with --resume")
+
+
 class PartialRuns:
     """The finished runs of one evaluation under `<output_dir>/.partial/`, keyed by run label."""
 
@@ -96,7 +109,7 @@ class PartialRuns:
                             f"({', '.join(p.stem for p in saved)}); pass --resume to keep them and run only the "
                             "rest, or delete that folder to start over")
         for path in saved:
-            self._check(path, json.loads(path.read_text())["fingerprint"])
+            self._check(path, _read(path)["fingerprint"])
 
     def _check(self, path: pathlib.Path, fingerprint: dict) -> None:
         differ = sorted(k for k in fingerprint.keys() | self.fingerprint.keys()
@@ -112,7 +125,7 @@ class PartialRuns:
         path = self._path(label)
         if not path.is_file():
             return None
-        saved = json.loads(path.read_text())  # its fingerprint was checked when this evaluation started
+        saved = _read(path)  # its fingerprint was checked when this evaluation started
         run = saved["run"]
         run["outcomes"] = [systems_lib.as_outcome(o) for o in run["outcomes"]]
         self.loaded[label] = saved["finished"]
@@ -123,9 +136,15 @@ class PartialRuns:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self._path(label)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "run": dataclasses.asdict(run)}))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps({"fingerprint": self.fingerprint,
+                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                       "run": dataclasses.asdict(run)}))
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise EvalError(f"could not save the finished run {label} into {self.dir} ({e.strerror or e}); the runs "
+                            "saved before it are kept: free space and run the same command with --resume") from None
 
     def discard(self) -> None:
         """The evaluation's results are written: its saved runs are in them."""

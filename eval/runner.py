@@ -22,6 +22,7 @@ import dataclasses
 import fcntl
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import time
@@ -47,7 +48,8 @@ class Run:
     warm_s: float
     run_s: float
     sweep: bool = False  # several retentions in this run: keys carry the retention
-    # the base store it copied: {"base", "prefixes_written", "prefixes_reused", "prefixes_repaired"}
+    # the base store it copied: {"base", "prefixes_written", "prefixes_reused", "prefixes_repaired"}, and what
+    # damaged stored KV cost the run ({"damaged_chunks", "repair_disk_bytes", "repair_disk_bytes_written"})
     store: dict | None = None
     # what the system measured beyond its requests (the planner's cost model: rates, compute per plan, crossover)
     model: dict | None = None
@@ -225,7 +227,13 @@ class _Opened:
         # named as built: a system with options of its own carries them in its name ("spec-no_prefetch",
         # "spec_gqa-candidates2"), so a result never passes for the system's default form
         return Run(self.system.name, self.retention, self.outcomes, self.warm_s, self.run_s, sweep,
-                   folder.record(self.base, len(repaired)), summary)
+                   _with_repair_io(folder.record(self.base, len(repaired)), self.system), summary)
+
+
+def _with_repair_io(store: dict | None, system) -> dict | None:
+    """A run's base store record, with what damaged stored KV cost the run beyond its own I/O (the system's
+    `repair_io`: damaged chunks, repair_disk_bytes, repair_disk_bytes_written), where the system counts it."""
+    return None if store is None else {**store, **getattr(system, "repair_io", {})}
 
 
 class StoreFolder:
@@ -233,7 +241,8 @@ class StoreFolder:
     uses the folder, and this process's private copies under `runs/<id>/`, removed when it ends. A lock file per
     base store (`base-<key>.lock`) makes populating it exclusive and copying it shared, so a copy never catches a
     base store half written; `runs/<id>.lock` is held while the process lives, so a later process removes the
-    private copies of one that was killed."""
+    private copies of one that was killed: only folders named as this class names them that hold its mark
+    (`RUN_MARK`), never another folder of `runs/`."""
 
     def __init__(self, root: pathlib.Path):
         self.root = pathlib.Path(root)
@@ -287,7 +296,12 @@ class StoreFolder:
 
     @contextlib.contextmanager
     def _locked(self, base: pathlib.Path, how: int):
-        with open(base.with_name(base.name + ".lock"), "a") as f:
+        lock = base.with_name(base.name + ".lock")
+        try:
+            f = open(lock, "a")
+        except OSError as e:
+            raise EvalError(_lock_failed(lock, e)) from None
+        with f:
             fcntl.flock(f, how)
             try:
                 yield
@@ -303,6 +317,7 @@ class StoreFolder:
         fcntl.flock(self._alive, fcntl.LOCK_EX)
         self.private = runs / name
         self.private.mkdir()
+        (self.private / RUN_MARK).write_text(f"private run copies of process {os.getpid()}, removed when it ends\n")
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -318,9 +333,17 @@ def _link_or_copy(source: str, target: str) -> None:
     shutil.copy2(source, target)
 
 
+RUN_MARK = ".specjax-run-copies"  # in each folder of private copies StoreFolder makes
+_RUN_NAME = re.compile(r"^[0-9]+-[0-9a-f]{8}$")  # `_make_private`'s names: <pid>-<8 hex digits>
+
+
 def _remove_abandoned(runs: pathlib.Path) -> None:
-    """Private copies of processes that died without removing them: their lock file is no longer held."""
+    """Private copies of processes that died without removing them: folders this class made (its name pattern and
+    mark) whose lock file is no longer held. Anything else in `runs/` is left as it is."""
     for lock in runs.glob("*.lock"):
+        folder = lock.with_suffix("")
+        if not (_RUN_NAME.match(folder.name) and lock.is_file() and (folder / RUN_MARK).is_file()):
+            continue
         with open(lock, "a") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -328,6 +351,12 @@ def _remove_abandoned(runs: pathlib.Path) -> None:
                 continue  # its process is alive
             shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
             lock.unlink(missing_ok=True)
+
+
+def _lock_failed(lock: pathlib.Path, error: OSError) -> str:
+    what = "is a folder" if isinstance(error, IsADirectoryError) else f"cannot be opened ({error.strerror or error})"
+    return (f"the store's lock file {lock} {what}: the evaluation locks its base store there; move "
+            f"{'that folder' if isinstance(error, IsADirectoryError) else 'it'} away or give --store another folder")
 
 
 def _populated(counts) -> dict:

@@ -143,8 +143,10 @@ class StoreSettings:
                                          "one. Reads beyond it wait in its queue, demand before speculative, where a "
                                          "superseded speculative read is dropped unread.",
                                          check=_unless_none(parse_bytes))
-    store: str | None = setting(None, "Directory (or TensorStore kvstore path) for the prefix-KV store; default: a "
-                                "temporary directory removed at the end.")
+    store: str | None = setting(None, "Folder for the prefix-KV stores, kept for later runs (a path or file:///path; "
+                                "the evaluation hard-links each run's copy, so kvstore URLs such as gs:// are for "
+                                "the Python API, specjax.stores.KVStore); default: a temporary folder removed at "
+                                "the end.")
 
     __post_init__ = check_fields
 

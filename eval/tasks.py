@@ -99,7 +99,7 @@ class Files:
             raise EvalError(f"--data_dir {data_dir} is not a directory")
         for _, root in _data_dirs(data_dir):
             if all((root / f).is_file() for f in files):
-                read = [[spec.example(r) for r in self.read(*(root / f for f in s.files))] for s in splits]
+                read = [_examples(spec, self.read, [root / f for f in s.files]) for s in splits]
                 return read[0], read[1] if len(read) > 1 else [], str(root)
         return self._hub_examples(spec, splits, files, data_dir)
 
@@ -160,8 +160,8 @@ def _utf8_lines(file: pathlib.Path) -> list[str]:
         return file.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         line = file.read_bytes()[:e.start].count(b"\n") + 1
-        raise EvalError(f"{file}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as UTF-8 "
-                        f"JSONL") from None
+        raise EvalError(f"{file}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as "
+                        "UTF-8") from None
 
 
 def _mc_row(file: pathlib.Path, n: int, line: str) -> dict:
@@ -241,13 +241,37 @@ class TaskSpec:
 # ---------------------------------------------------------------- file readers (records -> rows)
 
 
+class DamagedFile(EvalError):
+    """A task's data file that cannot be read as its format (cut short, not UTF-8, a record without its fields)."""
+
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{where}: {why}; the task's data file is damaged: restore it from its source (the data "
+                         "folder's README names each file's)")
+
+
+def _examples(spec, read, paths: list[pathlib.Path]) -> list[Example]:
+    """A split's files read into examples; a record without the fields the task reads is a damaged file."""
+    rows = read(*paths)
+    try:
+        return [spec.example(r) for r in rows]
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise DamagedFile(", ".join(map(str, paths)), f"a record lacks what task '{spec.name}' reads "
+                          f"({type(e).__name__}: {str(e)[:80]})") from None
+
+
 def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    for n, line in enumerate(_utf8_lines(path), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise DamagedFile(f"{path}:{n}", f"not JSON ({e})") from None
+    return rows
 
 
 def _piqa_rows(items: pathlib.Path, labels: pathlib.Path) -> list[dict]:
-    rows, golds = _read_jsonl(items), labels.read_text().split()
+    rows, golds = _read_jsonl(items), " ".join(_utf8_lines(labels)).split()
     if len(rows) != len(golds):
         raise EvalError(f"{items.parent}: {len(rows)} items but {len(golds)} labels")
     return [{**r, "gold": y} for r, y in zip(rows, golds)]
@@ -260,9 +284,11 @@ def _rte_rows(path: pathlib.Path) -> list[dict]:
 
 def _sst2_rows(path: pathlib.Path) -> list[dict]:
     # one "<label> <sentence>" per line
-    with open(path, encoding="utf-8") as f:
-        pairs = [line.strip().split(" ", 1) for line in f if line.strip()]
-    return [{"sentence": sentence, "gold": label} for label, sentence in pairs]
+    pairs = [(n, line.strip().split(" ", 1)) for n, line in enumerate(_utf8_lines(path), 1) if line.strip()]
+    bad = next((n for n, pair in pairs if len(pair) != 2), None)
+    if bad is not None:
+        raise DamagedFile(f"{path}:{bad}", "not a '<label> <sentence>' line")
+    return [{"sentence": sentence, "gold": label} for _, (label, sentence) in pairs]
 
 
 def _ordered_prompt_rows(path: pathlib.Path) -> list[dict]:

@@ -19,7 +19,8 @@ class CheckpointError(SpecjaxError):
 
 
 def exit_on_error(main):
-    """Wrap a CLI main so a SpecjaxError (or StoreError) ends in one clear line and exit status 2."""
+    """Wrap a CLI main so a SpecjaxError (or StoreError) ends in one clear line and exit status 2 (or the error's
+    `exit_code`), and Ctrl-C in one line and status 130."""
 
     from specjax.stores.errors import StoreError  # stores cannot know SpecjaxError; catch its errors too
 
@@ -29,6 +30,9 @@ def exit_on_error(main):
             return main(*args, **kwargs)
         except (SpecjaxError, StoreError) as e:
             print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(getattr(e, "exit_code", 2))
+        except KeyboardInterrupt:
+            print("error: interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(130)
 
     return wrapper

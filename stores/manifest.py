@@ -219,7 +219,13 @@ class ManifestIO:
             return
         if self._lock_fd is None or self._lock_pid != os.getpid():  # a forked child must not share the lock
             os.makedirs(self.local_dir, exist_ok=True)
-            self._lock_fd = os.open(os.path.join(self.local_dir, LOCK_KEY), os.O_RDWR | os.O_CREAT, 0o644)
+            path = os.path.join(self.local_dir, LOCK_KEY)
+            try:
+                self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                what = "is a folder" if isinstance(e, IsADirectoryError) else f"cannot be opened ({e.strerror})"
+                raise ManifestError(f"the store's lock file {path} {what}: writers lock the manifest there; move "
+                                    "it away (the store's data is not in it)") from None
             self._lock_pid = os.getpid()
             weakref.finalize(self, os.close, self._lock_fd)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)

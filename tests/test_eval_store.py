@@ -93,9 +93,9 @@ def test_two_checkpoints_in_turn_keep_their_stores_apart_and_a_rerun_reuses_its_
     _assert_answers_its_own(tmp_path / "out0")
     _assert_answers_its_own(tmp_path / "out1")
     digests = [specjax.load_model(str(m), verify_checksums=False).weights_digest for m in (model0, model1)]
-    assert _bases(store) == sorted(f"base-prefixes-chunk16-weights-{d[:12]}" for d in digests)
+    assert _bases(store) == sorted(f"base-prefixes-chunk16-weights-{d[:12]}-float32" for d in digests)
     (base0,) = first["stores"]
-    assert base0.endswith(digests[0][:12]) and first["stores"][base0]["prefixes_written"] == 2
+    assert base0.endswith(f"{digests[0][:12]}-float32") and first["stores"][base0]["prefixes_written"] == 2
     assert second["stores"][base0.replace(digests[0][:12], digests[1][:12])]["prefixes_reused"] == 0
 
     again = _eval(model0, items, store, tmp_path / "again")
@@ -235,11 +235,12 @@ def test_disk_full_while_copying_the_base_store(tmp_path, monkeypatch):
 def test_private_copies_of_a_process_that_died_are_removed(tmp_path):
     base = _toy_base(tmp_path)
     runs = tmp_path / "runs"
-    (runs / "4242-dead" / "as_full").mkdir(parents=True)
-    (runs / "4242-dead.lock").touch()  # no process holds it: its owner is gone
+    (runs / "4242-deadbeef" / "as_full").mkdir(parents=True)
+    (runs / "4242-deadbeef" / runner.RUN_MARK).touch()  # made by a StoreFolder
+    (runs / "4242-deadbeef.lock").touch()  # no process holds it: its owner is gone
     with runner.StoreFolder(tmp_path) as folder, runner.StoreFolder(tmp_path) as other:
         mine = folder.private_copy(base, "as_full")
         theirs = other.private_copy(base, "as_full")  # a live process's copies are never touched
         assert mine != theirs and mine.is_dir() and theirs.is_dir()
-        assert not (runs / "4242-dead").exists() and not (runs / "4242-dead.lock").exists()
+        assert not (runs / "4242-deadbeef").exists() and not (runs / "4242-deadbeef.lock").exists()
         assert fsck(mine).ok and fsck(theirs).ok
