@@ -64,9 +64,10 @@ MODEL_SHAPES: dict[str, dict] = {
     "tiny-llama": _llama(64, 2, 4, 2, 128, 512, 10000.0, 2048, 1e-5),
     # 8 query heads on 4 KV heads: 3 probe heads spread over KV heads are not the first 3 query heads' KV heads
     "tiny-gqa": _llama(64, 2, 8, 4, 128, 512, 10000.0, 2048, 1e-5),
-    # Timing shapes (random weights only): a 7B model's KV geometry (layers, KV heads, head_dim; run them in its
-    # dtype) with almost no compute, so a CPU moves a GPU-sized request's KV through the data path.
-    "timing-qwen2.5-7b": _llama(512, 28, 4, 4, 512, 4096, 1e6, 32768, 1e-6, model_type="qwen2", head_dim=128),
+    # Timing shapes (random weights only): a 7B model's KV geometry and head counts (layers, query heads over KV
+    # heads, head_dim; run them in its dtype) with almost no compute (hidden 512, MLP 512, vocab 4096), so a CPU
+    # moves a GPU-sized request's KV through the data path, grouped as the real model groups its query heads.
+    "timing-qwen2.5-7b": _llama(512, 28, 28, 4, 512, 4096, 1e6, 32768, 1e-6, model_type="qwen2", head_dim=128),
     "timing-opt-6.7b": _llama(512, 32, 32, 32, 512, 4096, 10000.0, 32768, 1e-5, head_dim=128),
 }
 

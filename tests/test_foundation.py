@@ -14,7 +14,7 @@ import specjax
 from specjax import paths
 from specjax.checkpoint import save_model_dir
 from specjax.config import from_hf_config
-from specjax.configs.models import MODEL_SHAPES
+from specjax.configs.models import MODEL_SHAPES, TIMING_SHAPES
 from specjax.errors import CheckpointError, ModelNotFoundError, SpecjaxError
 from specjax.models.params import init_params, is_spec, param_specs
 
@@ -28,6 +28,18 @@ from specjax.models.params import init_params, is_spec, param_specs
 def test_registered_shapes_have_published_sizes(name, billions):
     specs = jax.tree.leaves(param_specs(from_hf_config(MODEL_SHAPES[name])), is_leaf=is_spec)
     assert sum(math.prod(s.shape) for s in specs) / 1e9 == pytest.approx(billions, rel=0.04)
+
+
+@pytest.mark.parametrize("timing, real", sorted(TIMING_SHAPES.items()))
+def test_timing_shapes_have_their_models_kv_geometry_and_head_counts(timing, real):
+    """A timing shape moves its model's KV and groups its query heads as that model does (spec_gqa is measured on
+    the grouping it is for), with a small fraction of its compute."""
+    t, r = from_hf_config(MODEL_SHAPES[timing]), from_hf_config(MODEL_SHAPES[real])
+    assert (t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim) == (r.num_layers, r.num_heads, r.num_kv_heads,
+                                                                       r.head_dim)
+    assert t.kv_bytes_per_token(2) == r.kv_bytes_per_token(2)
+    count = lambda cfg: sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+    assert count(t) < 0.05 * count(r)
 
 
 def test_opt350m_shape_is_post_ln_with_projections():
