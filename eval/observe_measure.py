@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from specjax import sharding
 from specjax.engine import EngineConfig, fingerprint, make_engine, make_system, steps
 from specjax.engine import identify
 from specjax.engine import state as st
@@ -189,6 +190,7 @@ def _layers(model, kv: inference.KVCache, ids, selections, *, with_scores: bool 
     kv_of_head = tuple(h // cfg.q_per_kv for h in range(cfg.num_heads))
     h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
     scores = []
+    pace = sharding.Pace(h)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
     for layer, lp in enumerate(params["layers"]):
         q, own_k, own_v = steps.project(cfg, lp, h, positions)
         if with_scores:
@@ -196,6 +198,7 @@ def _layers(model, kv: inference.KVCache, ids, selections, *, with_scores: bool 
             scores.append(np.asarray(s)[:, :m])
         h = steps.finish(cfg, lp, h, q, own_k, own_v, kv.k[layer], kv.v[layer], selections[layer], n,
                          impl=KERNEL_IMPL)
+        pace.step(h)
     return h, (np.stack(scores) if with_scores else None)
 
 

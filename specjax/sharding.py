@@ -19,6 +19,8 @@ process then places only its own devices' slices of the parameters (`specjax.dis
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -121,6 +123,54 @@ def kv_parts(cfg: ModelConfig, mesh: Mesh | None, heads: int) -> int:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+# How many layers a loop over them dispatches ahead of CPU devices of a mesh (`Pace`). XLA's CPU client runs each
+# device's part of a multi-device program on one pool of max(host cores, devices) threads; launching a program holds
+# a pool thread per device while that device already has its limit of programs queued (about 32: 34 chained
+# programs over 3 devices ran, 40 did not), and a collective (the all-reduce of the output projection and of the
+# MLP) needs a thread for every participant at once. With fewer threads than twice the mesh's devices (a 2-core host and
+# --xla_force_host_platform_device_count equal to tensor_parallel), a host that queues more than that ahead leaves a
+# participant without a thread, and the rendezvous aborts the process after 60 s (rc 134): `python -m specjax.eval
+# --tensor_parallel 3 --systems as_full,spec` on 3 devices did once in five runs, in spec's warm-up (its
+# continuation's layers), and a 96-layer tiny-llama's forward at tensor_parallel=2 on 2 devices did every time. On
+# average a layer of a request dispatches at most 13 programs on a device (contiguous_kv; spec 10, a continuation's
+# layer 6; tensor_parallel=2), so two layers in the queue stay below 32, and the host's next layer still overlaps
+# the device's current one.
+PACE_LAYERS = 1
+
+
+def paced(x) -> bool:
+    """Whether a loop over layers of arrays like `x` keeps to `Pace`: `x` (a mesh, or an array placed on one) spans
+    several CPU devices (PACE_LAYERS says why). One device runs no collective."""
+    if isinstance(x, Mesh):
+        devices = list(x.devices.flat)
+    else:
+        try:
+            devices = list(x.sharding.device_set)
+        except AttributeError:  # a host array, a traced value
+            return False
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
+class Pace:
+    """Keeps a loop over layers at most PACE_LAYERS layers ahead of CPU devices of a mesh (`paced`; see
+    PACE_LAYERS): `step(tree)`, once a layer's programs are dispatched (`tree`: its results), waits until the
+    layer PACE_LAYERS before it is done. Elsewhere it waits for nothing, and the host runs as far ahead as it does.
+    `wait(tree)` blocks until tree is ready (the engine's clock passes its own, which records the wait)."""
+
+    def __init__(self, like, wait=jax.block_until_ready):
+        self.ahead = PACE_LAYERS if paced(like) else 0
+        self._wait = wait
+        self._layers: collections.deque = collections.deque()
+
+    def step(self, tree):
+        """`tree` (returned); first, if this loop is paced, the wait for the layer PACE_LAYERS back."""
+        if self.ahead:
+            self._layers.append(tree)
+            if len(self._layers) > self.ahead:
+                self._wait(self._layers.popleft())
+        return tree
 
 
 def head_mesh(x) -> Mesh | None:

@@ -9,7 +9,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,14 +23,15 @@ EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
 WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
 
 
-def _worker(*cases: str) -> list[dict]:
+def _worker(*cases: str, devices: int = 8, flags: str = "") -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                          + f" --xla_force_host_platform_device_count={devices} {flags}").strip())
     done = subprocess.run([sys.executable, str(WORKER), *cases], env=env, capture_output=True, text=True,
                           timeout=600, cwd=WORKER.parent.parent)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["device_count"] == 8
+    assert report["device_count"] == devices
     return report["cases"]
 
 
@@ -91,6 +94,39 @@ def test_smollm2_matches_one_device():
     _check(four, q_heads_split=False, kv_heads_split=False)
     assert three["sharded_axes"] == ["ffw", "kv_heads", "q_heads"]
     _check(three, q_heads_split=True, kv_heads_split=True)
+
+
+# A collective whose participants have not all arrived aborts the process after this long (XLA's default: 60 s).
+STUCK_FLAGS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
+               "--xla_cpu_collective_call_terminate_timeout_seconds=10")
+
+
+def test_deep_model_on_as_many_devices_as_the_mesh():
+    """With exactly tensor_parallel forced devices, XLA's CPU client has no more threads than a collective needs, and
+    a host far enough ahead of the devices starved an all-reduce (the process aborted, rc 134; `python -m
+    specjax.eval --systems as_full,spec` did in spec's warm-up). Over 64 layers of real work each, the plain forward,
+    then as_full and spec one after another, each with a continuation, run to the end: every loop over layers keeps
+    to specjax.sharding.Pace."""
+    (deep,) = _worker("deep:tiny-llama:2", devices=2, flags=STUCK_FLAGS)
+    assert deep["devices"] == 2 and deep["layers"] == 64
+    assert deep["ran"] == ["logits", "as_full", "spec"]
+    assert all(deep["finite"].values()), deep["finite"]
+
+
+def test_pace_waits_only_on_cpu_meshes():
+    """A loop over arrays on several CPU devices waits, after each layer, for the layer PACE_LAYERS back; on one
+    device (or none) and on accelerators it waits for nothing."""
+    def on(*platforms):  # an array placed on devices of these platforms, as `paced` reads it
+        devices = [types.SimpleNamespace(platform=p) for p in platforms]
+        return types.SimpleNamespace(sharding=types.SimpleNamespace(device_set=devices))
+
+    assert not any(map(sh.paced, [None, np.zeros(3), jnp.zeros(3), on("cpu"), on("gpu", "gpu")]))
+    assert sh.paced(on("cpu", "cpu"))
+    for like, waits in ((jnp.zeros(3), []), (on("cpu", "cpu"), list(range(4 - sh.PACE_LAYERS)))):
+        waited = []
+        pace = sh.Pace(like, waited.append)
+        assert [pace.step(layer) for layer in range(4)] == [0, 1, 2, 3]
+        assert waited == waits
 
 
 def test_one_device_is_unchanged():

@@ -6,6 +6,9 @@ per (model, tensor_parallel) case, the parameters' placement, the largest first-
 system at retention 1.0 and whether every layer's selections at a lower retention equal one device's.
 
     python tests/tp_worker.py tiny-llama:4 tiny-opt:4 smollm2-135m:3
+
+A case `deep:NAME:N` instead runs a deeper, wider copy of NAME (DEEP_SHAPE) at tensor_parallel=N as an evaluation's
+systems run one after another (`deep`); the test runs it with as many forced devices as the mesh has.
 """
 
 from __future__ import annotations
@@ -37,16 +40,25 @@ FULL = ("recompute", "as_full", "spec")  # at retention 1.0: the single-device l
 PRUNED = {"spec": ("spec", {}), "spec_shared": ("spec", {"alpha": 50.0}), "as_h2o_lru": ("as_h2o_lru", {})}
 PRUNED_RETENTION = 0.25
 LAYERS = 4  # larger shapes are cut to this many layers (the per-layer work is the same)
+# `deep` cases: a copy of the shape with enough layers, each with enough device work over a DEEP_TOKENS-token prefix
+# and a DEEP_CONTINUATION-token continuation, that a host dispatching every layer before waiting queues far more
+# programs than XLA's CPU client runs without starving a collective (specjax.sharding.PACE_LAYERS)
+DEEP_SHAPE = {"num_layers": 64, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "head_dim": 32,
+              "intermediate_size": 1024}
+DEEP_TOKENS, DEEP_CONTINUATION = 1000, 500
+DEEP_SYSTEMS = ("as_full", "spec")  # in this order, on one model, as `--systems as_full,spec` runs them
 
 
-def _model_path(name: str, folder: pathlib.Path) -> str:
-    """A registered shape, or a copy of it with LAYERS layers (a folder with its config.json)."""
+def _model_path(name: str, folder: pathlib.Path, **changes) -> str:
+    """A registered shape, or a copy of it with `changes` to its config (default: at most LAYERS layers), a folder
+    with its config.json."""
     cfg = from_hf_config(MODEL_SHAPES[name])
-    if cfg.num_layers <= LAYERS:
+    changes = changes or {"num_layers": min(cfg.num_layers, LAYERS)}
+    if all(getattr(cfg, field) == value for field, value in changes.items()):
         return name
-    path = folder / name
+    path = folder / "-".join([name, *(f"{field}{value}" for field, value in sorted(changes.items()))])
     path.mkdir(parents=True, exist_ok=True)
-    save_config(dataclasses.replace(cfg, num_layers=LAYERS), path / "config.json")
+    save_config(dataclasses.replace(cfg, **changes), path / "config.json")
     return str(path)
 
 
@@ -123,6 +135,30 @@ def case(name: str, tp: int, folder: pathlib.Path) -> dict:
     return out
 
 
+def deep(name: str, tp: int, folder: pathlib.Path) -> dict:
+    """NAME's DEEP_SHAPE at tensor_parallel=`tp`: the plain forward's logits of a DEEP_TOKENS-token prefix, then
+    DEEP_SYSTEMS one after another (at PRUNED_RETENTION), each from a store holding the prefix, on a request with a
+    DEEP_CONTINUATION-token continuation, and how long each took. That each finished is the point: a host that
+    outruns the devices aborts the process."""
+    model = specjax.load_model(_model_path(name, folder, **DEEP_SHAPE), init="random", seed=1, tensor_parallel=tp)
+    req = _request(model, prefix_len=DEEP_TOKENS)
+    req.continuations = [np.random.default_rng(1).integers(0, model.config.vocab_size, DEEP_CONTINUATION).tolist()]
+    out = {"model": name, "tensor_parallel": tp, "layers": model.config.num_layers,
+           "devices": len(model.params["embed"].sharding.device_set), "ran": [], "took": {}, "finite": {}}
+    t = time.perf_counter()
+    logits = model.logits(req.prefix)
+    out["ran"].append("logits")
+    out["took"]["logits"], out["finite"]["logits"] = time.perf_counter() - t, bool(np.isfinite(logits).all())
+    for system in DEEP_SYSTEMS:
+        t = time.perf_counter()
+        result = _run(model, system, req, PRUNED_RETENTION)
+        out["ran"].append(system)
+        out["took"][system] = time.perf_counter() - t
+        out["finite"][system] = bool(np.isfinite(result.first_token_logits).all()
+                                     and np.isfinite(result.continuation_logprobs[0][0]))
+    return out
+
+
 def _disk(one, many) -> dict:
     """Disk bytes of the one-device and the sharded run, and what each device's reader read of its own heads."""
     return {"one": one.io.get("disk_bytes", 0), "one_probe": one.io.get("probe_disk_bytes", 0),
@@ -134,9 +170,10 @@ def main(args: list[str]) -> None:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for arg in args:
-            name, tp = arg.rsplit(":", 1)
+            kind, name, tp = arg.rsplit(":", 2) if arg.startswith("deep:") else ("case", *arg.rsplit(":", 1))
+            run = deep if kind == "deep" else case
             t = time.perf_counter()
-            results.append(case(name, int(tp), pathlib.Path(folder)) | {"seconds": time.perf_counter() - t})
+            results.append(run(name, int(tp), pathlib.Path(folder)) | {"seconds": time.perf_counter() - t})
     print(json.dumps({"device_count": jax.device_count(), "cases": results,
                       "seconds": time.perf_counter() - start}))
 

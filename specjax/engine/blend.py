@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding as sh
 from specjax.engine import events
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill, fingerprint
@@ -216,6 +217,7 @@ class BlendEngine(Engine):
         zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
         rotation = T.rotary_step(cfg, jnp.asarray(shift))  # see reposition_keys
         layers_kv, traced = [], []
+        pace = sh.Pace(self.mesh, clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
         for layer, lp in enumerate(params["layers"]):
             traced.append(recomputed)
             if loads[layer]:
@@ -241,6 +243,7 @@ class BlendEngine(Engine):
                 rows_pad = bucket(len(rows))
                 rows_dev = jnp.asarray(padded(rows, rows_pad, size))
                 h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
+            pace.step(h)
         logits = clock.device_wait(S.head_row(cfg, params, h, len(rows) - 1))
         # the context a continuation attends to: every token's mixed K/V (the computed rows are in it)
         context = SharedIndices(jnp.arange(size, dtype=jnp.int32), total)

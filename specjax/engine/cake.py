@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding as sh
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill
 from specjax.engine.layer_io import Clock
@@ -240,6 +241,7 @@ class CakeEngine(Engine):
         rotary = T.rotary_step(cfg, positions)
         selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
         layers_kv = []
+        pace = sh.Pace(self.mesh, clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
         for layer, lp in enumerate(params["layers"]):
             q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
             dispatched = time.monotonic()
@@ -250,6 +252,7 @@ class CakeEngine(Engine):
             if writer is not None:
                 writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
                                    own_k[self.probe_kv, :new_prefix])
+            pace.step(h)
         logits = clock.device_wait(S.head_row(cfg, params, h, n - 1))
         computed = min(split * c, m)
         prefill = Prefill(
@@ -325,11 +328,13 @@ class CakeEngine(Engine):
         rotary = T.rotary_step(cfg, positions)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         buffers = S.zero_buffers(cfg.num_layers, shape, dtype)
+        pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         for j in range(n_chunks):
             h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
             for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not
                 h, buffers[0], buffers[1] = self._chunk_layer(j, lp, h, positions, rotary, buffers[0], buffers[1],
                                                               c)
+                pace.step(h)
         rows = [jnp.zeros((cfg.num_kv_heads, c, cfg.head_dim), dtype)] * cfg.num_layers
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
 

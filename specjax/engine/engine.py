@@ -198,10 +198,12 @@ class Engine:
         h = T.embed_step(self.cfg, self.model.params, jnp.asarray(ids), positions)
         rotary = T.rotary_step(self.cfg, positions)
         start = match.length
+        pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         with writer:
             for layer, lp in enumerate(self.model.params["layers"]):
                 h, k, v = T.self_attention_layer(self.cfg, lp, h, positions, positions < n, rotary)
                 writer.write_layer(layer, k[:, start:n], v[:, start:n], k[self.probe_kv, start:n])
+                pace.step(h)
             writer.commit()
         return True
 
@@ -342,7 +344,7 @@ class Engine:
         io = LayerIO(self, match, r, m_pad, clock, first=head)
         opened.callback(io.close)
         if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
-            logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix)
+            logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix, clock)
             importance, traced = [], []
             own_tokens = 0  # the computed tokens' KV is the layers' buffers, as for a reused prefix
         else:
@@ -382,6 +384,7 @@ class Engine:
         positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
         rotary = T.rotary_step(cfg, positions)
+        pace = sh.Pace(self.mesh, io.clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
         layers_kv, importance, traced = [], [], []
         for layer, lp in enumerate(params["layers"]):
             if m == 0:  # nothing reused: the plain forward's layer (as models.inference.forward_hidden)
@@ -411,6 +414,7 @@ class Engine:
             if writer is not None:
                 writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
                                    own_k[self.probe_kv, :new_prefix])
+            pace.step(h)
         logits = io.clock.device_wait(S.head_row(cfg, params, h, n - 1))
         return logits, layers_kv, state, importance, traced
 
@@ -424,7 +428,7 @@ class Engine:
         keys, values = S.put_rows(keys, own_k, lo), S.put_rows(values, own_v, lo)
         return S.finish_plain(self.cfg, lp, h, q, keys, values, positions, lo + count), keys, values
 
-    def _prefill_chunked(self, tokens, writer, new_prefix):
+    def _prefill_chunked(self, tokens, writer, new_prefix, clock: Clock):
         """Chunked prefill of all tokens (none reused): chunk by chunk through every layer, each chunk's K/V
         written into per-layer buffers that later chunks attend to. The writer gets a layer's new prefix KV
         as soon as the last chunk has passed that layer. (first-token logits, per-layer KV)."""
@@ -435,6 +439,7 @@ class Engine:
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         keys = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         values = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
+        pace = sh.Pace(self.mesh, clock.device_wait)  # every chunk's layers in one queue (sharding.Pace)
         for j in range(n_chunks):
             lo = j * c
             count = min(c, n - lo)
@@ -450,6 +455,7 @@ class Engine:
                 if writer is not None and j == n_chunks - 1:
                     writer.write_layer(layer, keys[layer][:, :new_prefix], values[layer][:, :new_prefix],
                                        keys[layer][self.probe_kv, :new_prefix])
+                pace.step(h)
         logits = S.head_row(cfg, params, h, count - 1).block_until_ready()
         selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), n)
         return logits, [LayerKV(keys[i], values[i], selection, keys[i][:, :0], values[i][:, :0])
@@ -470,10 +476,12 @@ class Engine:
         positions = jnp.arange(m + n, m + n + c_pad, dtype=jnp.int32)
         h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
         rotary = T.rotary_step(cfg, positions)
+        pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         for lp, (prefix_k, prefix_v, selection) in zip(params["layers"], contexts):
             q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
             h = S.finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, c,
                         impl=self.config.kernel_impl)
+            pace.step(h)
         logits = np.concatenate([first_logits[None], np.asarray(T.head_step(cfg, params, h))[: c - 1]], 0)
         logprobs = log_softmax(logits)  # on the host: no device program per continuation length
         target = np.asarray(cont)

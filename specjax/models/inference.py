@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
 from specjax.config import ModelConfig
 from specjax.distributed import to_host
 from specjax.errors import SpecjaxError
@@ -43,8 +44,10 @@ def forward_hidden(cfg: ModelConfig, params: dict, ids) -> tuple[jnp.ndarray, in
     valid = positions < n
     h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
     rotary = T.rotary_step(cfg, positions)
+    pace = sharding.Pace(h)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
     for lp in params["layers"]:
         h, _, _ = T.self_attention_layer(cfg, lp, h, positions, valid, rotary)
+        pace.step(h)
     return h, n
 
 
@@ -98,10 +101,12 @@ def extend(cfg: ModelConfig, params: dict, cache: KVCache, ids) -> np.ndarray:
     positions = jnp.arange(start, start + width, dtype=jnp.int32)
     h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
     rotary = T.rotary_step(cfg, positions)
+    pace = sharding.Pace(h)  # as forward_hidden's
     for i, lp in enumerate(params["layers"]):
         h, cache.k[i], cache.v[i] = T.cached_layer(
             cfg, lp, h, positions, cache.k[i], cache.v[i], start, start + n, rotary
         )
+        pace.step(h)
     cache.length = start + n
     return to_host(T.head_step(cfg, params, h[:n]))
 
