@@ -370,6 +370,12 @@ def _tree_bytes(path: pathlib.Path) -> int:
 
 
 def _copy_failed(base: pathlib.Path, copy: pathlib.Path, error: BaseException) -> str:
+    if is_disk_full(error):
+        with contextlib.suppress(OSError):
+            if os.statvfs(copy.parent).f_favail == 0 and os.statvfs(copy.parent).f_files:
+                return (f"could not copy the base store {base} for a run (no free inodes at {copy.parent}: too many "
+                        "files, not too many bytes; the partial copy was removed): remove files you no longer need "
+                        "from that file system or give --store a folder on another")
     need, free = _tree_bytes(base), shutil.disk_usage(copy.parent).free
     why = "the disk is full" if is_disk_full(error) else f"{type(error).__name__}: {str(error)[:200]}"
     return (f"could not copy the base store {base} for a run ({why}; the partial copy was removed): a run needs "

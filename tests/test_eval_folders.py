@@ -287,3 +287,15 @@ def test_ctrl_c_is_one_line_naming_resume(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "run the same command with --resume to run only the rest" in errors[0], err
+
+
+def test_no_free_inodes_while_copying_the_base_store_says_inodes(tmp_path, monkeypatch):
+    base = _toy_base(tmp_path)
+    monkeypatch.setattr(os, "link", lambda *a, **k: _full())
+    monkeypatch.setattr(shutil, "copyfile", lambda *a, **k: _full())
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096,) * 2 + (10**6,) * 3 + (10**5, 0, 0)
+                                                                       + (0, 255)))
+    with runner.StoreFolder(tmp_path) as folder, pytest.raises(EvalError) as e:
+        folder.private_copy(base, "as_full")
+    assert "no free inodes at" in _one_line(e) and "too many files, not too many bytes" in str(e.value)
+    assert "disk is full" not in str(e.value)
