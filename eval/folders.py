@@ -13,10 +13,7 @@ import tempfile
 
 from specjax.eval.errors import EvalError
 from specjax.eval.partial import DIRNAME as PARTIAL  # an interrupted evaluation's finished runs
-
-# what an evaluation writes into its output folder (eval.report.write_all, write_requests)
-RESULT_FILES = ("results.json", "results.md", "requests.jsonl", "ttft_breakdown.png", "tradeoff.png",
-                "accuracy_vs_retention.png", "layers.png")
+from specjax.eval.report import RESULT_FILES  # what an evaluation writes into its output folder
 CLAIM = ".specjax-eval.lock"  # held by the evaluation writing into the folder, removed when it ends
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -66,8 +63,12 @@ def check_writable(flag: str, path: pathlib.Path) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise EvalError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a folder you can write to, "
-                        "on a disk with free space") from None
+        raise _cannot_write(flag, path, e) from None
+
+
+def _cannot_write(flag: str, path: pathlib.Path, error: OSError) -> EvalError:
+    return EvalError(f"{flag} {path}: cannot write there ({error.strerror or error}); give a folder you can write "
+                     "to, on a disk with free space")
 
 
 class OutputFolder:
@@ -122,7 +123,7 @@ class OutputFolder:
         for n in range(1, 10_000):
             path = base if n == 1 else base.with_name(f"{base.name}-{n}")
             check_folder("--output_dir", path)
-            if self._holds_results(path) or not self._try_claim(path):
+            if self._holds_results(path) or not self._try_claim(path):  # passed over untouched (it may be read-only)
                 continue
             if self._holds_results(path):  # written between the look and the claim
                 self.release()
@@ -143,8 +144,7 @@ class OutputFolder:
             path.mkdir(parents=True, exist_ok=True)
             lock = open(path / CLAIM, "a")
         except OSError as e:
-            raise EvalError(f"--output_dir {path}: cannot write there ({e.strerror or e}); give a folder you can "
-                            "write to, on a disk with free space") from None
+            raise _cannot_write("--output_dir", path, e) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -547,6 +547,11 @@ def plot_layers(results: dict, path: pathlib.Path) -> bool:
     return True
 
 
+# every file `write_all` and `write_requests` may write into an output folder
+RESULT_FILES = ("results.json", "results.md", "requests.jsonl", "ttft_breakdown.png", TRADEOFF_PNG,
+                "accuracy_vs_retention.png", "layers.png")
+
+
 def write_all(results: dict, output_dir: pathlib.Path) -> list[pathlib.Path]:
     """results.json, results.md and the plots that apply; returns the paths written."""
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from specjax.eval.errors import EvalError
 from specjax.eval.partial import PartialRuns
 from specjax.eval.progress import Progress
 from specjax.eval.workload import Workload
-from specjax.stores.errors import is_disk_full
+from specjax.stores.errors import free_bytes_without_inodes, is_disk_full, unopenable
 from specjax.stores.manifest import LOCK_KEY as MANIFEST_LOCK
 
 
@@ -354,8 +354,7 @@ def _remove_abandoned(runs: pathlib.Path) -> None:
 
 
 def _lock_failed(lock: pathlib.Path, error: OSError) -> str:
-    what = "is a folder" if isinstance(error, IsADirectoryError) else f"cannot be opened ({error.strerror or error})"
-    return (f"the store's lock file {lock} {what}: the evaluation locks its base store there; move "
+    return (f"the store's lock file {unopenable(lock, error)}: the evaluation locks its base store there; move "
             f"{'that folder' if isinstance(error, IsADirectoryError) else 'it'} away or give --store another folder")
 
 
@@ -370,12 +369,10 @@ def _tree_bytes(path: pathlib.Path) -> int:
 
 
 def _copy_failed(base: pathlib.Path, copy: pathlib.Path, error: BaseException) -> str:
-    if is_disk_full(error):
-        with contextlib.suppress(OSError):
-            if os.statvfs(copy.parent).f_favail == 0 and os.statvfs(copy.parent).f_files:
-                return (f"could not copy the base store {base} for a run (no free inodes at {copy.parent}: too many "
-                        "files, not too many bytes; the partial copy was removed): remove files you no longer need "
-                        "from that file system or give --store a folder on another")
+    if is_disk_full(error) and free_bytes_without_inodes(copy.parent) is not None:
+        return (f"could not copy the base store {base} for a run (no free inodes at {copy.parent}: too many files, "
+                "not too many bytes; the partial copy was removed): remove files you no longer need from that file "
+                "system or give --store a folder on another")
     need, free = _tree_bytes(base), shutil.disk_usage(copy.parent).free
     why = "the disk is full" if is_disk_full(error) else f"{type(error).__name__}: {str(error)[:200]}"
     return (f"could not copy the base store {base} for a run ({why}; the partial copy was removed): a run needs "

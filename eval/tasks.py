@@ -251,9 +251,8 @@ class DamagedFile(EvalError):
 
 def _examples(spec, read, paths: list[pathlib.Path]) -> list[Example]:
     """A split's files read into examples; a record without the fields the task reads is a damaged file."""
-    rows = read(*paths)
     try:
-        return [spec.example(r) for r in rows]
+        return [spec.example(r) for r in read(*paths)]
     except (KeyError, ValueError, TypeError, IndexError) as e:
         raise DamagedFile(", ".join(map(str, paths)), f"a record lacks what task '{spec.name}' reads "
                           f"({type(e).__name__}: {str(e)[:80]})") from None

@@ -127,16 +127,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 # How many layers a loop over them dispatches ahead of CPU devices of a mesh (`Pace`). XLA's CPU client runs each
 # device's part of a multi-device program on one pool of max(host cores, devices) threads; launching a program holds
-# a pool thread per device while that device already has its limit of programs queued (about 32: 34 chained
-# programs over 3 devices ran, 40 did not), and a collective (the all-reduce of the output projection and of the
-# MLP) needs a thread for every participant at once. With fewer threads than twice the mesh's devices (a 2-core host and
-# --xla_force_host_platform_device_count equal to tensor_parallel), a host that queues more than that ahead leaves a
-# participant without a thread, and the rendezvous aborts the process after 60 s (rc 134): `python -m specjax.eval
-# --tensor_parallel 3 --systems as_full,spec` on 3 devices did once in five runs, in spec's warm-up (its
-# continuation's layers), and a 96-layer tiny-llama's forward at tensor_parallel=2 on 2 devices did every time. On
-# average a layer of a request dispatches at most 13 programs on a device (contiguous_kv; spec 10, a continuation's
-# layer 6; tensor_parallel=2), so two layers in the queue stay below 32, and the host's next layer still overlaps
-# the device's current one.
+# a pool thread per device while that device already has its limit of programs queued (about 32), and a collective
+# (the all-reduce of the output projection and of the MLP) needs a thread for every participant at once. With fewer
+# threads than twice the mesh's devices (a 2-core host and --xla_force_host_platform_device_count equal to
+# tensor_parallel), a host that queues more than that ahead leaves a participant without a thread and the
+# rendezvous aborts the process. A layer of a request dispatches well under 16 programs on a device, so two layers in
+# the queue stay below the limit, and the host's next layer still overlaps the device's current one.
 PACE_LAYERS = 1
 
 

@@ -28,7 +28,7 @@ def disk_full_message(doing: str, path, fix: str) -> str:
     """The one-line message of a write that found no room while `doing` (e.g. "writing the KV store at DIR"): disk
     full and `fix`, or, where `os.statvfs(path)` shows free bytes but no free inodes, that the file system's inodes
     are exhausted and how to get some back. `path` need not be local (then the message says disk full)."""
-    free = _free_bytes_without_inodes(path)
+    free = free_bytes_without_inodes(path)
     if free is None:
         return f"disk full while {doing}; {fix}"
     return (f"inodes exhausted while {doing}: its file system has {free / 1e6:.1f} MB free but no free inodes (too "
@@ -36,7 +36,7 @@ def disk_full_message(doing: str, path, fix: str) -> str:
             f"store to one with more inodes (reads still work)")
 
 
-def _free_bytes_without_inodes(path) -> int | None:
+def free_bytes_without_inodes(path) -> int | None:
     """The bytes free to this process on the file system at `path` if no inode is free there, else None (inodes left, an
     inode count it does not report, no bytes free either, or no such local path)."""
     try:
@@ -45,3 +45,10 @@ def _free_bytes_without_inodes(path) -> int | None:
         return None
     free = st.f_bavail * st.f_frsize
     return free if st.f_files and not st.f_favail and free else None
+
+
+def unopenable(path, error: OSError) -> str:
+    """How a lock file at `path` failed to open, for a message: it is a folder, or why it cannot be opened."""
+    if isinstance(error, IsADirectoryError):
+        return f"{path} is a folder"
+    return f"{path} cannot be opened ({error.strerror or error})"

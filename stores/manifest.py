@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 import xxhash
 
-from specjax.stores.errors import ManifestError, StoreMismatchError
+from specjax.stores.errors import ManifestError, StoreMismatchError, unopenable
 
 FORMAT = "specjax-kvstore/3"  # 3: one extent per segment, layer and kind, xxh3 checksums (2: a file per chunk, crc32)
 OLDER_FORMATS = {"specjax-kvstore/1": "one file and one checksum per chunk",
@@ -223,9 +223,8 @@ class ManifestIO:
             try:
                 self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                what = "is a folder" if isinstance(e, IsADirectoryError) else f"cannot be opened ({e.strerror})"
-                raise ManifestError(f"the store's lock file {path} {what}: writers lock the manifest there; move "
-                                    "it away (the store's data is not in it)") from None
+                raise ManifestError(f"the store's lock file {unopenable(path, e)}: writers lock the manifest there; "
+                                    "move it away (the store's data is not in it)") from None
             self._lock_pid = os.getpid()
             weakref.finalize(self, os.close, self._lock_fd)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
