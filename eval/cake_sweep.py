@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 
 SYSTEMS = ("recompute", "as_full", "cake")
 SWEEP_FILES = ("sweep.json", "sweep.md", "sweep.png")
-TOLERANCE = 1.05  # cake's TTFT may exceed the better of the two others by this factor (issue 6: "within 5%")
+TOLERANCE = 1.05  # cake's TTFT may exceed the better of the two others by this factor ("within 5%")
 
 
 def summarize(per_bandwidth: dict[float, dict]) -> dict:

@@ -127,9 +127,9 @@ def gqa_notes(res: dict, cfg) -> str:
 
 def kv_head_section(res: dict, cfg) -> str:
     """spec_gqa's test beside the engine's ITF: pass rate and what a passing layer's shared set keeps of every head's
-    own set, per alpha and per layer, with the accuracy each keeps (issue 22)."""
+    own set, per alpha and per layer, with the accuracy each keeps."""
     main, acc, tests = res["main_retention"], res["accuracy"], res["kv_heads"]
-    L = [f"### spec_gqa's test: KV-head probes (issue 22), retention {main:.0%}, oracle scores\n",
+    L = [f"### spec_gqa's test: KV-head probes, retention {main:.0%}, oracle scores\n",
          "spec_gqa's probes are the first KV heads (one per group; `GroupedITF`), each scoring with all of its query "
          "heads (normalised, summed); ITF's test across them and, with several query heads per KV head, the guard "
          "(the shared set keeps spec_gqa's min_head_share of every query head's own top-k attention); passing, every "

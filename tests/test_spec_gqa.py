@@ -1,4 +1,4 @@
-"""spec_gqa (issue 22): ITF with KV-head probes and candidates from per-chunk key summaries; the summaries (store) and
+"""spec_gqa: ITF with KV-head probes and candidates from per-chunk key summaries; the summaries (store) and
 Quest's chunk bounds (kernels.quest) it rests on."""
 
 import dataclasses

@@ -6,7 +6,7 @@ retention (override with --retention 0.1 or 0.5); every system on the same reque
 """
 
 PRESET = {
-    "description": "spec_gqa vs as_h2o_lfu and spec on four multiple-choice tasks (issue 22)",
+    "description": "spec_gqa vs as_h2o_lfu and spec on four multiple-choice tasks",
     "tasks": ["piqa", "copa", "openbookqa", "rte"],
     "flags": {
         "systems": "as_h2o_lfu,spec,spec_gqa",

@@ -318,7 +318,7 @@ class Chunks:
 
 
 class GroupedITF:
-    """spec_gqa (issue 22): ITF whose probes are KV heads, the unit in which keys and values are stored and read.
+    """spec_gqa: ITF whose probes are KV heads, the unit in which keys and values are stored and read.
 
     Each probe KV head (the first `num_probe_heads` KV heads, one per group) scores the prefix with all of its query
     heads, their H2O scores normalised and summed; the probes' mean pairwise Jaccard is tested against t = j ** alpha

@@ -1,4 +1,4 @@
-"""Selection traces (issue 40): what identification saw in a run of a real model, recorded, and replayed in a timing
+"""Selection traces: what identification saw in a run of a real model, recorded, and replayed in a timing
 run of another shape, so that a random-weight run at 7B scale selects the way a trained model does.
 
 Identification decides from attention scores: every policy of `specjax.engine.identify` turns the H2O scores of

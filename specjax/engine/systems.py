@@ -94,7 +94,7 @@ SYSTEMS: dict[str, System] = {
                description="IMPRESS: probe-head keys, important KV, score cache"),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
                description="SPEC: IMPRESS + layer-aware speculative prefetch"),
-        # grouped-query-aware identification (issue 22): probes are KV heads, every query head keeps 90% of its
+        # grouped-query-aware identification: probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
         System("spec_gqa", identify="gqa_itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
