@@ -181,7 +181,7 @@ def _observe_repaired(engine, requests: list[Request]) -> None:
     """A prefix the first pass stored anew (a chunk of it failed its checksum) holds no importance: the request
     that met the damage was recomputed. Its first-pass requests run again on the repaired store, so that the
     reordering repacks it as it repacks the others."""
-    repaired = set(engine.repaired)
+    repaired = set(getattr(engine, "repaired", ()))  # an engine stand-in may keep none
     if not repaired:
         return
     for r in requests:
