@@ -135,6 +135,12 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
                "read_requests_per_request": _ratio(get("read_requests"), len(outs)),
                "bytes_per_read": get("disk_bytes") / get("read_requests") if get("read_requests") else None,
                "host_to_device_transfers_per_request": _ratio(get("host_to_device_transfers"), len(outs)),
+               # beyond the contract: the bytes of the vectors the layers took (the probe keys or keys they score
+               # with, and the rows they attend to), host->device bytes per such byte, and of those bytes the whole
+               # chunks written into the device tier's pages (after each first token)
+               "used_token_bytes": int(get("used_token_bytes")),
+               "host_to_device_per_used": _ratio(get("host_to_device_bytes"), get("used_token_bytes")),
+               "device_page_bytes_per_request": _ratio(get("device_page_bytes"), len(outs)),
                # beyond the contract: what damaged stored KV made the timed requests read and write, not in disk_bytes
                "repair_disk_bytes": int(get("repair_disk_bytes")),
                "repair_disk_bytes_written": int(get("repair_disk_bytes_written"))},
@@ -314,6 +320,11 @@ def write_json(results: dict, path: pathlib.Path) -> None:
 # ---------------------------------------------------------------- results.md
 
 
+def _per_taken(io: dict) -> str:
+    ratio = io.get("host_to_device_per_used")
+    return f"{ratio:.2f}" if ratio else "-"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -450,11 +461,19 @@ def markdown(results: dict) -> str:
                     "at its measured rate, longer than a guess costs the host (measured too); the next layer then "
                     "reads its set on demand (`Speculator.pays`)."]
     out += ["", "## Reads, transfers and compiles (means per timed request; compiles: total)", ""]
-    out.append(_table(["system", "read requests", "bytes per read", "host->device transfers", "compiles timed"], [
+    out.append(_table(["system", "read requests", "bytes per read", "host->device transfers",
+                       "host->device / taken", "of which device pages", "compiles timed"], [
         [k, f"{s['io']['read_requests_per_request']:.1f}",
          _fmt_bytes(s["io"]["bytes_per_read"]) if s["io"]["bytes_per_read"] is not None else "-",
-         f"{s['io']['host_to_device_transfers_per_request']:.1f}", str(s["compilations_timed"])]
+         f"{s['io']['host_to_device_transfers_per_request']:.1f}", _per_taken(s["io"]),
+         _fmt_bytes(s["io"]["device_page_bytes_per_request"]) if "device_page_bytes_per_request" in s["io"] else "-",
+         str(s["compilations_timed"])]
         for k, s in systems.items()]))
+    out += ["", "`host->device / taken`: the bytes that crossed to the device per byte of the vectors the layers took "
+                "(their probe keys, or the keys they score with, and the rows they attend to; results.json "
+                "`io.used_token_bytes`); above 1: whole chunks, padding or the device tier's page writes crossed too. "
+                "`of which device pages`: per request, the whole chunks written into the device tier after its first "
+                "token."]
     split = {k: s["split"] for k, s in systems.items() if s.get("split")}
     if split:
         out += ["", "## Cake: stored prefix computed on the device vs loaded (mean per request)", ""]

@@ -50,7 +50,7 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   repair_disk_bytes / repair_disk_bytes_written: what damaged stored KV made the request read (an attempt given up
 #   at a bad chunk, the repair's checks) and write (the repair), counted apart from disk_bytes, the system's own reads
 COUNTER_KEYS = (
-    "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "chunks_read", "used_token_bytes", "read_requests",
+    "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "device_page_bytes", "chunks_read", "used_token_bytes", "read_requests",
     "host_to_device_transfers",
     "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",

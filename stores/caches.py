@@ -2,7 +2,8 @@
 
 The device tier decides which chunks are on the device; its memory is a page pool (stores.pool) that mirrors its
 decisions, and it keeps each chunk's host copy as the source of a later demotion (a demotion then copies nothing
-back). Every chunk also lives on disk, so eviction never writes. Each tier is a lazy min-heap by score: a chunk enters
+back). The host tier keeps its chunks in the slots of a host page array (stores.pool.HostPages), so that a take
+gathers all its host hits' rows in one step. Every chunk also lives on disk, so eviction never writes. Each tier is a lazy min-heap by score: a chunk enters
 or is promoted into a tier only if it outscores the chunks it would push out (SPEC IV-D, ContiguousKV 4.4).
 Policies: `lru` (recency), `lfu` (frequency), `spec_score` (frequency x moving-average fraction of important
 tokens in the chunk) and `attention_score` (cumulative importance x frequency); ties go to the more recent.
@@ -56,6 +57,10 @@ def make_score(policy: str, ema: float = 0.5):
     raise ValueError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def chunk_keys(layer: int, kind: int, chunks) -> list:
     """The cache keys (layer, kind, chunk id) of `chunks`, built without a Python step per chunk."""
     return list(zip(itertools.repeat(layer), itertools.repeat(kind), np.asarray(chunks, np.int64).tolist()))
@@ -89,17 +94,20 @@ class _Tier:
             heapq.heapify(self._heap)
 
     def put(self, key, array, score) -> None:
+        if self.listener is not None:  # the host tier's pages keep a copy, and the tier its view
+            array = _or(self.listener.placed(key, array), array)
         self.items[key] = array
         self.used_bytes += array.nbytes
         self.push(key, score)
-        if self.listener is not None:
-            self.listener.placed(key, array)
 
     def pop(self, key):
+        """The chunk `key` leaves the tier; returned as an array of its own (a host page's slot is free again)."""
         array = self.items.pop(key)
         self._latest.pop(key, None)
         self.used_bytes -= array.nbytes
         if self.listener is not None:
+            if self.listener.copies_out:
+                array = np.array(array)
             self.listener.removed(key)
         return array
 
@@ -144,12 +152,17 @@ class TieredCache:
         self._read_bytes = 0
         # what `settle` applies, in order: (_USE, keys, their uses) per lookup, (_READ, keys, chunks) per read
         self._later: list = []
+        self.host_pages = None  # the host tier's page arrays, once attached
 
-    def attach(self, pool) -> None:
-        """Mirror the device tier in `pool` (stores.pool.DevicePool): told of every chunk placed and dropped."""
-        if self.tiers[DEVICE].items:
-            raise ValueError("attach the page pool before the device tier holds chunks")
+    def attach(self, pool, host_pages=None) -> None:
+        """Mirror the device tier in `pool` (stores.pool.DevicePool) and the host tier in `host_pages`
+        (stores.pool.HostPages, optional): each told of every chunk its tier places and drops."""
+        if self.tiers[DEVICE].items or (host_pages is not None and self.tiers[HOST].items):
+            raise ValueError("attach the page pools before the tiers hold chunks")
         self.tiers[DEVICE].listener = pool
+        if host_pages is not None:
+            self.tiers[HOST].listener = host_pages
+        self.host_pages = host_pages
 
     # -- accounting ----------------------------------------------------------------------------
 

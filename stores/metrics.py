@@ -16,6 +16,7 @@ class StoreMetrics:
     disk_bytes_written: int = 0
     host_to_device_bytes: int = 0
     host_to_device_transfers: int = 0  # host->device copies (one batched copy counts once)
+    device_page_bytes: int = 0     # of host_to_device_bytes, whole chunks written into the device tier's pages
     device_hits: int = 0           # chunk lookups answered by the device tier
     host_hits: int = 0
     misses: int = 0                # chunk lookups that had to go to disk

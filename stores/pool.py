@@ -1,5 +1,7 @@
-"""The device cache tier's memory: store chunks as pages of one fixed-shape device array, as paged attention keeps
-its KV blocks, and takes that read tokens out of it through a block table.
+"""The cache tiers' memory: store chunks as pages of one fixed-shape array per tier and head count, as paged
+attention keeps its KV blocks, and takes that read tokens out of them through a block table. The device tier's pages
+are a device array (`DevicePool`); the host tier's a host array (`HostPages`), which a device that reads host memory
+(a CPU device) reads in place.
 
 One page array per head count (K/V pages, and probe pages where the probe heads are fewer): `[slots, heads,
 chunk_tokens, head_dim]` holding the store dtype's bits as unsigned integers of its width (XLA:CPU scatters bfloat16
@@ -10,11 +12,12 @@ budget). `TieredCache` decides what the tier keeps and tells the pool (`placed` 
 chunk a slot and writes it there, with every other page placed since, in one batched copy: when the request that
 placed it ends (`flush`, after its first token), or at the next take that reads the array if that comes first.
 
-A take is then at most three device steps however many chunks it touches: that write, one copy of the rows of
-chunks the tier does not keep (read from disk, host-cache hits; only the needed vectors, or a whole layer's landing
-buffer as it is, `gather_extent`), and one gather of the take's tokens, each row from its chunk's slot and offset
-(the block table) or from those copied rows. Shapes come
-from fixed buckets (pages written per step, tokens per take), so a take of a size seen before compiles nothing.
+A take is then at most three device steps however many chunks it touches: that write, one copy of the rows no
+page array of the device holds (read from disk, and host-cache hits where the device does not read host memory; only
+those rows, in an array of a quarter, half, three quarters or all of the take's size, `staged_size`, or a whole
+layer's landing buffer as it is, `gather_extent`), and one gather of the take's tokens, each row from its chunk's slot
+and offset (the block table) or from those copied rows. Shapes come from fixed buckets (pages written per step,
+tokens per take, parts of a take), so a take of a size seen before compiles nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import mmap
 import threading
 
 import jax
@@ -58,16 +62,34 @@ def _pages_in_order(pages, size, count):
     return jnp.where((jnp.arange(size) < count)[None, :, None], rows, jnp.zeros((), pages.dtype))
 
 
+STAGED_PARTS = 4  # a take's host rows cross in an array of a quarter, half, three quarters or all of its size
+
+
+def staged_size(size: int, rows: int) -> int:
+    """The rows of the host array that carries `rows` of a take of `size` rows to the device: the next multiple of
+    a quarter of `size` (sizes are buckets, multiples of 16), so a take compiles one gather per part."""
+    part = max(1, size // STAGED_PARTS)
+    return min(size, -(-max(rows, 1) // part) * part)
+
+
 @functools.partial(jax.jit, static_argnames="dtype")
-def _gather(pages, table, staged, dtype=None):
-    """[heads, size, d] of staged's dtype (or `dtype` where staged is None): row i from pages[slot, :, offset] with
-    (slot, offset) = table[:, i] where slot >= 0, else staged[:, i], or zeros where staged is None (made inside the
-    step: a zeros array of the take's size made by a step of its own cost a CPU device as much as the gather).
-    `pages` may hold the bits of that dtype (the pool's page arrays)."""
+def _gather(pages, table, staged, host=None, dtype=None):
+    """[heads, size, d] of staged's dtype (or `dtype` where staged is None): with (slot, offset, j, h) = table[:, i],
+    row i from pages[slot, :, offset] where slot >= 0, else host[h, :, offset] where h >= 0, else staged[:, j] where
+    j >= 0, else zeros (made inside the step: a zeros array of the take's size made by a step of its own cost a CPU
+    device as much as the gather). `staged` [heads, <= size, d] holds only the rows in neither page array, or is
+    None; `host` is the host tier's page array where the device reads host memory (`HostPages.on_device`), or None.
+    `pages` and `host` may hold the bits of that dtype (the pools' page arrays)."""
     dtype = dtype if staged is None else staged.dtype
-    slots, offsets = table[0], table[1]
-    rows = jax.lax.bitcast_convert_type(jnp.swapaxes(pages[jnp.maximum(slots, 0), :, offsets], 0, 1), dtype)
-    return jnp.where((slots >= 0)[None, :, None], rows, jnp.zeros((), dtype) if staged is None else staged)
+    slots, offsets, index, host_slots = table[0], table[1], table[2], table[3]
+    rows_of = lambda array, at: jax.lax.bitcast_convert_type(  # noqa: E731
+        jnp.swapaxes(array[jnp.maximum(at, 0), :, offsets], 0, 1), dtype)
+    out = jnp.zeros((), dtype)
+    if staged is not None:
+        out = jnp.where((index >= 0)[None, :, None], staged[:, jnp.maximum(index, 0)], out)
+    if host is not None:
+        out = jnp.where((host_slots >= 0)[None, :, None], rows_of(host, host_slots), out)
+    return jnp.where((slots >= 0)[None, :, None], rows_of(pages, slots), out)
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,6 +106,8 @@ class _Pages:
 
 class DevicePool:
     """The device tier's pages (`placed`/`removed` from TieredCache) and the takes that read them (`gather`)."""
+
+    copies_out = False  # the tier keeps each chunk's host copy itself: what leaves it is that copy
 
     def __init__(self, layout: Layout, device_bytes: int, *, metrics: StoreMetrics | None = None,
                  pcie_bandwidth: float | None = None, device: jax.Device | None = None):
@@ -103,6 +127,7 @@ class DevicePool:
             array = jax.device_put(np.zeros((slots + 1, heads, c, d), page_dtype(layout.np_dtype)), device)
             self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
+        self.host_pages: HostPages | None = None  # the host tier's pages, which takes may read in place
 
     def _of(self, key) -> _Pages:
         return self._pages[self.layout.heads(key[1])]
@@ -173,24 +198,38 @@ class DevicePool:
                         pages.pending.pop(slot, None)
                         self._free(pages, slot)
 
-    def gather(self, kind: int, slots: np.ndarray, offsets: np.ndarray, staged: np.ndarray | jax.Array | None
-               ) -> jax.Array:
-        """`[heads, size, d]` on the device: row i from slot slots[i] (>= 0) at offsets[i], else from `staged`
-        (rows `[heads, size, d]` on the host or already on the device, None if every row is in a slot). Pages placed
-        since the last gather from this page array are written first; a take with no row in a slot is its host
-        rows' one copy."""
+    def gather(self, kind: int, slots: np.ndarray, offsets: np.ndarray, staged: np.ndarray | jax.Array | None,
+               index: np.ndarray | None = None, host_slots: np.ndarray | None = None) -> jax.Array:
+        """`[heads, size, d]` on the device: row i from slot slots[i] (>= 0) at offsets[i], else from slot
+        host_slots[i] (>= 0) of the host tier's pages where the device reads them (`HostPages.on_device`), else row
+        index[i] of `staged` (on the host or already on the device; None if no row is there), zeros where index[i]
+        < 0. `staged` has `staged_size` rows; without `index` it has the take's size and row i is its row i. Pages
+        placed since the last gather from this page array are written first; a take with no row in a slot is its
+        host rows' one copy. Host-page rows count as crossing (`host_to_device_bytes`): they are read in place on
+        a device that shares host memory, and would cross on any other."""
         pages = self._pages[self.layout.heads(kind)]
         size = len(slots)
         if (kind, size) not in self._compiled:
             self.compile(kind, size)
         if isinstance(staged, np.ndarray):
             staged = self._to_device(staged)
-        if staged is not None and not (slots >= 0).any():
+        host = self._host_array(kind)
+        from_host = 0 if host_slots is None else int((host_slots >= 0).sum())
+        if staged is not None and staged.shape[1] == size and index is None and not (slots >= 0).any() \
+                and not from_host:
             return staged
-        table = np.stack([slots, offsets]).astype(np.int32)
+        if from_host:
+            self.metrics.add(host_to_device_bytes=from_host * self.layout.token_nbytes(kind),
+                             host_to_device_transfers=1)
+        table = np.stack([slots, offsets, np.arange(size) if index is None else index,
+                          np.full(size, -1) if host_slots is None else host_slots]).astype(np.int32)
         with self._device_lock:
             self._write_pending(pages)
-            return _gather(pages.array, table, staged, dtype=self.layout.np_dtype)
+            return _gather(pages.array, table, staged, host, dtype=self.layout.np_dtype)
+
+    def _host_array(self, kind: int) -> jax.Array | None:
+        """The host tier's page array of `kind` as the device reads it, or None (`HostPages.on_device`)."""
+        return None if self.host_pages is None else self.host_pages.on_device(kind)
 
     def gather_extent(self, kind: int, extent: np.ndarray, table: np.ndarray) -> jax.Array:
         """`[heads, size, d]` on the device from a host buffer of whole chunks `[n, heads, chunk_tokens, d]` (pages:
@@ -201,6 +240,7 @@ class DevicePool:
         stored_order = np.arange(count)
         if (table[0, :count] == stored_order // c).all() and (table[1, :count] == stored_order % c).all():
             return _pages_in_order(self._to_device(extent), table.shape[1], count)  # no gather: a reshape
+        table = np.concatenate([table, np.full((2, table.shape[1]), -1, np.int32)])
         return _gather(self._to_device(extent), table, None, dtype=extent.dtype)
 
     def flush(self) -> None:
@@ -221,24 +261,28 @@ class DevicePool:
             for j, (_, chunk) in enumerate(part):
                 data[j] = chunk.view(data.dtype)
             slots = padded(np.array([slot for slot, _ in part]), n, pages.array.shape[0])
-            pages.array = write_pages(pages.array, slots.astype(np.int32), self._to_device(data))
+            pages.array = write_pages(pages.array, slots.astype(np.int32), self._to_device(data, page_write=True))
 
-    def _to_device(self, host: np.ndarray) -> jax.Array:
+    def _to_device(self, host: np.ndarray, page_write: bool = False) -> jax.Array:
         if self.pcie is not None:
             self.pcie.consume(host.nbytes)
-        self.metrics.add(host_to_device_bytes=host.nbytes, host_to_device_transfers=1)
+        self.metrics.add(host_to_device_bytes=host.nbytes, host_to_device_transfers=1,
+                         device_page_bytes=host.nbytes if page_write else 0)
         return jax.device_put(host, self.device)
 
     def compile(self, kind: int, size: int) -> None:
         """Compile a take of `size` rows of `kind` (its gather, and every write step's size), so that a later take
         of that size compiles nothing whatever the tier then holds."""
         pages = self._pages[self.layout.heads(kind)]
-        shape = (self.layout.heads(kind), size, self.layout.head_dim)
-        table = np.zeros((2, size), np.int32)
+        heads, d = self.layout.heads(kind), self.layout.head_dim
+        table = np.zeros((4, size), np.int32)
+        staged_sizes = sorted({staged_size(size, rows) for rows in range(1, size + 1)})
+        host = self._host_array(kind)
         with self._device_lock:
             self._compile_writes(pages)
-            for staged in (None, jax.device_put(np.zeros(shape, self.layout.np_dtype), self.device)):
-                jax.block_until_ready(_gather(pages.array, table, staged, dtype=self.layout.np_dtype))
+            for staged in (None, *(jax.device_put(np.zeros((heads, rows, d), self.layout.np_dtype), self.device)
+                                   for rows in staged_sizes)):
+                jax.block_until_ready(_gather(pages.array, table, staged, host, dtype=self.layout.np_dtype))
         self._compiled.add((kind, size))
 
     def _compile_writes(self, pages: _Pages) -> None:
@@ -249,3 +293,71 @@ class DevicePool:
                 data = jax.device_put(np.zeros((n, *pages.array.shape[1:]), pages.array.dtype), self.device)
                 pages.array = write_pages(pages.array, empty, data)
                 self._compiled.add((pages.array.shape, n))
+
+
+class HostPages:
+    """The host cache tier's memory: its chunks as pages of one host array per head count (`[slots, heads,
+    chunk_tokens, head_dim]`, page-aligned and faulted in only as slots are first written), so that a take copies the
+    rows of all its host hits in one indexing step (`Prefetcher.take`), not a copy of each whole chunk first.
+
+    `TieredCache` tells it what the host tier keeps (`placed` copies the chunk into a slot and the tier keeps that
+    slot's view; `removed` frees the slot; what leaves the tier is handed on as a copy, since the slot may be written
+    again at once). Each array has as many slots as the tier's budget holds chunks of its head count."""
+
+    copies_out = True
+
+    def __init__(self, layout: Layout, host_bytes: int, device: jax.Device | None = None):
+        self.layout = layout
+        self._lock = threading.Lock()
+        self._arrays: dict[int, np.ndarray] = {}  # heads -> [slots, heads, c, d] of the store dtype
+        self._on_device: dict[int, jax.Array] = {}  # heads -> the same memory as the device reads it
+        self._free: dict[int, list] = {}
+        self.slot_of: dict = {}  # key -> slot (in its head count's array)
+        c, d, dtype = layout.chunk_tokens, layout.head_dim, layout.np_dtype
+        for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
+            slots = int(host_bytes) // (heads * c * d * dtype.itemsize)
+            shape = (max(slots, 1), heads, c, d)
+            buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)  # anonymous: zero pages until written
+            bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)
+            self._arrays[heads] = bits.view(dtype)
+            self._free[heads] = list(range(slots - 1, -1, -1))
+            shared = jax.device_put(bits, device)
+            if shared.unsafe_buffer_pointer() == bits.ctypes.data:  # the device reads host memory (a CPU device)
+                self._on_device[heads] = shared
+
+    def array(self, kind: int) -> np.ndarray:
+        """The page array holding `kind`'s chunks."""
+        return self._arrays[self.layout.heads(kind)]
+
+    def on_device(self, kind: int) -> jax.Array | None:
+        """`kind`'s page array as a device array over the same memory, where the device reads host memory (a CPU
+        device: a take then gathers host hits' rows in place, with its device pages' rows); None elsewhere (they
+        are copied into the take's host rows, which cross in one copy). Its slots are written only when the
+        request that placed their chunks is over (`TieredCache.settle`, after the first token, which waited for
+        every take's gather), so no gather reads a slot while it is written."""
+        return self._on_device.get(self.layout.heads(kind))
+
+    def placed(self, key, chunk: np.ndarray) -> np.ndarray | None:
+        """The tier keeps `key` (layer, kind, chunk id): its copy in a free slot, as a view (None: no slot free, the
+        tier keeps `chunk` itself)."""
+        heads = self.layout.heads(key[1])
+        with self._lock:
+            free = self._free[heads]
+            if not free:
+                return None
+            slot = free.pop()
+            self.slot_of[key] = slot
+        page = self._arrays[heads][slot]
+        page[...] = chunk
+        return page
+
+    def removed(self, key) -> None:
+        with self._lock:
+            slot = self.slot_of.pop(key, None)
+            if slot is not None:
+                self._free[self.layout.heads(key[1])].append(slot)
+
+    def slots(self, keys) -> np.ndarray:
+        """The slot of each of `keys` (one head count), -1 where the tier keeps a chunk outside the pages."""
+        with self._lock:
+            return np.fromiter(map(self.slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))

@@ -4,9 +4,10 @@ what is still missing and hands back device arrays in original token order.
 Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler. The
 prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`_Table`): holding, taking and letting
 go of a layer's chunks is a few array steps, not a Python object or step per chunk.
-A take reads its tokens out of the device page pool (stores.pool) through a block table: device-cache hits from
-their pages, the rest (just read, host-cache hits) from one host buffer that crosses in one copy. That is two or
-three device steps per take, however many chunks it touches.
+A take reads its tokens out of the tiers' page arrays (stores.pool) through a block table: device-cache hits from
+their device pages; host-cache hits from the host tier's pages, read in place where the device reads host memory (a
+CPU device) and otherwise copied, with the rows just read from disk, into one host array of only the rows no device
+page holds, which crosses in one copy. That is two or three device steps per take, however many chunks it touches.
 
 The caches learn what a request used and read when it is closed (`close`, once its first token is out: placement is
 write-behind, `stores.caches`); close the prefetcher after every request.
@@ -27,9 +28,9 @@ import numpy as np
 
 from specjax.idsets import distinct
 from specjax.shapes import padded
-from specjax.stores.caches import DEVICE, TieredCache, chunk_keys
+from specjax.stores.caches import DEVICE, HOST, TieredCache, chunk_keys
 from specjax.stores.landing import BUFFERS
-from specjax.stores.pool import DevicePool
+from specjax.stores.pool import DevicePool, HostPages, staged_size
 from specjax.stores.store import KVStore, Locations, Match
 
 
@@ -115,6 +116,9 @@ class Taken:
     ok: np.ndarray
     waited_ms: float
     chunks_from_disk: int
+    # when its device steps were dispatched (monotonic; None: it dispatched none): from then until `array` is ready
+    # the take is device work (a CPU device runs a small step on the dispatching thread, within the dispatch)
+    dispatched_at: float | None = None
 
 
 class Prefetcher:
@@ -128,11 +132,14 @@ class Prefetcher:
         self._tables: dict = {}  # (layer, kind) -> _Table of the reads held
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
+        self._dispatched = threading.local()  # `.at`: when the current take on this thread dispatched its steps
         self._lock = threading.Lock()
         device_bytes = cache.tiers[DEVICE].budget_bytes if cache is not None else 0
         self.pool = DevicePool(store.layout, device_bytes, metrics=store.metrics, pcie_bandwidth=pcie_bandwidth)
         if cache is not None:
-            cache.attach(self.pool)
+            host_bytes = cache.tiers[HOST].budget_bytes
+            self.pool.host_pages = HostPages(store.layout, host_bytes) if host_bytes > 0 else None
+            cache.attach(self.pool, self.pool.host_pages)
             store.on_free(cache.invalidate)
 
     @property
@@ -313,13 +320,14 @@ class Prefetcher:
         concurrent.futures.wait([run.verified for run in runs])
         waited_ms = (time.perf_counter() - start) * 1e3
         try:
+            self._dispatched.at = None
             array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, runs)
         finally:
             with self._lock:
                 self._release(layer, kind, demand)
                 for ticket in list(self._tickets.get((layer, kind), [])):
                     self._cancel_locked(ticket)
-        return Taken(array, ok, waited_ms, len(missing))
+        return Taken(array, ok, waited_ms, len(missing), self._dispatched.at)
 
     @property
     def caching(self) -> bool:
@@ -343,6 +351,7 @@ class Prefetcher:
         n = len(inverse)
         ok = np.ones(n, bool)
         slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: not from a page
+        host_slots = None  # per row, its host page where the device reads them in place (-1: not from one)
         row_chunks = chunks[inverse]
         staged, pinned = None, []
         try:
@@ -355,14 +364,26 @@ class Prefetcher:
                 slot_of[hit] = hit_slots
                 slots[:n] = slot_of[inverse]
                 on_host = hit[hit_slots < 0]
-                if len(on_host):
+                host_pages = self.cache.host_pages
+                if len(on_host) and host_pages is not None:  # host-tier hits: rows of its page array, read in
+                    page_of = np.full(len(chunks), -1, np.int64)  # place by the device where it can, else copied
+                    page_of[on_host] = host_pages.slots(chunk_keys(layer, kind, chunks[on_host]))
+                    rows = np.flatnonzero(page_of[inverse] >= 0)
+                    if len(rows) and host_pages.on_device(kind) is not None:
+                        host_slots = np.full(size, -1, np.int64)
+                        host_slots[rows] = page_of[inverse[rows]]
+                    elif len(rows):
+                        parts.append((host_pages.array(kind), rows, page_of[inverse[rows]]))
+                    on_host = on_host[page_of[on_host] < 0]
+                if len(on_host):  # chunks this request read, served from their read buffers
                     in_stack = np.full(len(chunks), -1, np.int64)
                     in_stack[on_host] = np.arange(len(on_host))
                     rows = np.flatnonzero(in_stack[inverse] >= 0)
                     parts.append((np.stack(list(map(cached.__getitem__, on_host.tolist()))), rows,
                                   in_stack[inverse[rows]]))
+            in_page = slots[:n] >= 0 if host_slots is None else (slots[:n] >= 0) | (host_slots[:n] >= 0)
             extent = _one_extent(runs)  # with no host-buffer hit, every row not in a page is read
-            if extent is not None and (parts or 2 * int((slots[:n] < 0).sum()) < extent.array.shape[0] * c):
+            if extent is not None and (parts or 2 * int((~in_page).sum()) < extent.array.shape[0] * c):
                 extent = None
             extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
             in_buffers = {}  # id(extent) -> (extent, [rows], [their chunk in it]): one copy step per landing buffer
@@ -384,21 +405,33 @@ class Prefetcher:
                 buffer_rows.append(rows)
                 buffer_index.append(index)
             if extent is not None:
+                self._dispatched.at = time.monotonic()
                 read = self.pool.gather_extent(kind, extent.array, extent_table)
                 if not self.caching:
                     return read, ok
                 # through the pool even with no row in a page: its first take of this size compiles every step a
                 # later one may need, whatever the device tier then holds
-                return self.pool.gather(kind, slots, padded(offsets, size, 0), read), ok
+                return self.pool.gather(kind, slots, padded(offsets, size, 0), read, host_slots=host_slots), ok
             parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
+            shape, staged_at, count = (lay.heads(kind), size, lay.head_dim), None, n
+            if in_page.any():  # only the rows not in a page cross, in an array of their own
+                host_rows = np.flatnonzero(~in_page)
+                staged_at = np.full(size, -1, np.int64)  # each take row's row of that array
+                staged_at[host_rows] = np.arange(len(host_rows))
+                shape = (shape[0], staged_size(size, len(host_rows)), shape[2])
+                count = shape[1]  # rows past the host rows are never gathered: nothing to zero
             for arrays, rows, index in parts:
                 if len(rows):
                     if staged is None:
-                        staged = _staging((lay.heads(kind), size, lay.head_dim), lay.np_dtype, n)
-                    _copy_rows(staged, rows, arrays, index, offsets[rows])
-            if staged is not None and not ok.all():  # a bad chunk's rows: zeros
-                staged[:, np.flatnonzero(~ok)] = 0
-            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged), ok
+                        staged = _staging(shape, lay.np_dtype, count)
+                    _copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
+            self._dispatched.at = time.monotonic()
+            if not ok.all():  # a bad chunk's rows: zeros
+                if staged_at is not None:
+                    staged_at[np.flatnonzero(~ok)] = -1
+                elif staged is not None:
+                    staged[:, np.flatnonzero(~ok)] = 0
+            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged, staged_at, host_slots), ok
         finally:
             self.pool.unpin(kind, pinned)
 

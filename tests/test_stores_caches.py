@@ -670,19 +670,36 @@ def test_pages_hold_the_stored_bits_and_a_gather_gives_them_back_exactly(dtype):
                                   want.view(f"uint{lay.np_dtype.itemsize * 8}"))
 
 
+def _store_with_a_bad_chunk(tmp_path, seed: int):
+    """A store of one random 64-token prefix in 16-token chunks whose layer 0 V chunk 1 (tokens 16..31) fails its
+    checksum: (root, tokens, kv)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1000, 64)
+    kv = [tuple(rng.standard_normal((h, 64, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
+    root = str(tmp_path / "s")
+    with KVStore.open(root, FP) as store:
+        store.insert(tokens, kv)
+    _flip_bit(_chunk_file(root, 0, V, 1), 40, 0x20)
+    return root, tokens, kv
+
+
+def _assert_bad_chunk_rows_are_zeros(taken, positions, kv) -> None:
+    """A take of 6 `positions` padded to 16 from `_store_with_a_bad_chunk`'s store: the bad chunk's rows and the
+    padding zeros, the other rows as stored."""
+    got = np.asarray(taken.array)
+    bad = (positions >= 16) & (positions < 32)
+    np.testing.assert_array_equal(taken.ok, ~bad)
+    np.testing.assert_array_equal(got[:, :6][:, ~bad], kv[0][V][:, positions[~bad]])
+    assert not got[:, :6][:, bad].any() and not got[:, 6:].any()
+
+
 def test_a_takes_host_rows_are_a_used_buffer_yet_a_bad_chunk_and_the_padding_read_zeros(tmp_path):
     """A sparse take's host rows are a landing buffer used again (`stores.landing`): whatever it held before, the
     rows of a chunk that fails its checksum and the rows past the take's tokens come back as zeros, and the others
     as stored."""
     from specjax.stores import landing
 
-    rng = np.random.default_rng(4)
-    tokens = rng.integers(0, 1000, 64)
-    kv = [tuple(rng.standard_normal((h, 64, 8)).astype(np.float32) for h in (2, 2, 1)) for _ in range(2)]
-    root = str(tmp_path / "s")
-    with KVStore.open(root, FP) as store:
-        store.insert(tokens, kv)
-    _flip_bit(_chunk_file(root, 0, V, 1), 40, 0x20)  # layer 0, V, tokens 16..31
+    root, tokens, kv = _store_with_a_bad_chunk(tmp_path, seed=4)
     positions = np.array([3, 17, 30, 40, 63, 20])
     shape = (2, 16, 8)  # the take's rows: its 6 tokens padded to 16
     for dirty in [landing.BUFFERS.empty(shape, np.float32) for _ in range(8)]:  # freed below: the next buffers of
@@ -691,12 +708,67 @@ def test_a_takes_host_rows_are_a_used_buffer_yet_a_bad_chunk_and_the_padding_rea
     with KVStore.open(root, FP) as store:
         prefetcher = Prefetcher(store, None)
         m = store.match(tokens)
-        taken = prefetcher.take(m, 0, V, positions, pad_to=16)
-        got = np.asarray(taken.array)
-        bad = (positions >= 16) & (positions < 32)
-        np.testing.assert_array_equal(taken.ok, ~bad)
-        np.testing.assert_array_equal(got[:, :6][:, ~bad], kv[0][V][:, positions[~bad]])
-        assert not got[:, :6][:, bad].any() and not got[:, 6:].any()
+        _assert_bad_chunk_rows_are_zeros(prefetcher.take(m, 0, V, positions, pad_to=16), positions, kv)
         assert landing.BUFFERS.stats["reused"] > 0
+        prefetcher.close()
+        m.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["read-in-place", "copied"])
+def test_host_hits_are_rows_of_the_host_pages_and_only_rows_outside_device_pages_cross(filled_store, monkeypatch,
+                                                                                     in_place):
+    """Once a request's reads are placed (4 chunks' pages on the device, the other 9 in the host tier), the host
+    tier keeps each chunk in a slot of its page array, and a take of the same tokens crosses only the rows not in a
+    device page: read in place by a device that reads host memory (a CPU device; counted as crossing), else copied
+    into an array of a quarter, half, three quarters or all of the take's size (`staged_size`). Exactly the stored
+    vectors come back either way. A chunk leaving the host tier is a copy, not its slot (written again at once)."""
+    from specjax.stores.pool import HostPages, staged_size
+
+    if not in_place:  # as on a GPU, whose device does not read host memory
+        monkeypatch.setattr(HostPages, "on_device", lambda self, kind: None)
+    store, tokens, kv = filled_store
+    chunk_bytes, token_bytes = store.layout.chunk_nbytes(V), store.layout.token_nbytes(V)
+    cache = TieredCache(4 * chunk_bytes, 64 * chunk_bytes, "lru", metrics=store.metrics)
+    prefetcher = Prefetcher(store, cache)
+    m = store.match(tokens)
+    positions = np.arange(0, 200, 5)  # in all 13 chunks
+    prefetcher.compile_assembly(V, len(positions))
+    prefetcher.take(m, 1, V, positions)
+    prefetcher.close()
+    host = cache.tiers[HOST].items
+    assert len(cache.tiers[DEVICE].items) == 4 and len(host) == 9
+    pages = cache.host_pages.array(V)
+    assert all(np.shares_memory(chunk, pages) for chunk in host.values())
+    on_device = np.isin(positions // 16, [key[2] for key in cache.tiers[DEVICE].items])
+    outside = int((~on_device).sum())
+    assert staged_size(len(positions), outside) > outside  # the two ways cross different bytes
+    before = store.metrics.snapshot()
+    again = prefetcher.take(m, 1, V, positions)
+    after = store.metrics.snapshot()
+    np.testing.assert_array_equal(np.asarray(again.array), kv[1][V][:, positions])
+    assert again.chunks_from_disk == 0
+    crossed = after["host_to_device_bytes"] - before["host_to_device_bytes"]
+    rows = outside if in_place else staged_size(len(positions), outside)
+    assert crossed == rows * token_bytes < len(positions) * token_bytes
+    assert after["host_to_device_transfers"] - before["host_to_device_transfers"] == 1
+    prefetcher.close()
+    left = cache.tiers[HOST].pop(next(iter(host)))
+    assert not np.shares_memory(left, pages)
+    m.close()
+
+
+def test_a_bad_chunks_rows_are_zeros_when_the_other_rows_come_from_device_pages(tmp_path):
+    """A take whose rows lie partly in device pages, partly in a chunk read from disk that fails its checksum: the
+    pages' rows and the good rows as stored, the bad chunk's rows zeros."""
+    root, tokens, kv = _store_with_a_bad_chunk(tmp_path, seed=5)
+    with KVStore.open(root, FP) as store:
+        chunk_bytes = store.layout.chunk_nbytes(V)
+        cache = TieredCache(4 * chunk_bytes, 0, "lru", metrics=store.metrics)
+        prefetcher = Prefetcher(store, cache)
+        m = store.match(tokens)
+        prefetcher.take(m, 0, V, np.array([3, 40]), pad_to=16)  # chunks 0 and 2: placed on the device
+        prefetcher.close()
+        positions = np.array([3, 17, 30, 40, 63, 20])
+        _assert_bad_chunk_rows_are_zeros(prefetcher.take(m, 0, V, positions, pad_to=16), positions, kv)
         prefetcher.close()
         m.close()

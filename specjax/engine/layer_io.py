@@ -36,7 +36,9 @@ class Clock:
 
     It also keeps when the device was busy, so that `exposed_host_ms` can tell the host time that neither a disk read
     nor device work overlapped: the intervals the host spent blocked on the device (`device_wait`), and the device
-    work it went on past (`device_work`: each layer's compute and identification).
+    work it went on past (`device_work`: each layer's compute and identification, and each take's copy to the device
+    and gather from the time they were dispatched, which a CPU device runs within the dispatch on the request's own
+    thread).
 
     `cpu_ms` (after `finish`): the CPU time every thread of the process spent from the start to the first token: the
     request's own thread, the disk threads, the I/O worker and, on a CPU device, XLA's compute. One request runs at a
@@ -384,6 +386,8 @@ class LayerIO:
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
+        if taken.dispatched_at is not None:  # its gather: device work, whichever thread runs it
+            self.clock.device_work(taken.dispatched_at, taken.array)
         if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
             self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
                                                  * self.engine.store.layout.chunk_nbytes(kind))
