@@ -321,9 +321,10 @@ class HostPages:
             bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)
             self._arrays[heads] = bits.view(dtype)
             self._free[heads] = list(range(slots - 1, -1, -1))
-            shared = jax.device_put(bits, device)
-            if shared.unsafe_buffer_pointer() == bits.ctypes.data:  # the device reads host memory (a CPU device)
-                self._on_device[heads] = shared
+            if (device or jax.devices()[0]).platform == "cpu":  # elsewhere this would copy the whole tier over
+                shared = jax.device_put(bits, device)
+                if shared.unsafe_buffer_pointer() == bits.ctypes.data:  # the device reads this very memory
+                    self._on_device[heads] = shared
 
     def array(self, kind: int) -> np.ndarray:
         """The page array holding `kind`'s chunks."""

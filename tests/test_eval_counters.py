@@ -134,7 +134,8 @@ def test_interleaved_runs_take_turns_request_by_request_and_give_what_runs_in_se
 
 
 class _Reads(PlainRecompute):
-    """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers, for 10 i ms of CPU."""
+    """Request i reads 3000 bytes in i read requests and makes 2 i host->device transfers of 1500 bytes (200 of them
+    device pages) for 1000 bytes of vectors taken, for 10 i ms of CPU."""
 
     name = "fake_reads"
 
@@ -142,6 +143,7 @@ class _Reads(PlainRecompute):
         out = super().run(request)
         i = request.request_id
         out.counters.update(disk_bytes=3000, read_requests=i, host_to_device_transfers=2 * i,
+                            host_to_device_bytes=1500, device_page_bytes=200, used_token_bytes=1000,
                             device0_disk_bytes=1000, device1_disk_bytes=1000 + i,  # as a 2-device mesh reports
                             cpu_ms=10.0 * i)
         return out
@@ -169,7 +171,9 @@ def test_fake_read_and_transfer_fields_in_results_json_and_resume(tmp_path, monk
     assert "disk_bytes_by_device" not in ref  # no split reads: not reported
     assert (ref["read_requests_per_request"], ref["bytes_per_read"], ref["host_to_device_transfers_per_request"]) \
         == (0.0, None, 0.0)
-    assert "| fake_reads | 1.5 | 1.95 KiB | 3.0 | 0 |" in (tmp_path / "out" / "results.md").read_text()
+    assert io["host_to_device_per_used"] == pytest.approx(1.5) and io["device_page_bytes_per_request"] == 200
+    assert io["used_token_bytes"] == 4 * 1000
+    assert "| fake_reads | 1.5 | 1.95 KiB | 3.0 | 1.50 | 200 B | 0 |" in (tmp_path / "out" / "results.md").read_text()
     assert loaded["systems"]["fake_reads"]["cpu_ms"] == pytest.approx(15.0)  # (0 + 10 + 20 + 30) ms over 4
     assert loaded["systems"]["recompute"]["cpu_ms"] is None  # not measured by that fake: not reported as 0
     breakdown = (tmp_path / "out" / "results.md").read_text().split("## TTFT breakdown")[1]
