@@ -42,6 +42,11 @@ MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of 
 WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
 
 
+def pages_in(layout: Layout, heads: int, budget_bytes: int) -> int:
+    """How many whole chunks of `heads` heads `budget_bytes` hold: a page array's slots."""
+    return int(budget_bytes) // (heads * layout.chunk_tokens * layout.head_dim * layout.np_dtype.itemsize)
+
+
 def page_dtype(dtype) -> np.dtype:
     """The unsigned integer type of `dtype`'s width: the page arrays' element type."""
     return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
@@ -122,7 +127,7 @@ class DevicePool:
         self._pages: dict[int, _Pages] = {}
         c, d = layout.chunk_tokens, layout.head_dim
         for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
-            slots = int(device_bytes) // (heads * c * d * layout.np_dtype.itemsize)
+            slots = pages_in(layout, heads, device_bytes)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
             array = jax.device_put(np.zeros((slots + 1, heads, c, d), page_dtype(layout.np_dtype)), device)
             self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
@@ -276,7 +281,8 @@ class DevicePool:
         pages = self._pages[self.layout.heads(kind)]
         heads, d = self.layout.heads(kind), self.layout.head_dim
         table = np.zeros((4, size), np.int32)
-        staged_sizes = sorted({staged_size(size, rows) for rows in range(1, size + 1)})
+        part = max(1, size // STAGED_PARTS)
+        staged_sizes = sorted({staged_size(size, rows) for rows in range(part, size + part, part)})
         host = self._host_array(kind)
         with self._device_lock:
             self._compile_writes(pages)
@@ -315,7 +321,7 @@ class HostPages:
         self.slot_of: dict = {}  # key -> slot (in its head count's array)
         c, d, dtype = layout.chunk_tokens, layout.head_dim, layout.np_dtype
         for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
-            slots = int(host_bytes) // (heads * c * d * dtype.itemsize)
+            slots = pages_in(layout, heads, host_bytes)
             shape = (max(slots, 1), heads, c, d)
             buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)  # anonymous: zero pages until written
             bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)

@@ -132,7 +132,6 @@ class Prefetcher:
         self._tables: dict = {}  # (layer, kind) -> _Table of the reads held
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
-        self._dispatched = threading.local()  # `.at`: when the current take on this thread dispatched its steps
         self._lock = threading.Lock()
         device_bytes = cache.tiers[DEVICE].budget_bytes if cache is not None else 0
         self.pool = DevicePool(store.layout, device_bytes, metrics=store.metrics, pcie_bandwidth=pcie_bandwidth)
@@ -320,14 +319,13 @@ class Prefetcher:
         concurrent.futures.wait([run.verified for run in runs])
         waited_ms = (time.perf_counter() - start) * 1e3
         try:
-            self._dispatched.at = None
-            array, ok = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, runs)
+            array, ok, dispatched_at = self._assemble(layer, kind, chunks, inverse, loc.offsets, size, cached, runs)
         finally:
             with self._lock:
                 self._release(layer, kind, demand)
                 for ticket in list(self._tickets.get((layer, kind), [])):
                     self._cancel_locked(ticket)
-        return Taken(array, ok, waited_ms, len(missing), self._dispatched.at)
+        return Taken(array, ok, waited_ms, len(missing), dispatched_at)
 
     @property
     def caching(self) -> bool:
@@ -335,8 +333,8 @@ class Prefetcher:
         return self.cache is not None and any(t.budget_bytes > 0 for t in self.cache.tiers.values())
 
     def _assemble(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, offsets: np.ndarray,
-                  size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray]:
-        """The take's `[heads, size, d]` on the device and its `ok` rows.
+                  size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray, float]:
+        """The take's `[heads, size, d]` on the device, its `ok` rows and when its device steps were dispatched.
 
         Rows of cache hits come from their device pages (block table) where the device tier keeps them, else from a
         host buffer. Rows read from disk: when every run landed in one segment's landing buffer (its layer's certain
@@ -405,13 +403,14 @@ class Prefetcher:
                 buffer_rows.append(rows)
                 buffer_index.append(index)
             if extent is not None:
-                self._dispatched.at = time.monotonic()
+                dispatched_at = time.monotonic()
                 read = self.pool.gather_extent(kind, extent.array, extent_table)
                 if not self.caching:
-                    return read, ok
+                    return read, ok, dispatched_at
                 # through the pool even with no row in a page: its first take of this size compiles every step a
                 # later one may need, whatever the device tier then holds
-                return self.pool.gather(kind, slots, padded(offsets, size, 0), read, host_slots=host_slots), ok
+                return (self.pool.gather(kind, slots, padded(offsets, size, 0), read, host_slots=host_slots), ok,
+                        dispatched_at)
             parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
             shape, staged_at, count = (lay.heads(kind), size, lay.head_dim), None, n
             if in_page.any():  # only the rows not in a page cross, in an array of their own
@@ -425,13 +424,14 @@ class Prefetcher:
                     if staged is None:
                         staged = _staging(shape, lay.np_dtype, count)
                     _copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
-            self._dispatched.at = time.monotonic()
+            dispatched_at = time.monotonic()
             if not ok.all():  # a bad chunk's rows: zeros
                 if staged_at is not None:
                     staged_at[np.flatnonzero(~ok)] = -1
                 elif staged is not None:
                     staged[:, np.flatnonzero(~ok)] = 0
-            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged, staged_at, host_slots), ok
+            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged, staged_at, host_slots), ok, \
+                dispatched_at
         finally:
             self.pool.unpin(kind, pinned)
 

@@ -1,4 +1,4 @@
-"""Issue 22: grouped-query-aware identification against exact per-head H2O and SPEC's ITF.
+"""Grouped-query-aware identification against exact per-head H2O and SPEC's ITF.
 
 PIQA, COPA, OpenBookQA and RTE with the eval's default prefixes (2-10 few-shot examples), 600 items in all, at 25%
 retention (override with --retention 0.1 or 0.5); every system on the same requests, so accuracy is paired per item
