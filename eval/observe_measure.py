@@ -86,7 +86,8 @@ def _identify_layers(scores, k, prefix_len, alpha, *, k_cap: int) -> itf.Identif
 
 def identify_layers(scores: np.ndarray, k: int, alpha: float) -> itf.Identification:
     """`kernels.itf.identify` (ITF's decision, as the engine makes it) for every layer of probe scores f32 [L, P, m]:
-    numpy fields with a leading layer axis, sets cut to their k valid entries (best first).
+    numpy fields with a leading layer axis, the shared sets cut to their k valid entries (best first), each probe's
+    set a mask over the m positions.
 
     Scores are padded to the engine's bucket of the prefix and k to its bucket, so requests share compilations.
     """
@@ -95,7 +96,7 @@ def identify_layers(scores: np.ndarray, k: int, alpha: float) -> itf.Identificat
     padded[..., :m] = scores
     found = _identify_layers(jnp.asarray(padded), k, m, alpha, k_cap=bucket(k))
     found = jax.tree.map(np.asarray, found)
-    return found._replace(shared=found.shared[..., :k], per_probe=found.per_probe[..., :k])
+    return found._replace(shared=found.shared[..., :k], probe_sets=found.probe_sets[..., :m])
 
 
 def shared_sets(scores: np.ndarray, k: int) -> np.ndarray:

@@ -91,8 +91,8 @@ def guard_shared(state: ImportanceState, layer, head_scores, shared, k, prefix_l
     return _guard(state, layer, head_scores, shared, k, prefix_len, use_shared, min_share, k_cap, None)
 
 
-def _guard(state: ImportanceState, layer, head_scores, shared, k, prefix_len, use_shared, min_share, k_cap, own_top):
-    share = itf.head_share(head_scores, shared, k, prefix_len, k_cap=k_cap, own_top=own_top)
+def _guard(state: ImportanceState, layer, head_scores, shared, k, prefix_len, use_shared, min_share, k_cap, own_sets):
+    share = itf.head_share(head_scores, shared, k, prefix_len, k_cap=k_cap, own_sets=own_sets)
     use_shared = use_shared & (share >= min_share)
     return state.replace(head_share=state.head_share.at[layer].set(share),
                          fallback=state.fallback.at[layer].set(~use_shared)), use_shared
@@ -107,23 +107,30 @@ def gqa_select(state: ImportanceState, layer, head_scores, k, prefix_len, alpha,
     `min_share`), and every head's own top-k, which the guard weighs the shared set against and which the layer
     keeps if it falls back (`per_head_select`'s). The same state and sets as those steps one after the other.
 
-    Returns (state, probes f32 [groups, m_pad], shared int32 [k_cap], per_head int32 [H, k_cap], use_shared)."""
+    Returns (state, probes f32 [groups, m_pad], shared int32 [k_cap], per_head int32 [H, k_cap], use_shared);
+    every head's own set is listed only on a layer that falls back (zeros otherwise)."""
     probes = kv_head_scores(head_scores[:probe_rows], prefix_len, groups=groups)
-    per_head = itf.top_k(head_scores, k_cap, prefix_len)
+    own_sets = itf.top_k_mask(head_scores, k, prefix_len) if guarded else None
     decision = itf.identify(probes, k, prefix_len, alpha, k_cap=k_cap)
     state = _record_itf(state, layer, decision, k, prefix_len, kept_of)
     use_shared = decision.use_shared
     if guarded:
         state, use_shared = _guard(state, layer, head_scores, decision.shared, k, prefix_len, use_shared, min_share,
-                                   k_cap, per_head)
+                                   k_cap, own_sets)
+    def listed(scores):
+        return itf.set_columns(itf.top_k_mask(scores, k, prefix_len) if own_sets is None else own_sets, k_cap)
+
+    per_head = jax.lax.cond(use_shared, lambda scores: jnp.zeros(scores.shape[:-1] + (k_cap,), jnp.int32), listed,
+                            head_scores)
     return state, probes, decision.shared, per_head, use_shared
 
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
 def per_head_select(state: ImportanceState, layer, head_scores, k, prefix_len, *, k_cap: int, kept_of=None):
-    """H2O per head (AS+H2O, and ITF's fallback): top-k of every head's own scores [H, m_pad] -> int32 [H, k_cap].
+    """H2O per head (AS+H2O, and ITF's fallback): the top-k of every head's own scores [H, m_pad] -> int32
+    [H, k_cap], each head's set in ascending positions (`kernels.itf.top_k_mask`), zeros after the k-th.
     `kept_of`: as in `itf_select`."""
-    idx = itf.top_k(head_scores, k_cap, prefix_len)
+    idx = itf.set_columns(itf.top_k_mask(head_scores, k, prefix_len), k_cap)
     state = state.replace(
         fallback=state.fallback.at[layer].set(True),
         retained=state.retained.at[layer].set(k / jnp.maximum(prefix_len if kept_of is None else kept_of, 1)),
