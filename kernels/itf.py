@@ -29,8 +29,8 @@ def top_k_mask(scores: jax.Array, k, prefix_len=None) -> jax.Array:
 
     The k-th highest score of a row is found bit by bit on the scores' order-preserving integer keys (32 passes that
     compare and count); the row keeps every column above it and, of those equal to it, the first few. On the 2-core
-    CPU, 28 rows of 16,512 columns, k a quarter: 3.1 ms against `lax.top_k`'s 30.6 (a sort); with the columns
-    listed (`set_columns`) 7.2 ms."""
+    CPU, 28 rows of 16,512 columns, k a quarter: 5.1 ms against `lax.top_k`'s 31.6 (a sort); with the columns
+    listed (`set_columns`) 8.4 ms (`benchmarks/results/cpu/selection-masks`)."""
     valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
     keys = _order_keys(jnp.where(valid, scores, -jnp.inf).astype(jnp.float32))
     k = jnp.asarray(k, jnp.int32)

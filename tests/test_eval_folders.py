@@ -254,7 +254,8 @@ def test_a_full_disk_while_saving_a_run_is_one_line(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- Ctrl-C
 
 _SLOW_EVAL = """
-import sys, time, pathlib
+import signal, sys, time, pathlib
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, also under a background job
 sys.path.insert(0, {tests!r})
 from eval_fakes import FakeModel, PlainRecompute
 from specjax.eval import __main__ as cli, systems
