@@ -70,7 +70,7 @@ class Identification(NamedTuple):
 
     shared: jax.Array  # int32 [k_cap]: top-k of the probes' summed normalised scores, best first
     probe_sets: jax.Array  # bool [P, m_pad]: each probe's own top-k (`top_k_mask`)
-    jaccard: jax.Array  # the probes' mean pairwise Jaccard over their first k entries
+    jaccard: jax.Array  # the probes' mean pairwise Jaccard of their top-k sets
     threshold: jax.Array  # t = j ** alpha
     use_shared: jax.Array  # jaccard >= threshold: every head takes `shared`
 

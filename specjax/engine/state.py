@@ -117,6 +117,7 @@ def gqa_select(state: ImportanceState, layer, head_scores, k, prefix_len, alpha,
     if guarded:
         state, use_shared = _guard(state, layer, head_scores, decision.shared, k, prefix_len, use_shared, min_share,
                                    k_cap, own_sets)
+
     def listed(scores):
         return itf.set_columns(itf.top_k_mask(scores, k, prefix_len) if own_sets is None else own_sets, k_cap)
 
