@@ -18,7 +18,7 @@ from specjax.kernels._common import length_or_full
 def top_k(scores: jax.Array, k_cap: int, prefix_len=None) -> jax.Array:
     """Per row, the indices of the k_cap highest scores among the first `prefix_len` columns, best first
     (int32 [..., k_cap]). Columns at or past `prefix_len` (padding) come only after every valid one."""
-    valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+    valid = _valid_columns(scores, prefix_len)
     _, idx = lax.top_k(jnp.where(valid, scores, -jnp.inf), k_cap)
     return idx.astype(jnp.int32)
 
@@ -31,7 +31,7 @@ def top_k_mask(scores: jax.Array, k, prefix_len=None) -> jax.Array:
     compare and count); the row keeps every column above it and, of those equal to it, the first few. On the 2-core
     CPU, 28 rows of 16,512 columns, k a quarter: 5.1 ms against `lax.top_k`'s 31.6 (a sort); with the columns
     listed (`set_columns`) 8.4 ms (`benchmarks/results/cpu/selection-masks`)."""
-    valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+    valid = _valid_columns(scores, prefix_len)
     keys = _order_keys(jnp.where(valid, scores, -jnp.inf).astype(jnp.float32))
     k = jnp.asarray(k, jnp.int32)
 
@@ -52,6 +52,11 @@ def set_columns(mask: jax.Array, size: int) -> jax.Array:
     return cols.astype(jnp.int32).reshape(mask.shape[:-1] + (size,))
 
 
+def _valid_columns(scores: jax.Array, prefix_len) -> jax.Array:
+    """bool [m]: the columns of scores [..., m] before `prefix_len` (None: all)."""
+    return jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """uint32 keys of f32 values in the same order (-inf lowest), for comparing and counting on integers."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
@@ -60,7 +65,7 @@ def _order_keys(x: jax.Array) -> jax.Array:
 
 def normalised(scores: jax.Array, prefix_len=None) -> jax.Array:
     """Each row's scores over the valid prefix divided by their sum (zeros past it): every head one vote."""
-    valid = jnp.arange(scores.shape[-1]) < length_or_full(prefix_len, scores.shape[-1])
+    valid = _valid_columns(scores, prefix_len)
     masked = jnp.where(valid, scores, 0.0)
     return masked / jnp.maximum(masked.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
@@ -96,7 +101,7 @@ def head_share(head_scores: jax.Array, shared: jax.Array, k, prefix_len=None, *,
     rows. 1.0 when the shared set is every head's own top-k; how much a head loses by sharing, the worst head.
     spec_gqa's guard (`engine.identify.GroupedITF`): heads that share keys agree by Jaccard without agreeing head
     by head. `own_sets`: every head's own top-k as a mask bool [H, m_pad] (`top_k_mask`), when the caller has it."""
-    valid = jnp.arange(head_scores.shape[-1]) < length_or_full(prefix_len, head_scores.shape[-1])
+    valid = _valid_columns(head_scores, prefix_len)
     scores = jnp.where(valid, head_scores, 0.0)
     own_sets = top_k_mask(head_scores, k, prefix_len) if own_sets is None else own_sets
     own = jnp.where(own_sets, scores, 0.0).sum(-1)
@@ -124,9 +129,7 @@ def mean_pairwise_jaccard(idx: jax.Array, count=None) -> jax.Array:
     # An element in both sets appears twice in the merged, sorted pair.
     merged = jnp.sort(jnp.concatenate([keyed[first], keyed[second]], axis=1), axis=1)
     intersection = jnp.sum(merged[:, 1:] == merged[:, :-1], axis=1)
-    union = 2 * count - intersection
-    jaccard = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 1.0)
-    return jaccard.mean().astype(jnp.float32)
+    return _mean_jaccard(intersection, 2 * count - intersection)
 
 
 @jax.jit
@@ -139,7 +142,11 @@ def mean_pairwise_jaccard_of_masks(sets: jax.Array) -> jax.Array:
     first, second = (np.asarray(side) for side in zip(*itertools.combinations(range(num_heads), 2)))
     sizes = sets.sum(-1, dtype=jnp.int32)
     intersection = (sets[first] & sets[second]).sum(-1, dtype=jnp.int32)
-    union = sizes[first] + sizes[second] - intersection
+    return _mean_jaccard(intersection, sizes[first] + sizes[second] - intersection)
+
+
+def _mean_jaccard(intersection: jax.Array, union: jax.Array) -> jax.Array:
+    """The mean over pairs of |A & B| / |A | B| from their integer sizes; a pair of empty sets agrees (1.0)."""
     jaccard = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 1.0)
     return jaccard.mean().astype(jnp.float32)
 
