@@ -173,40 +173,47 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
 @functools.partial(jax.jit, static_argnames=("scale",))
 def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
                                  q_len=None, scale=None):
-    """Plain jnp: gathers the selected K/V and materialises the [H, n_q, k + n_q] softmax."""
+    """Plain jnp: gathers the selected K/V and materialises the softmax over them and the causal own keys.
+
+    A shared selection (SharedIndices, BlockTable) gathers each KV head's rows once and attends with the group's query
+    heads together ([H_kv, group, n_q, ...]); per-head sets gather each query head's own rows ([H, 1, n_q, ...])."""
     num_heads, n_q, head_dim = q.shape
     num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
+    group = num_heads // num_kv
     scale = c.default_scale(head_dim, scale)
     q_len = c.length_or_full(q_len, n_q)
     idx, count = selection.token_indices(num_heads)
+    shared = idx.shape[0] == 1
     capacity = idx.shape[1]
-    idx = jnp.broadcast_to(idx, (num_heads, capacity))
-    count = jnp.broadcast_to(count, (num_heads,))
-    kv_head = jnp.arange(num_heads) // (num_heads // num_kv)
-    tokens = jnp.clip(idx, 0, num_tokens - 1)
-    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [H, K]: entries within each row's count
+    tokens = jnp.clip(idx, 0, num_tokens - 1)  # [R, K]
+    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [R, K]: entries within each row's count
+    # the attention's units: KV heads, each with its group of query heads (shared rows), or query heads (per head)
+    units, per_unit = (num_kv, group) if shared else (num_heads, 1)
+    kv_of_unit = jnp.arange(units) if shared else jnp.arange(num_heads) // group
+    counted = jnp.broadcast_to(counted, (units, capacity))
 
-    def rows_of(prefix, masked):  # [H, K, d]: each head's selected rows
+    def rows_of(prefix, masked):  # [U, K, d]: each unit's selected rows
         if pages is not None:  # token t at page t // C, row t % C: the pages' rows in token order, per KV head
             prefix = jnp.swapaxes(prefix, 0, 1).reshape(num_kv, num_tokens, head_dim)
-        rows = prefix[kv_head[:, None], tokens]
+        rows = prefix[:, tokens[0]] if shared else prefix[kv_of_unit[:, None], tokens]
         # pages past the count may hold anything: a value there times its weight 0 must not give NaN (a key's
         # score there is masked anyway)
         return jnp.where(counted[..., None], rows, jnp.zeros((), prefix.dtype)) if masked else rows
 
     def keys_of(prefix, own, masked=False):
-        return jnp.concatenate([rows_of(prefix, masked), own[kv_head]], axis=1).astype(jnp.float32)
+        return jnp.concatenate([rows_of(prefix, masked), own[kv_of_unit]], axis=1).astype(jnp.float32)
 
     keys, values = keys_of(prefix_k, own_k), keys_of(prefix_v, own_v, masked=pages is not None)
-    scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), keys,
-                        precision=lax.Precision.HIGHEST) * scale
+    queries = q.astype(jnp.float32).reshape(units, per_unit, n_q, head_dim)
+    scores = jnp.einsum("ugqd,ukd->ugqk", queries, keys, precision=lax.Precision.HIGHEST) * scale
     rows = jnp.arange(n_q)
-    selected_valid = counted[:, None, :] & (rows < q_len)[None, :, None]
-    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (num_heads, n_q, n_q))
-    valid = jnp.concatenate([selected_valid, own_valid], axis=2)
+    selected_valid = counted[:, None, None, :] & (rows < q_len)[None, None, :, None]
+    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (units, 1, n_q, n_q))
+    valid = jnp.concatenate([jnp.broadcast_to(selected_valid, (units, 1, n_q, capacity)), own_valid], axis=-1)
     weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
     weights = jnp.where(valid, weights, 0.0)
-    return jnp.einsum("hqk,hkd->hqd", weights, values, precision=lax.Precision.HIGHEST).astype(q.dtype)
+    out = jnp.einsum("ugqk,ukd->ugqd", weights, values, precision=lax.Precision.HIGHEST)
+    return out.reshape(num_heads, n_q, head_dim).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- public
