@@ -1,10 +1,10 @@
 """`python -m specjax.eval`: accuracy, TTFT and I/O of several systems on one shared-prefix workload.
 
-    python -m specjax.eval                                    # smollm2-135m on needle, runs anywhere
-    python -m specjax.eval --model smollm2-135m --task piqa --data_dir ../shared/data
+    python -m specjax.eval                               # smollm2-135m on needle, runs anywhere
+    python -m specjax.eval --task piqa --data_dir DATA   # DATA laid out as docs/data.md describes
     python -m specjax.eval --preset spec_fig16 --model opt-6.7b --init random
 
-Writes OUTPUT_DIR/results.json (design.md section 7), results.md and PNG plots.
+Writes OUTPUT_DIR/results.json (docs/results.md), results.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ flags.DEFINE_bool("progress", True, "Show a progress bar with ETA on stderr.")
 flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation finished (kept in <output_dir>/.partial "
                   "until its results are written) and run only the rest; the flags, code and machine must match.")
 
-NEEDLE_DEFAULT_LIMIT = 16
+NEEDLE_DEFAULT_LIMIT = settings_lib.NEEDLE_DEFAULT_LIMIT
+COMMAND_FLAGS = ("progress", "resume")
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "-helpshort", "--help=true", "--helpshort=true")
 OPTION_FLAGS = settings_lib.names([SystemOptions])
 ENGINE_FLAGS = settings_lib.names([settings_lib.EngineSettings])  # EngineConfig fields of the same names
 
@@ -161,7 +163,8 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
         resume=resume)
     runs = runner.plan(names, retentions)
     traces = _replayed(model, runs, settings)  # a trace that cannot be replayed fails before any work
-    progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress)
+    progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress,
+                        warmup_total=runner.warmup_steps(workload, runs))
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
         store_dir = folders.store_folder(values["store"]) if values["store"] else pathlib.Path(tmp)
         done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial,
@@ -204,7 +207,7 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
                                "an earlier run are reused: see `stores`); each run opens its own copy; caches "
                                "warmed with each unique prefix once, in first-arrival order, then one untimed "
                                "request per unseen shape (compiles left in timed requests: compilations_timed)",
-        "ttft": "request dispatch to first-token logits on host; requests run one at a time, no queueing",
+        "ttft": "request arrival to first-token logits ready on the device; requests run one at a time, no queueing",
     }
     results = report.build_results(
         model=model.name, task=values["task"], weights=model.weights, device=device_description(),
@@ -316,9 +319,39 @@ def main(argv):
         run_task(model, task_values, out, resume=FLAGS.resume)
 
 
+def _flag_entry(flag) -> str:
+    kind = {"bool": "bool", "int": "int", "float": "float"}.get(flag.flag_type(), "str")
+    return settings_lib.flag_help(flag.name, kind, flag.default, flag.help)
+
+
+def help_text() -> str:
+    """`--help`: every flag of this command with its default and help, grouped as the settings tree, then the
+    command's own flags, then any other flag specjax defines; absl's and other libraries' are left to --helpfull."""
+    shown = set(OUR_FLAGS) | set(COMMAND_FLAGS)
+    others = sorted({flag.name: flag for module, defined in FLAGS.flags_by_module_dict().items()
+                     if module.startswith("specjax") for flag in defined if flag.name not in shown}.items())
+    return settings_lib.render_help(
+        __doc__, settings_lib.EVAL_GROUPS,
+        [("How this command runs (not recorded in results.json, not part of a resumed evaluation's identity).",
+          [_flag_entry(FLAGS[name]) for name in COMMAND_FLAGS]),
+         ("Other flags of specjax.", [_flag_entry(flag) for _, flag in others])],
+        footer="Flags take --name=value or --name value, a bool flag --name or --noname; the settings' values "
+               "are recorded in results.json's `config`. absl's own flags (-v/--verbosity, --flagfile, "
+               "--logtostderr, ...) and those of the libraries specjax loads: --helpfull.")
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether the command line asks for --help, -h or --helpshort (before a `--` ending the flags)."""
+    args = argv[:argv.index("--")] if "--" in argv else argv
+    return any(arg.lower() in HELP_FLAGS for arg in args)
+
+
 def run():
     from specjax.cli import run as run_cli
 
+    if wants_help(sys.argv[1:]):
+        sys.stdout.write(help_text())
+        sys.exit(0)
     run_cli(main)
 
 

@@ -126,7 +126,7 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         if saved is not None:
             results[label] = Run(**{**saved, "sweep": sweep})
             if progress:
-                progress.skip(_steps(workload))
+                progress.skip(_steps(workload), warmup=_warmup_steps(workload))
         else:
             todo.append((name, retention, label))
     for group in ([todo] if interleave else [[run] for run in todo]):
@@ -152,7 +152,12 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
 
 def _steps(workload) -> int:
     """Progress steps of one run: its warm-up, compile and timed requests."""
-    return len(warmup_requests(workload)) + len(compile_requests(workload)) + len(workload.requests)
+    return _warmup_steps(workload) + len(workload.requests)
+
+
+def _warmup_steps(workload) -> int:
+    """Progress steps of one run before its timed requests: warm-up and compile requests (untimed, compiling)."""
+    return len(warmup_requests(workload)) + len(compile_requests(workload))
 
 
 def _time(workload, opened: list["_Opened"], progress) -> None:
@@ -192,7 +197,7 @@ class _Opened:
         run_settings = settings if retention is None else settings.at_retention(retention)
         system = systems_lib.make_system(name, model, run_settings)
         if progress:
-            progress.set_label(label + " (warm)")
+            progress.set_label(label + " (warm)", warmup=True)
         t0 = time.perf_counter()
         private = base = None
         if system.needs_store:
@@ -382,3 +387,9 @@ def _copy_failed(base: pathlib.Path, copy: pathlib.Path, error: BaseException) -
 
 def total_steps(workload: Workload, runs) -> int:
     return len(runs) * _steps(workload)
+
+
+def warmup_steps(workload: Workload, runs) -> int:
+    """How many of `total_steps` are warm-up and compile steps: each takes far longer than a timed request, so the
+    progress bar's ETA rates the two kinds apart."""
+    return len(runs) * _warmup_steps(workload)

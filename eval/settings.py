@@ -10,7 +10,8 @@ alike. `python -m specjax.eval` defines its flags from `EVAL_GROUPS` and records
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import textwrap
+from typing import Callable, Sequence
 
 from absl import flags
 
@@ -23,6 +24,7 @@ from specjax.eval import tasks as tasks_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
 from specjax.stores import Layout
+from specjax.stores.scheduler import INFLIGHT_S, MIN_INFLIGHT_BYTES
 
 
 def setting(default, help: str, *, choices: tuple[str, ...] | None = None, check: Callable | None = None):
@@ -65,6 +67,24 @@ def check_fields(group) -> None:
             raise SpecjaxError(f"{field.name} {value!r}: {e}") from None
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g}MiB"
+
+
+# `--limit`'s default for a synthetic task (needle, rag): the default run stays short
+NEEDLE_DEFAULT_LIMIT = 16
+DEFAULT_RETENTION = "0.25,0.75"
+
+
+def _default_runs() -> str:
+    """How many runs the default --systems and --retention make, in words (for --limit's help)."""
+    pruning = [name for name in systems_lib.DEFAULT_SYSTEMS if systems_lib.uses_retention(name)]
+    retentions = len(parse_retentions(DEFAULT_RETENTION))
+    runs = len(systems_lib.DEFAULT_SYSTEMS) - len(pruning) + len(pruning) * retentions
+    return (f"{runs} runs: {len(systems_lib.DEFAULT_SYSTEMS)} systems, the {len(pruning)} that prune at "
+            f"{retentions} retentions")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """Which model, with which weights, on how many devices."""
@@ -93,14 +113,14 @@ class WorkloadSettings:
 
     task: str = setting("needle", "Task: " + "; ".join(f"{k} ({v.description})" for k, v in tasks_lib.TASKS.items())
                         + ".")
-    data_dir: str | None = setting(None, "Folder with task files laid out like ../shared/data (see its README.md). "
-                                   "Searched first, then $SPECJAX_DATA, then the Hugging Face hub (needs `datasets`).")
+    data_dir: str | None = setting(None, "Folder with the tasks' data files, laid out as docs/data.md describes "
+                                   "(e.g. DIR/piqa/valid.jsonl). Searched first, then $SPECJAX_DATA, then the "
+                                   "Hugging Face hub (after `pip install datasets`).")
     data_path: str | None = setting(None, "JSONL file for --task mc_jsonl: one {\"query\",\"choices\",\"gold\"} per "
                                     "line.")
     limit: int | None = setting(None, "Number of requests (the first N task items, as lm-eval's --limit). Unset: "
-                                "all items; for needle 16, to keep specjax.eval's default run (8 runs: 5 systems, the "
-                                "3 that prune at 2 retentions) short on a 2-core CPU; README.md gives its measured "
-                                "time.",
+                                f"all items; for needle {NEEDLE_DEFAULT_LIMIT}, to keep specjax.eval's default run "
+                                f"({_default_runs()}) short on a 2-core CPU; README.md gives its measured time.",
                                 check=_must(lambda v: v is None or v > 0, "must be a positive number of requests"))
     num_fewshot: str = setting("2-10", "Few-shot examples per shared prefix: N, or A-B for a uniform draw per prefix "
                                "(the papers' 2-10). 0 gives lm-eval's zero-shot prompts.",
@@ -126,8 +146,11 @@ class WorkloadSettings:
 class StoreSettings:
     """The KV store, its cache tiers and the links bytes cross."""
 
-    chunk_tokens: int = setting(Layout.chunk_tokens, "Tokens per stored KV chunk (SPEC: 64; contiguous_kv uses its "
-                                "own 16).", check=_must(lambda v: v > 0, "must be positive"))
+    chunk_tokens: int = setting(Layout.chunk_tokens, "Tokens per stored KV chunk (SPEC: 64), for every system "
+                                "but those with a chunk of their own (" + ", ".join(
+                                    f"{name}: {s.chunk_tokens}" for name, s in systems_lib.KNOWN_SYSTEMS.items()
+                                    if s.chunk_tokens) + ").",
+                                check=_must(lambda v: v > 0, "must be positive"))
     gpu_cache: str = setting("15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of the "
                              "workload's stored prefix KV (SPEC: 10GB of ~60GB).", check=parse_size)
     cpu_cache: str = setting("50%", "CPU prefix-KV cache budget: bytes or a percentage of the stored prefix KV "
@@ -139,9 +162,11 @@ class StoreSettings:
                                          check=_unless_none(parse_bandwidth))
     direct_io: bool = setting(False, "Read the store with O_DIRECT so the page cache does not hide the disk.")
     inflight_bytes: str | None = setting(None, "Most bytes of KV reads the disk's read scheduler keeps in flight "
-                                         "(e.g. 4MiB); unset: 4MiB on a real disk, one read at a time on an emulated "
-                                         "one. Reads beyond it wait in its queue, demand before speculative, where a "
-                                         "superseded speculative read is dropped unread.",
+                                         f"(e.g. {_mib(2 * MIN_INFLIGHT_BYTES)}); unset: on a real disk the larger "
+                                         f"of {_mib(MIN_INFLIGHT_BYTES)} and {INFLIGHT_S * 1000:g} ms of the disk's "
+                                         "read rate as measured during the run, on an emulated one (--disk_bandwidth) "
+                                         "one read at a time. Reads beyond it wait in its queue, demand before "
+                                         "speculative, where a superseded speculative read is dropped unread.",
                                          check=_unless_none(parse_bytes))
     store: str | None = setting(None, "Folder for the prefix-KV stores, kept for later runs (a path or file:///path; "
                                 "the evaluation hard-links each run's copy, so kvstore URLs such as gs:// are for "
@@ -172,9 +197,9 @@ class RunSettings:
     """Which runs to make and where their results go."""
 
     systems: str = setting("default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) + ". "
-                           "`default` = the SPEC paper's line-up (recompute, as_full, as_h2o_lru, as_h2o_lfu, spec) "
+                           "`default` = the SPEC paper's line-up (" + ", ".join(systems_lib.DEFAULT_SYSTEMS) + ") "
                            "restricted to those built; `all` = every built system.")
-    retention: str = setting("0.25,0.75", "Fraction of prefix tokens kept, or a comma-separated list to sweep (e.g. "
+    retention: str = setting(DEFAULT_RETENTION, "Fraction of prefix tokens kept, or a comma-separated list to sweep (e.g. "
                              "0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "
                              "(recompute, as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT "
                              "trade-off over them.",
@@ -208,6 +233,53 @@ EVAL_GROUPS = (ModelSettings, WorkloadSettings, StoreSettings, EngineSettings, R
 
 def names(groups=EVAL_GROUPS) -> tuple[str, ...]:
     return tuple(field.name for group in groups for field in dataclasses.fields(group))
+
+
+HELP_WIDTH = 100
+
+
+def shown_default(value) -> str:
+    """A default as the help shows it: as written on the command line; None as `unset`."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if str(value) else '""'
+
+
+def heading(group) -> str:
+    """A group's heading in the help: the first sentence of its docstring."""
+    text = " ".join((group.__doc__ or group.__name__).split("\n\n")[0].split())
+    return text.split(". ")[0].rstrip(".") + "."
+
+
+def flag_help(name: str, kind: str, default, help: str, choices: Sequence[str] | None = None,
+              width: int = HELP_WIDTH) -> str:
+    """One flag's entry: `--name (type; default: ...)`, its help wrapped below it."""
+    what = " | ".join(choices) if choices else {"bool": "bool", "int": "int", "float": "float"}.get(kind)
+    head = f"  --{name} ({what + '; ' if what else ''}default: {shown_default(default)})"
+    body = textwrap.fill(" ".join(help.split()), width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                         break_long_words=False, break_on_hyphens=False)
+    return head + "\n" + body + "\n"
+
+
+def field_help(field: dataclasses.Field, width: int = HELP_WIDTH) -> str:
+    return flag_help(field.name, field.type.split(" | ")[0], field.default, field.metadata["help"],
+                     field.metadata.get("choices"), width)
+
+
+def render_help(doc: str, groups=EVAL_GROUPS, sections: Sequence[tuple[str, Sequence[str]]] = (),
+                footer: str = "", width: int = HELP_WIDTH) -> str:
+    """A command's --help: `doc`, then every field of `groups` as a flag (its name, type, default and help) under
+    its group's heading, then `sections` (a heading and entries rendered by `flag_help`), then `footer`; each line
+    at most `width` columns but for a word longer than that."""
+    parts = [doc.strip("\n") + "\n"]
+    for group in groups:
+        parts.append(heading(group) + "\n" + "".join(field_help(f, width) for f in dataclasses.fields(group)))
+    parts += [title + "\n" + "".join(entries) for title, entries in sections if entries]
+    if footer:
+        parts.append(textwrap.fill(" ".join(footer.split()), width) + "\n")
+    return "\n".join(parts)
 
 
 def define_flags(group, only: tuple[str, ...] | None = None, defaults: dict | None = None) -> tuple[str, ...]:
@@ -253,4 +325,5 @@ def checked(values: dict, groups=EVAL_GROUPS) -> dict:
 
 
 __all__ = ["EVAL_GROUPS", "EngineSettings", "ModelSettings", "RunSettings", "StoreSettings", "WorkloadSettings",
-           "check_fields", "checked", "define_flags", "names", "setting"]
+           "check_fields", "checked", "define_flags", "flag_help", "names", "render_help", "setting",
+           "shown_default"]

@@ -86,7 +86,7 @@ class Hub:
 
 @dataclasses.dataclass(frozen=True)
 class Files:
-    """Rows from files under --data_dir or $SPECJAX_DATA (laid out like ../shared/data), else the hub."""
+    """Rows from files under --data_dir or $SPECJAX_DATA (laid out as docs/data.md describes), else the hub."""
 
     docs: Split  # the items asked
     read: Callable[..., list[dict]]  # a split's files (paths, in `Split.files` order) -> rows
@@ -104,23 +104,28 @@ class Files:
         return self._hub_examples(spec, splits, files, data_dir)
 
     def _hub_examples(self, spec: TaskSpec, splits: list[Split], files: list[str], data_dir: str | None):
-        def missing(note: str) -> EvalError:
+        hub = self.hub
+        dataset = hub.path + (f" ({hub.name})" if hub.name else "")
+        folder = (f"pass --data_dir DIR holding {' and '.join('DIR/' + f for f in files)} (docs/data.md in the "
+                  "specjax repository says where to download them and how they are laid out)")
+
+        def missing(note: str, fix: str) -> EvalError:
             where = ", ".join(f"{how}={root}" for how, root in _data_dirs(data_dir))
-            return EvalError(
-                f"data for task '{spec.name}' not found: looked for {', '.join(files)} in "
-                f"{where or 'no --data_dir given and $SPECJAX_DATA unset'}; {note}. "
-                f"Pass --data_dir DIR (a folder laid out like ../shared/data, see its README.md)")
+            looked = f"looked for {', '.join(files)} in {where}" if where else \
+                "no --data_dir given and $SPECJAX_DATA unset"
+            return EvalError(f"no data for task '{spec.name}': {looked}{note}. To get it: {fix}.")
 
         try:
             import datasets  # optional: only used when no local files are found
         except ImportError:
-            raise missing("the `datasets` package is not installed, so the Hugging Face hub was not tried") from None
-        hub = self.hub
+            raise missing(", and the `datasets` package (for the Hugging Face hub) is not installed",
+                          f"`pip install datasets` (then the hub's {dataset} is read), or {folder}") from None
         try:
             read = [[spec.example(hub.row(r)) for r in datasets.load_dataset(hub.path, hub.name, split=s.hub_split)]
                     for s in splits]
         except Exception as e:  # network, missing dataset, schema drift: all end the run the same way
-            raise missing(f"the Hugging Face hub ({hub.path}) failed: {type(e).__name__}: {str(e)[:200]}") from None
+            raise missing(f"; the Hugging Face hub ({dataset}) failed: {type(e).__name__}: {str(e)[:200]}",
+                          f"check the network, or {folder}") from None
         name = f"/{hub.name}" if hub.name else ""
         return read[0], read[1] if len(read) > 1 else [], f"huggingface:{hub.path}{name}:{self.docs.hub_split}"
 
@@ -245,8 +250,8 @@ class DamagedFile(EvalError):
     """A task's data file that cannot be read as its format (cut short, not UTF-8, a record without its fields)."""
 
     def __init__(self, where: str, why: str):
-        super().__init__(f"{where}: {why}; the task's data file is damaged: restore it from its source (the data "
-                         "folder's README names each file's)")
+        super().__init__(f"{where}: {why}; the task's data file is damaged: restore it from its source (docs/data.md "
+                         "in the specjax repository names each file's)")
 
 
 def _examples(spec, read, paths: list[pathlib.Path]) -> list[Example]:
