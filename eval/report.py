@@ -369,13 +369,79 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 TRADEOFF_PNG = "tradeoff.png"
+TTFT_PNG = "ttft_breakdown.png"
+RETENTION_PNG = "accuracy_vs_retention.png"
+LAYERS_PNG = "layers.png"
+
+# README.md's definition, word for word (tests/test_eval_tradeoff.py holds the two together)
+TTFT_DEFINITION = "TTFT runs from a request's arrival to its first-token logits ready on the device."
+
+# each figure's alt text and the one-line caption results.md gives it
+FIGURES = {
+    TRADEOFF_PNG: ("accuracy vs mean TTFT", f"accuracy against mean TTFT, one point per run (labelled with its "
+                                            f"retention where it prunes); the grey band: within {tradeoff.BAND_PP:g} "
+                                            f"accuracy points of the reference."),
+    TTFT_PNG: ("TTFT by phase", "each run's mean TTFT by phase: in ms on one scale with its p99 (left), and as "
+                                "shares of the run's own mean, so every run's phases show (right)."),
+    RETENTION_PNG: ("accuracy vs retention", "accuracy against retention, a line per pruning system (each its own "
+                                             "marker and line style, set slightly apart so equal values stay "
+                                             "visible); recompute dashed."),
+    LAYERS_PNG: ("per-layer KV loaded and fallback rate", "per layer, the KV loaded (fraction of the prefix) and the "
+                                                          "fallback rate (the layer loaded every key and used per-head "
+                                                          "sets)."),
+}
+LAYERS_PER_HEAD = " `as_h2o_*` take per-head H2O sets on every layer, so their fallback rate is 1.0 by construction."
+
+
+def figures(results: dict) -> list[str]:
+    """The PNGs `write_all` writes for `results`, in the order results.md shows them."""
+    out = []
+    if tradeoff.worth_plotting(results):
+        out.append(TRADEOFF_PNG)
+    out.append(TTFT_PNG)
+    if len({s.get("retention") for s in results["systems"].values()} - {None}) > 1:
+        out.append(RETENTION_PNG)
+    if _layer_panels(layer_series(results)):
+        out.append(LAYERS_PNG)
+    return out
+
+
+def _figure_lines(results: dict, name: str) -> list[str]:
+    """A figure's link and caption, where `write_all` writes it."""
+    if name not in figures(results):
+        return []
+    alt, caption = FIGURES[name]
+    if name == LAYERS_PNG and _has_per_head(results):
+        caption += LAYERS_PER_HEAD
+    return [f"![{alt}]({name})", "", f"*{name}: {caption}*", ""]
+
+
+def _rate(value: float | None) -> str | None:
+    """A rate in bytes per second, in the flags' decimal units (20 MB/s); None where there is none."""
+    if value is None:
+        return None
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g} {unit}"
+    return f"{value:.4g} B/s"
+
+
+def _emulation_line(emu: dict) -> str:
+    """What was emulated: a rate only where one was set; the rest is the real link, said so (never "None B/s")."""
+    parts = []
+    for name, key, real in (("disk", "disk_bandwidth", "the real disk"), ("PCIe", "pcie_bandwidth", "the real link")):
+        rate = _rate(emu.get(key))
+        parts.append(f"{name} {rate} (emulated)" if rate else f"{name}: {real}, not emulated")
+    emulated = any(emu.get(k) is not None for k in ("disk_bandwidth", "pcie_bandwidth"))
+    return (f"- emulation: {'on' if emulated else 'off'} ({'; '.join(parts)}; direct I/O "
+            f"{'on' if emu.get('direct_io') else 'off'})")
 
 
 def tradeoff_section(results: dict) -> list[str]:
     """The accuracy-TTFT trade-off: sentences computed from the results, the plot, the table."""
-    out = ["## Accuracy-TTFT trade-off", "", *(f"- {line}" for line in tradeoff.summary(results)), ""]
-    if tradeoff.worth_plotting(results):
-        out += [f"![accuracy vs mean TTFT]({TRADEOFF_PNG})", ""]
+    out = ["## Accuracy-TTFT trade-off", "", *(f"- {line}" for line in tradeoff.summary(results)), "",
+           TTFT_DEFINITION, ""]
+    out += _figure_lines(results, TRADEOFF_PNG)
     out += [tradeoff.table(results), "",
             "`frontier`: no other run is both at least as fast and at least as accurate. Δacc is paired: the "
             "same requests answered by both.", ""]
@@ -392,15 +458,12 @@ def markdown(results: dict) -> str:
         out.append("")
     out += tradeoff_section(results)
     out += ["## Run", ""]
-    emu = results["emulation"]
-    emulated = emu["disk_bandwidth"] is not None or emu["pcie_bandwidth"] is not None
     out += [f"- device: {results['device']}",
             f"- weights: {results['weights']}"]
     impl = results.get("config", {}).get("implementations")
     if impl:
         out.append(f"- kernels: {impl['kernels']}; the model's attention: {impl['attention']}")
-    out.append(f"- emulation: {'on' if emulated else 'off'} (disk {emu['disk_bandwidth']} B/s, "
-               f"PCIe {emu['pcie_bandwidth']} B/s, direct I/O {emu['direct_io']})")
+    out.append(_emulation_line(results["emulation"]))
     selections = results.get("selections")
     if selections and selections["mode"] == "replay":
         out.append(f"- selections: **replayed** from {selections['folder']} (" + "; ".join(
@@ -433,13 +496,17 @@ def markdown(results: dict) -> str:
                      f"{t['p99']:.1f}", speedup])
     out.append(_table(["system", "acc %", "acc_norm %", "n", "Δacc vs recompute (pp)", "TTFT mean ms",
                        "p50", "p95", "p99", "speedup vs recompute"], rows))
-    out += ["", "## TTFT breakdown (mean ms per request)", ""]
+    out += [""] + _figure_lines(results, RETENTION_PNG)
+    out += ["## TTFT breakdown (mean ms per request)", ""]
     out.append(_table(["system", *BREAKDOWN_KEYS, "process CPU"], [
         [k, *(f"{s['breakdown_ms'][b]:.1f}" for b in BREAKDOWN_KEYS), _ms(s.get("cpu_ms"))]
         for k, s in systems.items()]))
     out += ["", "`process CPU`: the CPU time of every thread of the process from a request's start to its first token "
             "(the request's thread, the disk threads and, on a CPU device, XLA's compute): the request's work, above "
-            "its TTFT where threads ran in parallel."]
+            "its TTFT where threads ran in parallel.",
+            "", f"{TTFT_DEFINITION} Its phases: probe-key I/O (`probe_io`), identification (`identify`), KV I/O "
+                f"stall (`kv_io_stall`) and compute (`compute`, the rest).", ""]
+    out += _figure_lines(results, TTFT_PNG)[:-1]
     out += ["", "## I/O and caches (totals over the run)", ""]
     rows = []
     for k, s in systems.items():
@@ -480,6 +547,8 @@ def markdown(results: dict) -> str:
         out.append(_table(["system", "computed fraction", "computed tokens", "loaded tokens"], [
             [k, f"{x['computed_fraction']:.2f}", f"{x['computed_prefix_tokens_mean']:.0f}",
              f"{x['loaded_prefix_tokens_mean']:.0f}"] for k, x in split.items()]))
+    if LAYERS_PNG in figures(results):
+        out += ["", "## Per layer", ""] + _figure_lines(results, LAYERS_PNG)[:-1]
     out += ["", "## Settings", "", "```", json.dumps(results["config"], indent=2, sort_keys=True), "```", ""]
     return "\n".join(out)
 
@@ -496,95 +565,234 @@ def _pyplot():
     return plt
 
 
-def plot_ttft(results: dict, path: pathlib.Path) -> None:
+PHASE_COLOURS = {"probe_io": "tab:blue", "identify": "tab:orange", "kv_io_stall": "tab:green", "compute": "tab:red"}
+
+
+def ttft_shares(results: dict) -> dict[str, dict[str, float]]:
+    """Per run, each TTFT phase's share of the run's own mean TTFT (the phases' sum; 0 where it has none)."""
+    out = {}
+    for key, s in results["systems"].items():
+        total = sum(s["breakdown_ms"][p] for p in BREAKDOWN_KEYS)
+        out[key] = {p: (s["breakdown_ms"][p] / total if total else 0.0) for p in BREAKDOWN_KEYS}
+    return out
+
+
+def ttft_figure(results: dict):
+    """Two panels, one row per run: on the left the mean TTFT in ms stacked by phase (one scale for every run, with
+    its p99), on the right each run's phases as shares of its own mean, so a run much faster than the slowest one
+    (recompute) still shows every phase; each row there names its mean TTFT."""
     plt = _pyplot()
     systems = results["systems"]
     keys = list(systems)
-    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(keys) + 2), 4))
-    bottom = np.zeros(len(keys))
+    shares = ttft_shares(results)
+    y = np.arange(len(keys))[::-1]  # the first run on top
+    fig, (ax_ms, ax_share) = plt.subplots(1, 2, figsize=(11, 1.4 + 0.38 * len(keys)), sharey=True,
+                                          gridspec_kw={"width_ratios": [1, 1.3]})
+    left_ms = np.zeros(len(keys))
+    left_share = np.zeros(len(keys))
     for part in BREAKDOWN_KEYS:
         values = np.array([systems[k]["breakdown_ms"][part] for k in keys])
-        ax.bar(keys, values, bottom=bottom, label=part)
-        bottom += values
+        share = np.array([shares[k][part] for k in keys])
+        ax_ms.barh(y, values, left=left_ms, color=PHASE_COLOURS[part], label=part, height=0.7)
+        bars = ax_share.barh(y, 100 * share, left=left_share, color=PHASE_COLOURS[part], height=0.7)
+        for bar, f in zip(bars, share):
+            if f >= 0.08:  # wide enough for its figure
+                ax_share.text(bar.get_x() + bar.get_width() / 2, bar.get_y() + bar.get_height() / 2,
+                              f"{100 * f:.0f}%", ha="center", va="center", fontsize=7, color="white")
+        left_ms += values
+        left_share += 100 * share
     p99 = [systems[k]["ttft_ms"]["p99"] for k in keys]
-    ax.scatter(keys, p99, marker="_", s=400, color="black", label="p99", zorder=3)
-    ax.set_ylabel("TTFT (ms): mean, stacked by phase")
-    ax.set_title(f"{results['model']} / {results['task']} ({results['weights']} weights)")
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
+    ax_ms.scatter(p99, y, marker="|", s=160, color="black", label="p99", zorder=3)
+    ax_ms.set_xlim(0, 1.05 * max([*p99, *left_ms, 1e-9]))
+    ax_ms.set_yticks(y, keys)
+    ax_ms.set_xlabel("TTFT (ms): mean, stacked by phase; | p99")
+    ax_ms.grid(axis="x", alpha=0.3)
+    ax_share.set_xlim(0, 100)
+    ax_share.set_xlabel("share of the run's own mean TTFT (%)")
+    ax_share.tick_params(axis="y", length=0)
+    twin = ax_share.twinx()  # each row's mean TTFT, on the right
+    twin.set_ylim(ax_share.get_ylim())
+    twin.set_yticks(y, [f"{systems[k]['ttft_ms']['mean']:.1f} ms" for k in keys], fontsize=8)
+    twin.tick_params(axis="y", length=0)
+    twin.set_ylabel("mean TTFT", fontsize=8)
+    handles, labels = ax_ms.get_legend_handles_labels()
+    height = fig.get_figheight()
+    fig.suptitle(f"{results['model']} / {results['task']} ({results['weights']} weights): TTFT by phase",
+                 fontsize=10, y=1 - 0.06 / height, va="top")
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.26 / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / height))
+    return fig
+
+
+def plot_ttft(results: dict, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    fig = ttft_figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_accuracy_vs_retention(results: dict, path: pathlib.Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+SERIES_MARKERS = "osD^vP*Xh<>"
+SERIES_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def retention_series(results: dict) -> list[dict]:
+    """accuracy_vs_retention.png's series, one per pruning system (sorted by name): its points (retention, acc,
+    stderr), its marker, marker size, line style and x offset (a factor: series side by side, so equal values stay
+    visible), and the earlier series whose every point it shares (`same_as`; None where it shares none)."""
     by_system: dict[str, list[tuple[float, float, float]]] = {}
     for s in results["systems"].values():
         if s.get("retention") is not None:
             a = s["accuracy"]
             by_system.setdefault(s["system"], []).append((s["retention"], a["acc"], a["stderr"]))
-    for name, points in sorted(by_system.items()):
-        points.sort()
-        x, y, e = zip(*points)
-        ax.errorbar(x, np.array(y) * 100, yerr=np.array(e) * 100, marker="o", capsize=3, label=name)
+    names = sorted(by_system)
+    out = []
+    for i, name in enumerate(names):
+        points = sorted(by_system[name])
+        same = next((o["name"] for o in out if len(o["points"]) == len(points) and all(
+            abs(p[0] - q[0]) < 1e-12 and abs(p[1] - q[1]) < 1e-12 for p, q in zip(points, o["points"]))), None)
+        out.append({"name": name, "points": points, "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)],
+                    "markersize": max(4.0, 10.0 - 2.0 * i), "linestyle": SERIES_LINESTYLES[i % len(SERIES_LINESTYLES)],
+                    "offset": 10 ** (0.012 * (i - (len(names) - 1) / 2)), "same_as": same})
+    return out
+
+
+def accuracy_figure(results: dict):
+    """Accuracy against retention, a series per pruning system: each its own marker (shape and size, the first
+    largest), line style and a slight sideways offset, so a series equal to another still shows; the legend, outside
+    the axes, says which series coincide."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    series = retention_series(results)
+    for i, sr in enumerate(series):
+        x, y, e = zip(*sr["points"])
+        label = sr["name"] + (f" (same values as {sr['same_as']})" if sr["same_as"] else "")
+        ax.errorbar(np.array(x) * sr["offset"], np.array(y) * 100, yerr=np.array(e) * 100, marker=sr["marker"],
+                    markersize=sr["markersize"], linestyle=sr["linestyle"], capsize=3, label=label,
+                    markeredgecolor="white" if i else None, markeredgewidth=0.6, zorder=2 + i)
     ref = results["systems"].get("recompute")
     if ref:
-        ax.axhline(100 * ref["accuracy"]["acc"], color="gray", linestyle="--", label="recompute")
+        ax.axhline(100 * ref["accuracy"]["acc"], color="gray", linestyle="--", label="recompute", zorder=1)
     ax.set_xscale("log")
-    ticks = sorted({p[0] for points in by_system.values() for p in points})
+    ticks = sorted({p[0] for sr in series for p in sr["points"]})
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
-    ax.set_xlabel("retention (fraction of prefix tokens kept)")
-    ax.set_ylabel("accuracy (%)")
+    if len(ticks) > 1:  # room for the offsets and the markers at both ends
+        ax.set_xlim(ticks[0] / 1.15 ** (1 + 0.1 * len(series)), ticks[-1] * 1.15 ** (1 + 0.1 * len(series)))
+    ax.set_xlabel("retention (fraction of prefix tokens kept; series set slightly apart)")
+    ax.set_ylabel("accuracy (%), ± one standard error")
     ax.set_title(f"{results['model']} / {results['task']}")
-    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
+    return fig
+
+
+def plot_accuracy_vs_retention(results: dict, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    fig = accuracy_figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _always_per_head(system: str) -> bool:
+    """Systems that take per-head H2O sets on every layer (AttentionStore + H2O): their `fallback` is 1.0 on every
+    layer by construction, not a failed identification."""
+    return system.startswith("as_h2o")
+
+
+LAYERS_CAPTION = ("fallback rate: the share of requests in which the layer loaded every key and used per-head sets "
+                  "instead of one shared set.")
+PER_HEAD_CAPTION = "as_h2o_* take per-head H2O sets on every layer, so theirs is 1.0 on every layer by construction."
+
+
+def _has_per_head(results: dict) -> bool:
+    return any(_always_per_head(s.get("system", k)) for k, s in results["systems"].items() if s.get("layers"))
+
+
+def layer_series(results: dict) -> list[dict]:
+    """layers.png's series, one per run with per-layer records: its colour index (one per system), marker, marker
+    size (the first of lines that may coincide largest) and line style (one per retention), and its legend label,
+    which for an as_h2o_* run says why its fallback rate is 1.0."""
+    entries = [(k, s) for k, s in results["systems"].items() if s.get("layers")]
+    systems = list(dict.fromkeys(s.get("system", k) for k, s in entries))
+    retentions = sorted({s.get("retention") for _, s in entries if s.get("retention") is not None})
+    out = []
+    for i, (key, s) in enumerate(entries):
+        system = s.get("system", key)
+        r = s.get("retention")
+        style = 0 if r is None else 1 + retentions.index(r)
+        label = key + (" (per-head H2O: fallback 1.0)" if _always_per_head(system) else "")
+        out.append({"key": key, "layers": s["layers"], "label": label, "colour": systems.index(system),
+                    "marker": SERIES_MARKERS[style % len(SERIES_MARKERS)],
+                    "linestyle": SERIES_LINESTYLES[style % len(SERIES_LINESTYLES)],
+                    "markersize": max(3.0, 9.0 - 6.0 * i / max(1, len(entries) - 1))})
+    return out
+
+
+def _layer_panels(series: list[dict]) -> list[str]:
+    """The per-layer records layers.png plots (none: no layers.png)."""
+    return [name for name in ("retained", "fallback") if any(name in sr["layers"] for sr in series)]
+
+
+def layers_figure(results: dict):
+    """Per layer, the KV loaded (kept fraction of the prefix) and the fallback rate, a line per run: colour per
+    system, marker and line style per retention, marker sizes shrinking run by run so equal lines all show; the
+    legend, outside the axes, and a caption under them say what fallback means and why as_h2o_*'s is 1.0. None
+    where no run has per-layer records."""
+    series = layer_series(results)
+    panels = _layer_panels(series)
+    if not panels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.6 + 2.4 * len(panels)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes, panels):
+        for z, sr in enumerate(series):
+            if name in sr["layers"]:
+                ax.plot(sr["layers"][name], marker=sr["marker"], markersize=sr["markersize"],
+                        linestyle=sr["linestyle"], color=colours[sr["colour"] % len(colours)], label=sr["label"],
+                        markeredgecolor="white", markeredgewidth=0.4, zorder=2 + z)
+        ax.set_ylabel({"retained": "KV loaded / prefix", "fallback": "fallback rate"}[name])
+        ax.set_ylim(-0.05, 1.08)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("layer")
+    axes[0].set_title(f"{results['model']} / {results['task']}: per layer, mean over requests", fontsize=10)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    caption = ""
+    if "fallback" in panels:
+        caption = LAYERS_CAPTION + (" " + PER_HEAD_CAPTION if _has_per_head(results) else "")
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=7.5, ha="left", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
+    return fig
+
+
 def plot_layers(results: dict, path: pathlib.Path) -> bool:
-    entries = {k: s["layers"] for k, s in results["systems"].items() if s.get("layers")}
-    if not entries:
+    fig = layers_figure(results)
+    if fig is None:
         return False
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    for key, layers in entries.items():
-        if "retained" in layers:
-            ax1.plot(layers["retained"], marker=".", label=key)
-        if "fallback" in layers:
-            ax2.plot(layers["fallback"], marker=".", label=key)
-    ax1.set_ylabel("KV loaded / prefix")
-    ax2.set_ylabel("fallback rate")
-    ax2.set_xlabel("layer")
-    ax1.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
 # every file `write_all` and `write_requests` may write into an output folder
-RESULT_FILES = ("results.json", "results.md", "requests.jsonl", "ttft_breakdown.png", TRADEOFF_PNG,
-                "accuracy_vs_retention.png", "layers.png")
+RESULT_FILES = ("results.json", "results.md", "requests.jsonl", TTFT_PNG, TRADEOFF_PNG, RETENTION_PNG, LAYERS_PNG)
 
 
 def write_all(results: dict, output_dir: pathlib.Path) -> list[pathlib.Path]:
-    """results.json, results.md and the plots that apply; returns the paths written."""
+    """results.json, results.md and the plots that apply (`figures`, each linked from results.md); returns the paths
+    written."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    written = [output_dir / "results.json", output_dir / "results.md", output_dir / "ttft_breakdown.png"]
+    written = [output_dir / "results.json", output_dir / "results.md"]
     write_json(results, written[0])
     written[1].write_text(markdown(results))
-    plot_ttft(results, written[2])
-    if tradeoff.worth_plotting(results):
-        written.append(output_dir / TRADEOFF_PNG)
-        tradeoff.plot(results, written[-1])
-    retentions = {s.get("retention") for s in results["systems"].values()} - {None}
-    if len(retentions) > 1:
-        written.append(output_dir / "accuracy_vs_retention.png")
-        plot_accuracy_vs_retention(results, written[-1])
-    if plot_layers(results, output_dir / "layers.png"):
-        written.append(output_dir / "layers.png")
+    plots = {TRADEOFF_PNG: tradeoff.plot, TTFT_PNG: plot_ttft, RETENTION_PNG: plot_accuracy_vs_retention,
+             LAYERS_PNG: plot_layers}
+    for name in figures(results):
+        plots[name](results, output_dir / name)
+        written.append(output_dir / name)
     return written

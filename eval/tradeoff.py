@@ -113,17 +113,34 @@ def _describe(system: str) -> str:
     return f" ({info.description})" if info else ""
 
 
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def scope(pts: list[Point]) -> str:
+    """How many runs of how many systems, naming every system: those that ran once (they keep the whole prefix, or
+    none of it), then those that prune, grouped by the retentions they ran at."""
+    systems = sorted({p.system for p in pts})
+    once = [s for s in systems if all(p.retention is None for p in pts if p.system == s)]
+    by_retentions: dict[tuple[float, ...], list[str]] = {}
+    for s in systems:
+        if s not in once:
+            rs = tuple(sorted({p.retention for p in pts if p.system == s and p.retention is not None}))
+            by_retentions.setdefault(rs, []).append(s)
+    parts = []
+    if once:
+        parts.append(_and(once) + (" once" if len(once) == 1 else " once each"))
+    parts += [f"{_and(names)} at retention {_and([f'{r:g}' for r in rs])}" for rs, names in by_retentions.items()]
+    runs = f"{len(pts)} run{'s' if len(pts) != 1 else ''}"
+    return f"{runs} of {len(systems)} system{'s' if len(systems) != 1 else ''} ({'; '.join(parts)})"
+
+
 def summary(results: dict, band_pp: float = BAND_PP) -> list[str]:
     """The trade-off in a few sentences, every figure taken from `results`."""
     pts = points(results)
     ns = sorted({p.n for p in pts})
     n_text = f"{ns[0]} requests" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} requests (n per run in the table)"
-    retentions = sorted({p.retention for p in pts if p.retention is not None})
-    pruning = sorted({p.system for p in pts if p.retention is not None})
-    scope = f"{len(pts)} runs of {len({p.system for p in pts})} systems"
-    if pruning:
-        scope += f" ({', '.join(pruning)} at retention {', '.join(f'{r:g}' for r in retentions)})"
-    out = [f"{scope}, each on the same {n_text}; accuracy ± one standard error, TTFT the mean per request."]
+    out = [f"{scope(pts)}, each on the same {n_text}; accuracy ± one standard error, TTFT the mean per request."]
     ref = reference(pts)
     if ref.system == "recompute":
         out.append(f"{ref.key}: {_acc(ref)} at {ref.ttft_ms:.1f} ms, {phases(ref)}.")
@@ -200,10 +217,145 @@ def table(results: dict) -> str:
 
 # ---------------------------------------------------------------- plot
 
+# where a point's label may go, in points from the point, nearest first: right, left, above, below, then further out
+LABEL_OFFSETS = [(6, 5), (6, -6), (-6, 5), (-6, -6), (0, 10), (0, -11)] + [
+    (r * dx, r * dy) for r in (1.8, 2.6, 3.4, 4.4) for dx, dy in
+    ((6, 5), (6, -6), (-6, 5), (-6, -6), (0, 10), (0, -11), (8, 0), (-8, 0))]
+
+
+LINE_WEIGHT = 0.5  # a label over a line costs this much per unit of area it covers; over a marker or label, 1
+DISTANCE_WEIGHT = 0.1  # and this per point it is further from its own point than the nearest place
+
+
+def log_ticks(lo: float, hi: float, min_ticks: int = 4, max_gap: float = 0.4) -> list[float]:
+    """Ticks for a log axis from `lo` to `hi`: the plainest series of 1-2-5 style values that puts at least
+    `min_ticks` ticks on it and leaves no stretch without one (between ticks or at either end) over `max_gap` of
+    the axis' log span, so a span of under a decade has ticks at both ends, not only 500 and 1000."""
+    import math
+
+    if not (lo > 0 and hi > lo):
+        return []
+    span = math.log10(hi / lo)
+    ticks: list[float] = []
+    for subs in ((1,), (1, 2, 5), (1, 2, 3, 5), (1, 2, 3, 4, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9),
+                 (1, 1.2, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 7, 8, 9)):
+        ticks = sorted({round(m * 10.0 ** k, 10) for k in range(math.floor(math.log10(lo)) - 1,
+                                                                 math.ceil(math.log10(hi)) + 1)
+                        for m in subs if lo <= m * 10.0 ** k <= hi})
+        edges = [lo, *ticks, hi]
+        if len(ticks) >= min_ticks and all(math.log10(b / a) <= max_gap * span for a, b in zip(edges, edges[1:])):
+            break
+    return ticks
+
+
+def _overlap(a, b) -> float:
+    """The area two boxes (x0, y0, x1, y1) share."""
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def place_labels(anchors: list[tuple[float, float]], sizes: list[tuple[float, float]], frame, obstacles=(),
+                 offsets=None, pad: float = 1.0, soft=(), soft_weight: float = 0.1,
+                 far: float = float("inf"), distance_weight: float = 0.5,
+                 clearance: float = 0.0) -> list[tuple[float, float]]:
+    """Greedy label placement in display units: for each anchor (a point, x y), the one of `offsets` (dx, dy from
+    the anchor to the label's near edge, centred on dy) whose box, of `sizes[i]` (w h), costs least: it should lie
+    in `frame` (x0 y0 x1 y1), overlap neither an obstacle box (markers; another point's kept `clearance` away, so a
+    label is not read as its neighbour's) nor a label placed before it, preferably no `soft` box (bits of lines,
+    weighed `soft_weight`), and be near its point (`distance_weight` per unit beyond the nearest offset). A label further than `far` (|dx| + |dy|) gets a line back to its point: that
+    line should cross no label placed before it and no other marker, and is a soft obstacle for the labels after
+    it. Returns each label's offset."""
+    offsets = offsets or LABEL_OFFSETS
+    nearest = min(abs(dx) + abs(dy) for dx, dy in offsets)
+    placed: list[tuple[float, float, float, float]] = []
+    leaders: list[tuple[float, float, float, float]] = []  # the lines from labels pushed away back to their points
+    soft = list(soft)
+    chosen = []
+    for (x, y), (w, h) in zip(anchors, sizes):
+        own = [o for o in obstacles if o[0] <= x <= o[2] and o[1] <= y <= o[3]]
+        others = [o for o in obstacles if o not in own]
+        kept_off = [(o[0] - clearance, o[1] - clearance, o[2] + clearance, o[3] + clearance) for o in others]
+        best, best_cost = None, None
+        for dx, dy in offsets:
+            x0 = x + dx if dx > 0 else x + dx - w if dx < 0 else x - w / 2
+            box = (x0 - pad, y + dy - h / 2 - pad, x0 + w + pad, y + dy + h / 2 + pad)
+            outside = (max(0.0, frame[0] - box[0]) + max(0.0, box[2] - frame[2]) +
+                       max(0.0, frame[1] - box[1]) + max(0.0, box[3] - frame[3])) * (w + h)
+            cost = (outside + sum(_overlap(box, o) for o in (*placed, *own, *kept_off)) +
+                    soft_weight * sum(_overlap(box, o) for o in (*soft, *leaders)) +
+                    distance_weight * (abs(dx) + abs(dy) - nearest))
+            if abs(dx) + abs(dy) > far:  # its own line back to the point
+                near = (x0 if dx > 0 else x0 + w if dx < 0 else x0 + w / 2, y + dy)
+                cost += sum(_overlap(b, o) for b in _segment_boxes([(x, y), near], 1.0) for o in (*placed, *others))
+            if best_cost is None or cost < best_cost - 1e-9:
+                best, best_cost = (dx, dy, box), cost
+        dx, dy, box = best
+        placed.append(box)
+        if abs(dx) + abs(dy) > far:
+            near = (box[0] + pad if dx > 0 else box[2] - pad if dx < 0 else (box[0] + box[2]) / 2, y + dy)
+            leaders += _segment_boxes([(x, y), near], 1.5)
+        chosen.append((dx, dy))
+    return chosen
+
+
+def _segment_boxes(xy, half: float, step: float = 4.0) -> list[tuple[float, float, float, float]]:
+    """Small boxes every `step` display units along the polyline `xy`."""
+    import numpy as np
+
+    out = []
+    for (x0, y0), (x1, y1) in zip(xy[:-1], xy[1:]):
+        n = max(1, int(np.hypot(x1 - x0, y1 - y0) / step))
+        for t in np.linspace(0.0, 1.0, n + 1):
+            x, y = x0 + t * (x1 - x0), y0 + t * (y1 - y0)
+            out.append((x - half, y - half, x + half, y + half))
+    return out
+
+
+def _annotate_points(fig, ax, labelled: list[tuple[float, float, str, str]], fontsize: float = 7) -> None:
+    """Label each (x, y, text, colour) beside its point without covering another label or marker; a label pushed
+    away from its point gets a thin line back to it."""
+    fig.canvas.draw()  # fixes the layout, so display positions are final
+    renderer = fig.canvas.get_renderer()
+    scale = fig.dpi / 72.0
+    anchors = [tuple(ax.transData.transform((x, y))) for x, y, _, _ in labelled]
+    sizes = []
+    for _, _, text, _ in labelled:
+        t = ax.text(0, 0, text, fontsize=fontsize)
+        ext = t.get_window_extent(renderer)
+        sizes.append((ext.width, ext.height))
+        t.remove()
+    bbox = ax.get_window_extent(renderer)
+    markers, lines = [], []
+    for line in ax.lines:  # every marker of every data line is an obstacle, the lines between them soft ones
+        xy = ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata())))
+        if line.get_marker() not in (None, "None", "", " "):
+            r = (line.get_markersize() / 2 + 1.5) * scale
+            markers += [(px - r, py - r, px + r, py + r) for px, py in xy]
+        if line.get_linestyle() not in ("None", "none", "", " "):
+            lines += _segment_boxes(xy, 1.5 * scale)
+    for coll in ax.collections:  # the error bars
+        for seg in getattr(coll, "get_segments", lambda: [])():
+            lines += _segment_boxes(ax.transData.transform(seg), 1.5 * scale)
+    offsets = [(dx * scale, dy * scale) for dx, dy in LABEL_OFFSETS]
+    far = 14 * scale
+    chosen = place_labels(anchors, sizes, (bbox.x0, bbox.y0, bbox.x1, bbox.y1), markers, offsets, soft=lines,
+                          far=far, clearance=4 * scale, soft_weight=LINE_WEIGHT,
+                          distance_weight=DISTANCE_WEIGHT / scale)
+    for (x, y, text, colour), (dx, dy) in zip(labelled, chosen):
+        pushed = abs(dx) + abs(dy) > far
+        # in points, so that saving at another dpi scales the offsets with the text and markers
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx / scale, dy / scale), fontsize=fontsize,
+                    color=colour,
+                    ha="left" if dx > 0 else "right" if dx < 0 else "center", va="center",
+                    bbox=dict(boxstyle="square,pad=0.05", fc="white", ec="none", alpha=0.75),
+                    arrowprops=dict(arrowstyle="-", lw=0.5, color=colour, shrinkA=0, shrinkB=3) if pushed else None)
+
 
 def figure(results: dict):
     """Accuracy against mean TTFT: a line through each pruning system's retentions, a lone marker for each system
-    that does not prune. Every plotted data line carries its system's name as label."""
+    that does not prune. Every plotted data line carries its system's name as label; each pruning point is labelled
+    with its retention, placed clear of the other labels and markers; the legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,11 +363,12 @@ def figure(results: dict):
     import matplotlib.ticker  # noqa: F401  (the log axis' plain labels)
 
     pts = points(results)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5.4))
     by_system: dict[str, list[Point]] = {}
     for p in pts:
         by_system.setdefault(p.system, []).append(p)
     markers = "osD^vP*Xh<>"
+    labelled = []
     for i, (name, group) in enumerate(sorted(by_system.items())):
         group.sort(key=lambda p: (p.retention is None, p.retention or 0.0))
         x = [p.ttft_ms for p in group]
@@ -224,19 +377,21 @@ def figure(results: dict):
                         linestyle="-" if len(group) > 1 else "none")
         ax.errorbar(x, y, yerr=[100 * p.stderr for p in group], fmt="none", ecolor=line.get_color(), capsize=3,
                     alpha=0.6)
-        for p in group:
-            if p.retention is not None:
-                ax.annotate(f"r={p.retention:g}", (p.ttft_ms, 100 * p.acc), textcoords="offset points",
-                            xytext=(5, 4), fontsize=7)
+        labelled += [(p.ttft_ms, 100 * p.acc, f"r={p.retention:g}", line.get_color())
+                     for p in group if p.retention is not None]
     ref = reference(pts)
     ax.axhspan(100 * ref.acc - BAND_PP, 100 * ref.acc, color="gray", alpha=0.12,
                label=f"within {BAND_PP:g} pp of {ref.key}")
     spread = max(p.ttft_ms for p in pts) / max(min(p.ttft_ms for p in pts), 1e-9)
     if spread > 4:
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        lo, hi = ax.get_xlim()
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(log_ticks(lo, hi)))
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlim(lo, hi)
+    ax.set_xlim(ax.get_xlim())  # labels are placed for these limits: keep them
+    ax.set_ylim(ax.get_ylim())
     ax.set_xlabel("mean TTFT (ms)")
     ax.set_ylabel("accuracy (%), ± one standard error")
     ns = sorted({p.n for p in pts})
@@ -244,8 +399,10 @@ def figure(results: dict):
     ax.set_title(f"{results['model']} / {results['task']}: accuracy vs TTFT ({n_text} requests per point)",
                  fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
+    if labelled:
+        _annotate_points(fig, ax, labelled)
     return fig
 
 

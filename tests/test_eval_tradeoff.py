@@ -36,7 +36,8 @@ SWEEP = _results(
 
 def test_a_pruning_run_fastest_within_the_band_is_named_with_its_breakdown():
     text = " ".join(tradeoff.summary(SWEEP))
-    assert "6 runs of 4 systems (as_h2o_lfu, spec at retention 0.1, 0.25, 0.5), each on the same 40 requests" in text
+    assert ("6 runs of 4 systems (as_full and recompute once each; as_h2o_lfu at retention 0.5; spec at retention "
+            "0.1, 0.25 and 0.5), each on the same 40 requests") in text
     assert ("Fastest within 5 points of recompute's accuracy: spec@r=0.5 (SPEC: IMPRESS + layer-aware speculative "
             "prefetch), 92.0% ± 5.0 (-3.0 pp vs recompute) at 200.0 ms, 5.00x faster than recompute; its TTFT is "
             "mostly waiting on KV I/O (140 ms, 70%), then compute (60 ms, 30%).") in text
@@ -136,3 +137,103 @@ def test_tradeoff_plot_only_with_something_to_compare(n):
     rows = [("recompute", None, 0.9, 500.0), ("as_full", None, 0.9, 200.0, "kv_io_stall")][:n]
     assert tradeoff.worth_plotting(_results(*rows)) == (n == 2)
     assert tradeoff.summary(_results(*rows))[1].startswith("recompute: 90.0% ± 5.0 at 500.0 ms")
+
+
+def _scope_names(sentence):
+    """The systems the run-count sentence names, and the counts it gives."""
+    import re
+
+    m = re.match(r"(\d+) runs? of (\d+) systems? \((.*)\)", sentence)
+    groups = [re.sub(r" (once( each)?|at retention .*)$", "", g) for g in m.group(3).split("; ")]
+    names = [n for g in groups for n in re.split(r", | and ", g)]
+    return int(m.group(1)), int(m.group(2)), names
+
+
+@pytest.mark.parametrize("rows", [
+    SWEEP,
+    _results(("recompute", None, 0.9, 500.0), ("as_full", None, 0.9, 200.0, "kv_io_stall"),
+             ("as_h2o_lru", 0.25, 0.3, 190.0), ("as_h2o_lru", 0.75, 0.7, 195.0),
+             ("as_h2o_lfu", 0.25, 0.3, 191.0), ("as_h2o_lfu", 0.75, 0.7, 196.0),
+             ("spec", 0.25, 0.3, 300.0, "probe_io"), ("spec", 0.75, 0.6, 400.0, "probe_io")),
+    _results(("recompute", None, 0.9, 500.0)),
+])
+def test_the_run_count_sentence_names_every_system_it_counts(rows):
+    """"8 runs of 5 systems" must go on to name 5 systems, not only the 3 that prune."""
+    sentence = tradeoff.summary(rows)[0].split(", each on the same")[0]
+    runs, count, names = _scope_names(sentence)
+    assert runs == len(rows["systems"]) and count == len(names) == len(set(names))
+    assert set(names) == {s["system"] for s in rows["systems"].values()}
+    if len(rows["systems"]) == 8:
+        assert sentence == ("8 runs of 5 systems (as_full and recompute once each; as_h2o_lfu, as_h2o_lru and spec "
+                            "at retention 0.25 and 0.75)")
+    if len(rows["systems"]) == 1:
+        assert sentence == "1 run of 1 system (recompute once)"
+
+
+def test_labels_are_placed_apart_even_for_coinciding_points():
+    """Two systems with the same TTFT and accuracy at the same retention printed "r=0.75r=0.75": every label's box
+    must now be clear of every other label and of every marker, inside the axes."""
+    import matplotlib.pyplot as plt
+
+    results = _results(
+        ("recompute", None, 0.875, 3069.0),
+        ("as_full", None, 0.875, 513.0, "kv_io_stall"),
+        ("as_h2o_lru", 0.25, 0.3125, 512.9), ("as_h2o_lru", 0.75, 0.6875, 543.9),
+        ("as_h2o_lfu", 0.25, 0.3125, 512.9), ("as_h2o_lfu", 0.75, 0.6875, 543.9),  # on top of as_h2o_lru
+        ("spec", 0.25, 0.3125, 938.5, "probe_io"), ("spec", 0.75, 0.5625, 1384.2, "probe_io"),
+    )
+    fig = tradeoff.figure(results)
+    try:
+        for dpi in (fig.dpi, 120):  # as drawn, and as `plot` saves it
+            fig.set_dpi(dpi)
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()
+            ax = fig.axes[0]
+            boxes = [t.get_window_extent(renderer) for t in ax.texts]
+            assert sorted(t.get_text() for t in ax.texts) == ["r=0.25"] * 3 + ["r=0.75"] * 3
+            frame = ax.get_window_extent(renderer)
+            for i, a in enumerate(boxes):
+                assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
+                for b in boxes[i + 1:]:
+                    assert not a.overlaps(b), (a, b)
+            for line in ax.lines:
+                for px, py in ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata()))):
+                    for a in boxes:
+                        assert not (a.x0 < px < a.x1 and a.y0 < py < a.y1)  # no label over a marker's centre
+            legend = ax.get_legend().get_window_extent(renderer)
+            assert legend.x0 >= frame.x1  # the legend sits beside the data, never on it
+    finally:
+        plt.close(fig)
+
+
+def test_place_labels_gives_identical_anchors_different_places():
+    anchors = [(100.0, 100.0)] * 3
+    offsets = tradeoff.place_labels(anchors, [(30.0, 10.0)] * 3, (0, 0, 400, 400))
+    assert len(set(offsets)) == 3
+
+
+@pytest.mark.parametrize("lo, hi", [(300.0, 1800.0), (470.0, 3300.0), (360.0, 1950.0), (20.0, 5000.0)])
+def test_log_axis_ticks_cover_both_ends(lo, hi):
+    """A log TTFT axis from 300 ms had its first tick at 500 ms: ticks now reach near both ends."""
+    import math
+
+    ticks = tradeoff.log_ticks(lo, hi)
+    assert len(ticks) >= 4 and all(lo <= t <= hi for t in ticks)
+    assert math.log10(ticks[0] / lo) <= 0.4 * math.log10(hi / lo)
+    assert math.log10(hi / ticks[-1]) <= 0.4 * math.log10(hi / lo)
+
+
+def test_tradeoff_log_axis_has_a_tick_below_500_ms():
+    import matplotlib.pyplot as plt
+
+    results = _results(("recompute", None, 0.9, 1800.0), ("as_full", None, 0.9, 300.0, "kv_io_stall"),
+                       ("spec", 0.25, 0.5, 320.0, "probe_io"), ("spec", 0.75, 0.8, 400.0, "probe_io"))
+    fig = tradeoff.figure(results)
+    try:
+        ax = fig.axes[0]
+        assert ax.get_xscale() == "log"
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert min(ticks) < 500 and len(ticks) >= 4
+    finally:
+        plt.close(fig)
