@@ -55,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--init", default="random", choices=["pretrained", "random"])
     p.add_argument("--dtype", default="bfloat16", help="model dtype")
     p.add_argument("--task", default="needle")
-    p.add_argument("--data_dir", default=None, help="task files laid out like ../shared/data")
+    p.add_argument("--data_dir", default=None, help="task files laid out as docs/data.md says")
     p.add_argument("--limit", type=int, default=4, help="timed requests (the first N task items)")
     p.add_argument("--prefix_tokens", type=int, default=4096, help="extend every prefix to this many tokens")
     p.add_argument("--seed", type=int, default=0)

@@ -1,7 +1,7 @@
 """Where a run's host time holding the GIL goes, per request, from a py-spy profile of an evaluation.
 
     py-spy record --nonblocking --gil --format raw --rate 100 -o gqa.txt -- \
-        python -m specjax.eval --task piqa --data_dir ../shared/data --limit 24 --prefix_tokens 1024 \
+        python -m specjax.eval --task piqa --data_dir DATA --limit 24 --prefix_tokens 1024 \
         --systems spec_gqa --retention 0.25 --progress=false --output_dir /tmp/gqa
     python benchmarks/gil_profile.py gqa.txt --requests 24 --rate 100
 

@@ -17,7 +17,7 @@ exact H2O scores of every query head (`steps.scores`, all keys) stand in for wha
 Chunks are `--chunk_tokens` positions from the prefix's start, as a stored segment's. Accuracy is not measured:
 this says what a rule keeps of the baseline it must not lose against, before any accuracy run.
 
-    python benchmarks/gqa_fidelity.py --task rte --limit 40 --data_dir ../shared/data
+    python benchmarks/gqa_fidelity.py --task rte --limit 40 --data_dir DATA
 
 Prints the tables and writes `--json` when given.
 """
@@ -46,7 +46,7 @@ from specjax.stores.summaries import summarise
 
 flags.DEFINE_string("model", "smollm2-135m", "Model (a grouped-query one).")
 flags.DEFINE_string("task", "rte", "Task.")
-flags.DEFINE_string("data_dir", None, "Task data folder (../shared/data).")
+flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default $SPECJAX_DATA.")
 flags.DEFINE_integer("limit", 40, "Requests (the task's first items, as the eval).")
 flags.DEFINE_float("retention", 0.25, "Kept share of the prefix.")
 flags.DEFINE_float("candidates", 2.0, "Candidate budget, x the kept tokens, for the *_candidates rows.")

@@ -24,7 +24,7 @@ flags.DEFINE_string("out", None, "folder for the runs and the README", required=
 flags.DEFINE_list("rates", ["10MB/s", "50MB/s", "200MB/s", "disk"], "emulated disk rates; `disk`: the real disk")
 flags.DEFINE_list("systems", ["recompute", "as_full", "spec", "cake", "planner"], "systems")
 flags.DEFINE_integer("limit", 40, "requests")
-flags.DEFINE_string("data_dir", "../shared/data", "the tasks' data")
+flags.DEFINE_string("data_dir", None, "The tasks' data folder (docs/data.md); default $SPECJAX_DATA, then the hub.")
 flags.DEFINE_bool("summarize", False, "only rewrite the README from the runs already in --out")
 FLAGS = flags.FLAGS
 
@@ -36,9 +36,9 @@ def _folder(rate: str) -> str:
 
 
 def _command(rate: str, out: pathlib.Path) -> list[str]:
-    cmd = [sys.executable, "-m", "specjax.eval", "--task", "piqa", "--data_dir", FLAGS.data_dir, "--limit",
-           str(FLAGS.limit), "--prefix_tokens", "1024", "--retention", "0.25", "--systems", ",".join(FLAGS.systems),
-           "--output_dir", str(out / _folder(rate))]
+    cmd = [sys.executable, "-m", "specjax.eval", "--task", "piqa", "--limit", str(FLAGS.limit), "--prefix_tokens",
+           "1024", "--retention", "0.25", "--systems", ",".join(FLAGS.systems), "--output_dir", str(out / _folder(rate))]
+    cmd += ["--data_dir", FLAGS.data_dir] if FLAGS.data_dir else []
     return cmd + ([] if rate == "disk" else ["--disk_bandwidth", rate])
 
 

@@ -1,6 +1,6 @@
 """Accuracy paired per item against one reference system, per task and pooled over tasks, with disk bytes.
 
-    python -m specjax.eval --preset gqa_identification --data_dir ../shared/data --output_dir DIR
+    python -m specjax.eval --preset gqa_identification --data_dir DATA --output_dir DIR
     python benchmarks/pooled_accuracy.py DIR --reference as_h2o_lfu
 
 Reads DIR/<task>/requests.jsonl (one per task of a preset run; every system ran the same requests) and prints, per

@@ -12,7 +12,7 @@ a cached chunk costs no disk read whether it was guessed or not. Per layer and k
 and the same for stricter guesses that keep only chunks holding at least a share `t` of their slots from the
 previous layer's set (`--thresholds`). With the same caches, impress would read `used + demand` of the as-built row.
 
-    python benchmarks/speculation_waste.py --task piqa --data_dir ../shared/data --limit 24 \\
+    python benchmarks/speculation_waste.py --task piqa --data_dir DATA --limit 24 \\
         --prefix_tokens 1024 --systems spec --retention 0.25 --output_dir /tmp/waste
 
 It subscribes to the engine's `selection` event (`specjax.engine.events`) to look, never to change what is read; a

@@ -1,6 +1,6 @@
 """`python -m specjax.eval.observe`: the SPEC / ContiguousKV motivating measurements on a real model.
 
-    python -m specjax.eval.observe --model smollm2-135m --task piqa --data_dir ../shared/data --limit 30
+    python -m specjax.eval.observe --model smollm2-135m --task piqa --data_dir DATA --limit 30
     python -m specjax.eval.observe --model smollm2-135m --task needle --limit 30
 
 For every request the prefix KV is computed once (the model's plain prefill) and the query is run on top of it

@@ -1,4 +1,4 @@
-"""SPEC's similarity-guided identification (ITF, design 4.2) on probe-head scores: per-head top-k sets, their
+"""SPEC's similarity-guided identification (ITF, docs/systems.md) on probe-head scores: per-head top-k sets, their
 mean pairwise Jaccard, the threshold, and the shared set. The one implementation of ITF's decision."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Identification(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
 def identify(probe_scores: jax.Array, k, prefix_len, alpha, *, k_cap: int) -> Identification:
-    """SPEC's similarity-guided identification (ITF, design 4.2) of one layer from its probe heads' H2O scores
+    """SPEC's similarity-guided identification (ITF, docs/systems.md) of one layer from its probe heads' H2O scores
     f32 [P, m_pad]: the first `k` of each k_cap-long set are valid. The engine (`engine.state.itf_select`) and the
     observations (`eval.observe`) both decide with this function."""
     probe_sets = top_k_mask(probe_scores, k, prefix_len)

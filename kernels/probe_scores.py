@@ -1,4 +1,4 @@
-"""Probe scoring: H2O importance of every prefix token for a few probe heads (design 4.1-4.2).
+"""Probe scoring: H2O importance of every prefix token for a few probe heads (docs/systems.md, H2O and ITF).
 
 Two passes so that no [n_q, m] matrix is ever stored: row log-sum-exp over prefix + causal
 computed keys, then column sums of the softmax weights over the prefix keys.

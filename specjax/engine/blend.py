@@ -1,5 +1,5 @@
 """CacheBlend and full KV reuse: a context of independently cached text chunks, reused wherever a request places
-them (design.md section 4.8; CacheBlend, EuroSys'25).
+them (docs/systems.md; CacheBlend, EuroSys'25).
 
 How a chunk's KV is precomputed follows the CacheBlend authors' reference (example/blend.py, where vLLM puts a
 BOS before every chunk and the prompt): a context's first segment (the system-prompt header) is stored whole, as a

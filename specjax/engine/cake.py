@@ -1,4 +1,4 @@
-"""Cake (design 4.7): the device prefills the stored prefix chunk by chunk from the front while a loader thread
+"""Cake (docs/systems.md): the device prefills the stored prefix chunk by chunk from the front while a loader thread
 reads its stored KV chunk by chunk from the back; they stop where they meet, then the new tokens are prefilled
 over the assembled prefix KV. Exact (nothing is pruned) and without a knob: the meeting point is wherever the
 measured compute and I/O speeds put it.

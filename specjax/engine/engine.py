@@ -1,4 +1,4 @@
-"""The prefill engine: one request's layer loop over reused prefix KV (design.md section 3).
+"""The prefill engine: one request's layer loop over reused prefix KV (docs/architecture.md).
 
 Device work is the pure jitted steps of `specjax.engine.steps` (built on `specjax.models.transformer` and
 `specjax.kernels`); the host loop only moves indices and bytes through `specjax.engine.layer_io`: it asks the

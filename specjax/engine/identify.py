@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
     """The first `count` query heads (SPEC: which ones does not matter). With grouped-query attention they
-    share as few KV heads as possible, so the probe keys read are fewest (design 4.2)."""
+    share as few KV heads as possible, so the probe keys read are fewest (docs/systems.md)."""
     return tuple(range(min(count, cfg.num_heads)))
 
 
@@ -248,7 +248,7 @@ class H2O:
 
 
 class ITF(H2O):
-    """SPEC's similarity-guided identification (design 4.2): the probe heads' keys score the prefix; if the probe
+    """SPEC's similarity-guided identification (docs/systems.md): the probe heads' keys score the prefix; if the probe
     heads agree (mean pairwise Jaccard >= t = j ** alpha) every head takes their shared top-k and only its K/V
     are read; otherwise the layer falls back to per-head H2O.
 
@@ -282,7 +282,7 @@ class ITF(H2O):
 
 
 class Chunks:
-    """ContiguousKV (design 4.6): a period's first layer scores every head on all keys and keeps the best whole
+    """ContiguousKV (docs/systems.md): a period's first layer scores every head on all keys and keeps the best whole
     chunks; the period's other layers reuse that set and its importance from the state and find it prefetched
     (`PlanPeriod` plans every read, so nothing is certain ahead of it)."""
 

@@ -267,7 +267,7 @@ class LayerIO:
             plan.result()
 
     def plan_period(self, first: int, chosen: np.ndarray) -> None:
-        """ContiguousKV's reads once a period's first layer chose its chunks (design 4.6).
+        """ContiguousKV's reads once a period's first layer chose its chunks (docs/systems.md).
 
         Intra-period: the set's K/V for every layer of the period, waiting only until the first `sp` layers
         have arrived. Inter-period: the next period's first-layer keys, and this set speculatively for the

@@ -1,4 +1,4 @@
-"""The planner (design 5.2): per request, how each part of the stored prefix KV is obtained. The device computes
+"""The planner (docs/systems.md): per request, how each part of the stored prefix KV is obtained. The device computes
 the first `head` tokens of the stored prefix from scratch (Cake's direction) while the rest is loaded selectively
 (SPEC's identification, speculation and caches), or the whole prefix is loaded as it is (AttentionStore's way: at a
 fast disk, or where the caches hold the prefix, identification can cost more than it saves); recompute (head = the

@@ -60,7 +60,7 @@ def _row(state_row, idx, count):
 
 @functools.partial(jax.jit, static_argnames=("k_cap",))
 def itf_select(state: ImportanceState, layer, probe_scores, k, prefix_len, alpha, *, k_cap: int, kept_of=None):
-    """SPEC's similarity-guided identification for one layer (design 4.2).
+    """SPEC's similarity-guided identification for one layer (docs/systems.md).
 
     probe_scores: f32 [P, m_pad] H2O importance from the probe heads. Returns (state, shared int32[k_cap],
     use_shared bool): the top-k of the probe heads' summed normalised scores (first `k` entries valid, best
@@ -159,7 +159,7 @@ def record_union(state: ImportanceState, layer, union, count):
 @functools.partial(jax.jit, static_argnames=("chunk_tokens", "chunk_cap", "k_cap"))
 def chunk_select(state: ImportanceState, layer, head_scores, n_chunks, prefix_len, *, chunk_tokens: int,
                  chunk_cap: int, k_cap: int):
-    """ContiguousKV's identification at a period's first layer (design 4.6): whole chunks of `chunk_tokens`.
+    """ContiguousKV's identification at a period's first layer (docs/systems.md): whole chunks of `chunk_tokens`.
 
     head_scores: f32 [H, m_pad] H2O importance of every head. A token's importance is its share of each head's
     attention averaged over heads; a chunk's score is the sum over its tokens (ContiguousKV eq. 1). The
