@@ -37,7 +37,8 @@ def _folder(rate: str) -> str:
 
 def _command(rate: str, out: pathlib.Path) -> list[str]:
     cmd = [sys.executable, "-m", "specjax.eval", "--task", "piqa", "--limit", str(FLAGS.limit), "--prefix_tokens",
-           "1024", "--retention", "0.25", "--systems", ",".join(FLAGS.systems), "--output_dir", str(out / _folder(rate))]
+           "1024", "--retention", "0.25", "--systems", ",".join(FLAGS.systems),
+           "--output_dir", str(out / _folder(rate))]
     cmd += ["--data_dir", FLAGS.data_dir] if FLAGS.data_dir else []
     return cmd + ([] if rate == "disk" else ["--disk_bandwidth", rate])
 

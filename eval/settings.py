@@ -199,8 +199,8 @@ class RunSettings:
     systems: str = setting("default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) + ". "
                            "`default` = the SPEC paper's line-up (" + ", ".join(systems_lib.DEFAULT_SYSTEMS) + ") "
                            "restricted to those built; `all` = every built system.")
-    retention: str = setting(DEFAULT_RETENTION, "Fraction of prefix tokens kept, or a comma-separated list to sweep (e.g. "
-                             "0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "
+    retention: str = setting(DEFAULT_RETENTION, "Fraction of prefix tokens kept, or a comma-separated list to sweep "
+                             "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "
                              "(recompute, as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT "
                              "trade-off over them.",
                              check=_parsed(parse_retentions, "must be fractions in (0, 1], comma-separated, e.g. 0.25 "

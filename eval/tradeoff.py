@@ -263,7 +263,8 @@ def place_labels(anchors: list[tuple[float, float]], sizes: list[tuple[float, fl
     the anchor to the label's near edge, centred on dy) whose box, of `sizes[i]` (w h), costs least: it should lie
     in `frame` (x0 y0 x1 y1), overlap neither an obstacle box (markers; another point's kept `clearance` away, so a
     label is not read as its neighbour's) nor a label placed before it, preferably no `soft` box (bits of lines,
-    weighed `soft_weight`), and be near its point (`distance_weight` per unit beyond the nearest offset). A label further than `far` (|dx| + |dy|) gets a line back to its point: that
+    weighed `soft_weight`), and be near its point (`distance_weight` per unit beyond the nearest offset). A label
+    further than `far` (|dx| + |dy|) gets a line back to its point: that
     line should cross no label placed before it and no other marker, and is a soft obstacle for the labels after
     it. Returns each label's offset."""
     offsets = offsets or LABEL_OFFSETS

@@ -154,7 +154,8 @@ def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
     sections = [line for line in md.splitlines() if line.startswith("## ")]
     assert sections[:3] == ["## Accuracy-TTFT trade-off", "## Run", "## Accuracy and TTFT"]
     assert md.index("**note**: weights are random") < md.index("## Accuracy-TTFT trade-off")  # caveats first
-    assert "3 runs of 2 systems (recompute once; fake_spec at retention 0.05 and 0.5), each on the same 8 requests" in md
+    assert ("3 runs of 2 systems (recompute once; fake_spec at retention 0.05 and 0.5), each on the same 8 requests"
+            in md)
     assert "![accuracy vs mean TTFT](tradeoff.png)" in md and "| fake_spec@r=0.5 | 0.5 |" in md
     assert not (tmp_path / "store" / "fake_spec_r0.5").exists()  # private copies are removed
 
