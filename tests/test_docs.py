@@ -60,3 +60,11 @@ def test_every_doc_page_is_listed_in_the_readme():
     readme = (REPO / "README.md").read_text()
     missing = [p.name for p in PAGES[1:] if f"(docs/{p.name})" not in readme]
     assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def test_every_counter_is_documented():
+    from specjax.eval.systems import COUNTER_KEYS
+
+    table = (REPO / "docs" / "results.md").read_text()
+    missing = [key for key in COUNTER_KEYS if f"`{key}`" not in table]
+    assert not missing, f"counters docs/results.md does not describe: {missing}"

@@ -232,7 +232,7 @@ def test_cli_flag_values_that_would_mislead_are_refused_saying_why(flag, message
 
 def test_every_system_option_is_a_flag_of_its_name_type_and_help():
     """A SystemOptions field is all it takes to add an option: the eval's flag, its default and help, and the settings
-    a run records are made from it (README, "Adding a system option")."""
+    a run records are made from it (docs/development.md, "Adding a system option")."""
     import dataclasses
 
     from specjax.engine.systems import SystemOptions

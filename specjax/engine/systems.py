@@ -137,7 +137,8 @@ def _option(default, help: str, choices: tuple[str, ...] | None = None):
 class SystemOptions:
     """What a user may change about a registered system, one field per option. The eval's flag of the same name, its
     type, default and help, the run's recorded settings and `make_system`'s keywords are made from these fields, and
-    `apply` gives each its effect, so an option is added here and nowhere else (README, "Adding a system option").
+    `apply` gives each its effect, so an option is added here and nowhere else (docs/development.md, "Adding a
+    system option").
     An option that does not concern a system leaves it as it is; None: the system's own value."""
 
     no_itf: bool = _option(False, "SPEC's ablation (systems identifying with ITF: impress, spec, spec_gqa, "
