@@ -373,7 +373,7 @@ TTFT_PNG = "ttft_breakdown.png"
 RETENTION_PNG = "accuracy_vs_retention.png"
 LAYERS_PNG = "layers.png"
 
-# README.md's definition, word for word (tests/test_eval_tradeoff.py holds the two together)
+# README.md's definition, word for word (tests/test_eval_report_figures.py holds the two together)
 TTFT_DEFINITION = "TTFT runs from a request's arrival to its first-token logits ready on the device."
 
 # each figure's alt text and the one-line caption results.md gives it
