@@ -26,7 +26,7 @@ import specjax
 from specjax.engine import events
 from specjax.engine.systems import BLEND_FILTERS, SystemOptions
 from specjax.engine.types import EngineConfig
-from specjax.eval import runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
+from specjax.eval import registry, runner, systems as systems_lib, tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
@@ -74,7 +74,7 @@ def _accuracy(model, workload, ratio, oracle: _Oracle | None) -> dict:
     settings = systems_lib.SystemSettings(
         EngineConfig(retention=1.0), disk_bandwidth=None, direct_io=False, seed=0,
         options=SystemOptions(blend_ratio=ratio, blend_filter=FLAGS.blend_filter))
-    system = systems_lib.make_system("cacheblend", model, settings)
+    system = registry.make_system("cacheblend", model, settings)
     wrong = []
     with tempfile.TemporaryDirectory(prefix="specjax-oracle-") as tmp:
         system.populate(tmp, runner.stored_sequences(system, runner.warmup_requests(workload)))

@@ -45,7 +45,7 @@ def _looking(thresholds):
 
     def looking(io, layer, chosen):
         previous = previous_of.get(io)
-        if io.engine.system.prefetch == "speculative" and previous is not None and layer in io.prefetched:
+        if io.path.system.prefetch == "speculative" and previous is not None and layer in io.prefetched:
             _count(io, layer, previous, chosen, thresholds)
         previous_of[io] = chosen
 
@@ -53,7 +53,7 @@ def _looking(thresholds):
 
 
 def _count(io, layer, previous, chosen, thresholds):
-    store, cache, c = io.engine.store, io.engine.cache, io.engine.store.layout.chunk_tokens
+    store, cache, c = io.path.store, io.path.cache, io.path.store.layout.chunk_tokens
     guessed = set(store.locate(io.match, io.prefetched[layer], layer).unique_chunks().tolist())
     needed = set(store.locate(io.match, chosen, layer).unique_chunks().tolist())
     # the stricter guesses: _speculate's chunks minus those the previous set fills thinly

@@ -28,7 +28,7 @@ from specjax.models import attention as attention_lib
 from specjax.eval import folders, presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import settings as settings_lib
-from specjax.eval import systems as systems_lib
+from specjax.eval import registry, systems as systems_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import PartialRuns, code_version, requests_digest
@@ -119,7 +119,7 @@ class Interrupted(EvalError):
 def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> dict:
     started = time.time()
     values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
-    names = systems_lib.resolve(values["systems"])  # unknown systems fail before any work
+    names = registry.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
     task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
     limit = values["limit"]
@@ -251,7 +251,7 @@ def _replayed(model, runs, settings: systems_lib.SystemSettings) -> dict:
     for name, retention in runs:
         if retention is None:
             continue
-        system = systems_lib.make_system(name, model, settings.at_retention(retention))
+        system = registry.make_system(name, model, settings.at_retention(retention))
         trace = getattr(system, "selections", None)
         if trace is not None:
             found[f"{name}@r={retention:g}"] = trace.describe()
@@ -304,7 +304,7 @@ def main(argv):
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
     settings_lib.checked(values)  # fail on a bad setting (a preset's) or an unknown system before loading a model
-    systems_lib.resolve(values["systems"])
+    registry.resolve(values["systems"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")
     folders.check_folder("--output_dir", base_dir)

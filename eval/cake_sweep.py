@@ -63,9 +63,9 @@ def markdown(sweep: dict) -> str:
 
 
 def plot(sweep: dict, path: pathlib.Path) -> None:
-    from specjax.eval.report import _pyplot
+    from specjax.eval.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = sweep["rows"]
     mbps = [r["disk_bandwidth"] / 1e6 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

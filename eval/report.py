@@ -556,7 +556,7 @@ def markdown(results: dict) -> str:
 # ---------------------------------------------------------------- plots
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -581,7 +581,7 @@ def ttft_figure(results: dict):
     """Two panels, one row per run: on the left the mean TTFT in ms stacked by phase (one scale for every run, with
     its p99), on the right each run's phases as shares of its own mean, so a run much faster than the slowest one
     (recompute) still shows every phase; each row there names its mean TTFT."""
-    plt = _pyplot()
+    plt = pyplot()
     systems = results["systems"]
     keys = list(systems)
     shares = ttft_shares(results)
@@ -626,7 +626,7 @@ def ttft_figure(results: dict):
 
 
 def plot_ttft(results: dict, path: pathlib.Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig = ttft_figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -661,7 +661,7 @@ def accuracy_figure(results: dict):
     """Accuracy against retention, a series per pruning system: each its own marker (shape and size, the first
     largest), line style and a slight sideways offset, so a series equal to another still shows; the legend, outside
     the axes, says which series coincide."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     series = retention_series(results)
     for i, sr in enumerate(series):
@@ -689,7 +689,7 @@ def accuracy_figure(results: dict):
 
 
 def plot_accuracy_vs_retention(results: dict, path: pathlib.Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig = accuracy_figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -744,7 +744,7 @@ def layers_figure(results: dict):
     panels = _layer_panels(series)
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.6 + 2.4 * len(panels)), sharex=True, squeeze=False)
     axes = axes[:, 0]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -773,7 +773,7 @@ def plot_layers(results: dict, path: pathlib.Path) -> bool:
     fig = layers_figure(results)
     if fig is None:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

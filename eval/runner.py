@@ -30,7 +30,7 @@ import time
 import jax
 
 from specjax.engine import shape_key
-from specjax.eval import systems as systems_lib
+from specjax.eval import registry, systems as systems_lib
 from specjax.compiles import CompileCounter
 from specjax.eval.errors import EvalError
 from specjax.eval.partial import PartialRuns
@@ -65,7 +65,7 @@ def plan(names: list[str], retentions: list[float]) -> list[tuple[str, float | N
     """(system, retention) pairs; retention-free systems run once."""
     out = []
     for name in names:
-        if systems_lib.uses_retention(name):
+        if registry.uses_retention(name):
             out += [(name, r) for r in retentions]
         else:
             out.append((name, None))
@@ -195,7 +195,7 @@ class _Opened:
         """The run's system made, opened on a private copy of its base store, warmed on `warm` and run on
         `compile_only` (untimed)."""
         run_settings = settings if retention is None else settings.at_retention(retention)
-        system = systems_lib.make_system(name, model, run_settings)
+        system = registry.make_system(name, model, run_settings)
         if progress:
             progress.set_label(label + " (warm)", warmup=True)
         t0 = time.perf_counter()

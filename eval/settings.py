@@ -19,7 +19,7 @@ from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
 from specjax.errors import SpecjaxError
 from specjax.eval import presets as presets_lib
-from specjax.eval import systems as systems_lib
+from specjax.eval import registry
 from specjax.eval import tasks as tasks_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
@@ -78,10 +78,10 @@ DEFAULT_RETENTION = "0.25,0.75"
 
 def _default_runs() -> str:
     """How many runs the default --systems and --retention make, in words (for --limit's help)."""
-    pruning = [name for name in systems_lib.DEFAULT_SYSTEMS if systems_lib.uses_retention(name)]
+    pruning = [name for name in registry.DEFAULT_SYSTEMS if registry.uses_retention(name)]
     retentions = len(parse_retentions(DEFAULT_RETENTION))
-    runs = len(systems_lib.DEFAULT_SYSTEMS) - len(pruning) + len(pruning) * retentions
-    return (f"{runs} runs: {len(systems_lib.DEFAULT_SYSTEMS)} systems, the {len(pruning)} that prune at "
+    runs = len(registry.DEFAULT_SYSTEMS) - len(pruning) + len(pruning) * retentions
+    return (f"{runs} runs: {len(registry.DEFAULT_SYSTEMS)} systems, the {len(pruning)} that prune at "
             f"{retentions} retentions")
 
 
@@ -148,7 +148,7 @@ class StoreSettings:
 
     chunk_tokens: int = setting(Layout.chunk_tokens, "Tokens per stored KV chunk (SPEC: 64), for every system "
                                 "but those with a chunk of their own (" + ", ".join(
-                                    f"{name}: {s.chunk_tokens}" for name, s in systems_lib.KNOWN_SYSTEMS.items()
+                                    f"{name}: {s.chunk_tokens}" for name, s in registry.KNOWN_SYSTEMS.items()
                                     if s.chunk_tokens) + ").",
                                 check=_must(lambda v: v > 0, "must be positive"))
     gpu_cache: str = setting("15%", "GPU prefix-KV cache budget: bytes (10GB, 512MiB) or a percentage of the "
@@ -196,8 +196,8 @@ class EngineSettings:
 class RunSettings:
     """Which runs to make and where their results go."""
 
-    systems: str = setting("default", "Comma-separated systems: " + ", ".join(systems_lib.KNOWN_SYSTEMS) + ". "
-                           "`default` = the SPEC paper's line-up (" + ", ".join(systems_lib.DEFAULT_SYSTEMS) + ") "
+    systems: str = setting("default", "Comma-separated systems: " + ", ".join(registry.KNOWN_SYSTEMS) + ". "
+                           "`default` = the SPEC paper's line-up (" + ", ".join(registry.DEFAULT_SYSTEMS) + ") "
                            "restricted to those built; `all` = every built system.")
     retention: str = setting(DEFAULT_RETENTION, "Fraction of prefix tokens kept, or a comma-separated list to sweep "
                              "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "

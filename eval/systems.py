@@ -12,20 +12,18 @@ A system is built by `factory(model, settings)` and then driven by the runner:
 `request` is a `specjax.eval.workload.Request` (prefix_ids, query_ids, choice_ids, ...).
 `run` returns an `Outcome`, or any object / mapping with the same field names, so the
 engine (specjax, which must not import eval) can return a plain dict. The engine's systems
-are plugged in by `specjax.eval.engine_systems`.
+are built by `specjax.eval.engine_systems`; `specjax.eval.registry` names every system a run can compare.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
 from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
-from specjax.eval.errors import EvalError
 from specjax.stores import Layout
 
 BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
@@ -156,63 +154,3 @@ class System(Protocol):
     def warm(self, requests: Sequence[Any]) -> None: ...
     def run(self, request: Any) -> Outcome | Mapping: ...
     def close(self) -> None: ...
-
-
-# the SPEC paper's line-up, what `--systems default` runs
-DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
-
-
-# ---------------------------------------------------------------- registry
-
-Factory = Callable[[Any, SystemSettings], System]
-# Systems from outside the engine, by name (a plugin's or a test's); they win over the engine's of the same name.
-PLUGINS: dict[str, Factory] = {}
-
-
-def _engine_systems() -> dict[str, Factory]:
-    """Every system the prefill engine builds (specjax.engine), recompute included, so all are timed alike."""
-    from specjax.eval.engine_systems import factories
-
-    return factories()
-
-
-def available() -> dict[str, Factory]:
-    return {**_engine_systems(), **PLUGINS}
-
-
-def resolve(spec: str) -> list[str]:
-    """Parse --systems: names are checked before any work starts."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names:
-        raise EvalError("--systems is empty; give a comma-separated list, e.g. recompute,spec")
-    built = available()
-    if names == ["default"]:
-        return [n for n in DEFAULT_SYSTEMS if n in built]
-    if names == ["all"]:
-        return [n for n in KNOWN_SYSTEMS if n in built]
-    for n in names:
-        if n not in built:
-            raise EvalError(f"unknown system '{n}'; known systems: {', '.join(KNOWN_SYSTEMS)}")
-    if len(set(names)) != len(names):
-        raise EvalError(f"--systems lists a system twice: {spec}")
-    return names
-
-
-def uses_retention(name: str) -> bool:
-    """Whether the system keeps a share of the prefix (`--retention`); a plugin's is assumed to."""
-    system = KNOWN_SYSTEMS.get(name)
-    return True if system is None else system.prunes
-
-
-def make_system(name: str, model, settings: SystemSettings) -> System:
-    """The system registered as `name`, built with `settings`. Its own `name` labels its results: the registered
-    name, extended by the options it was built with ("spec-no_prefetch"); any other is refused, so that no run is
-    filed under another system."""
-    factories = available()
-    if name not in factories:
-        resolve(name)  # raises the right one-line error
-    system = factories[name](model, settings)
-    if system.name != name and not system.name.startswith(name + "-"):
-        raise EvalError(f"system {name!r} was built as {system.name!r}: a system's name must be the name it is "
-                        f"registered under, with any options after a '-' ({name}-...)")
-    return system

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from specjax.eval.systems import BREAKDOWN_KEYS, KNOWN_SYSTEMS
+from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS
+from specjax.eval.systems import BREAKDOWN_KEYS
 
 BAND_PP = 5.0  # "near the reference": at most this many accuracy points (pp) below it
 PHASE_NAMES = {"probe_io": "probe-key I/O", "identify": "identification", "kv_io_stall": "waiting on KV I/O",

@@ -1,7 +1,7 @@
 """specjax.kernels: Pallas GPU kernels (with plain-jnp references) for probe scoring and
 gathered attention over selected prefix KV, plus SPEC's ITF helpers."""
 
-from specjax.kernels._common import IMPL_ENV_VAR, kernel_impl, online_softmax_step, resolve_impl
+from specjax.kernels.common import IMPL_ENV_VAR, kernel_impl, online_softmax_step, resolve_impl
 from specjax.kernels.gathered_attention import (
     gathered_attention,
     gathered_attention_pallas,

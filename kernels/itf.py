@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.kernels._common import length_or_full
+from specjax.kernels.common import length_or_full
 
 
 def top_k(scores: jax.Array, k_cap: int, prefix_len=None) -> jax.Array:

@@ -15,8 +15,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from specjax.kernels import _common as c
-from specjax.kernels._common import SQUEEZED
+from specjax.kernels import common as c
+from specjax.kernels.common import SQUEEZED
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.kernels import _common as c
+from specjax.kernels import common as c
 
 
 @functools.partial(jax.jit, static_argnames=("kv_of_head", "scale"))

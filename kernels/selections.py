@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels._common import concrete_value
+from specjax.kernels.common import concrete_value
 
 
 @dataclasses.dataclass(frozen=True)

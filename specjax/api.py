@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import host_memory, paths
+from specjax import host_memory, paths, resolve
 from specjax.checkpoint import load_model_dir, params_digest, text_digest
 from specjax.config import ModelConfig, from_hf_config, load_config
 from specjax.configs.models import MODEL_SHAPES
@@ -172,7 +172,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, init: str = "pret
                      weights_digest=random_weights_digest(cfg, seed, dtype))
     if init != "pretrained":
         raise SpecjaxError(f"unknown init {init!r}; use 'pretrained' or 'random'")
-    model_dir = paths.resolve_model_dir(name_or_path, revision=revision)
+    model_dir = resolve.resolve_model_dir(name_or_path, revision=revision)
     cfg, params, manifest = load_model_dir(model_dir, checksums=verify_checksums)
     if mesh is None:
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)

@@ -32,3 +32,17 @@ def distinct(ids, *, return_inverse: bool = False):
     if not return_inverse:
         return out
     return out, (np.cumsum(seen, dtype=np.intp) - 1)[shifted]
+
+
+def consecutive_runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive ids among `chunks`, each at most `max_chunks` long (numpy over the
+    ids: no Python step per chunk)."""
+    ids = distinct(np.asarray(chunks, np.int64))
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    runs = []
+    for first, end in zip(ids[np.r_[0, breaks]].tolist(), (ids[np.r_[breaks - 1, len(ids) - 1]] + 1).tolist()):
+        for lo in range(first, end, max_chunks):
+            runs.append((lo, min(max_chunks, end - lo)))
+    return runs

@@ -20,13 +20,14 @@ import weakref
 
 import numpy as np
 
+from specjax.idsets import consecutive_runs
 from specjax.stores import leases
 from specjax.stores.catalog import Catalog, Change, Segment
 from specjax.stores.errors import DiskFullError, StoreError
 from specjax.stores.kvarray import KVArrays, Layout
+from specjax.stores.locations import Locations
 from specjax.stores.manifest import ManifestIO, check_fingerprint
 from specjax.stores.radix import PathStep, RadixTree
-from specjax.stores.reads import Locations, _runs
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class StoreIndex:
         `max_chunks` long; KeyError for a chunk no segment holds."""
         out = []
         with self.lock:
-            for first, n in _runs(chunks, 1 << 62):
+            for first, n in consecutive_runs(chunks, 1 << 62):
                 while n:
                     seg = self.catalog.segment_of(first)
                     if seg is None:
@@ -297,7 +298,7 @@ class StoreIndex:
         writers that died, or by removals whose deletion was cut short); returns how many."""
         listed = self.arrays.stored_chunk_ids()  # before the manifest the decision reads
         orphans = self.catalog.collect_orphans(listed)
-        for first, n in _runs(orphans, 1 << 20):
+        for first, n in consecutive_runs(orphans, 1 << 20):
             self.arrays.delete_range(first, n)
         if orphans:
             log.info("removed %d orphan chunks from %s", len(orphans), self.where)

@@ -20,6 +20,7 @@ import numpy as np
 from specjax.idsets import distinct
 from specjax.stores import kvarray
 from specjax.stores.landing import BUFFERS
+from specjax.stores.locations import Locations
 from specjax.stores.manifest import chunk_checksums
 from specjax.stores.scheduler import when_all
 
@@ -33,21 +34,6 @@ log = logging.getLogger(__name__)
 # a segment's layer and kind up to this size lands in one buffer (`_extents`); a new buffer's pages are faulted in at
 # ~1.2 GB/s on the project's VM (64 MiB: 57 ms), once: free buffers are used again
 SEGMENT_BUFFER_BYTES = 64 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Locations:
-    """Where requested token positions live: chunk id and slot offset inside it, per position."""
-    chunks: np.ndarray
-    offsets: np.ndarray
-
-    @functools.cached_property
-    def chunk_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """(the distinct chunks, sorted; each position's index among them), computed once per Locations."""
-        return distinct(self.chunks, return_inverse=True)
-
-    def unique_chunks(self) -> np.ndarray:
-        return self.chunk_index[0]
 
 
 @dataclasses.dataclass
@@ -159,20 +145,6 @@ def _requests(runs: list[tuple], max_chunks: int) -> list[list[tuple]]:
             out.append([run])
             size = run[2]
     return out
-
-
-def _runs(chunks, max_chunks: int) -> list[tuple[int, int]]:
-    """(first, count) runs of consecutive chunk ids among `chunks`, each at most `max_chunks` long (numpy over the
-    ids: no Python step per chunk)."""
-    ids = distinct(np.asarray(chunks, np.int64))
-    if not len(ids):
-        return []
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    runs = []
-    for first, end in zip(ids[np.r_[0, breaks]].tolist(), (ids[np.r_[breaks - 1, len(ids) - 1]] + 1).tolist()):
-        for lo in range(first, end, max_chunks):
-            runs.append((lo, min(max_chunks, end - lo)))
-    return runs
 
 
 class ChunkReader:

@@ -351,10 +351,10 @@ def test_rag_runs_through_the_eval_runner(tmp_path):
 
 
 def test_eval_options_reach_the_system():
-    from specjax.eval import systems as systems_lib
+    from specjax.eval import registry, systems as systems_lib
 
     model = specjax.load_model("tiny-llama", init="random", seed=1)
     settings = systems_lib.SystemSettings(
         options=SystemOptions(blend_ratio=0.3, blend_deviation="key", blend_filter="fixed"))
-    system = systems_lib.make_system("cacheblend", model, settings).system
+    system = registry.make_system("cacheblend", model, settings).system
     assert (system.blend_ratio, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")

@@ -437,7 +437,7 @@ def test_a_requests_locations_are_the_stores_on_a_reordered_store(model, first):
     rng = np.random.default_rng(0)
     with engine.store.match(req.prefix) as match:
         m = match.length - first
-        io = LayerIO(engine, match, m, m, Clock(), first=first)
+        io = LayerIO(engine.read_path(), match, m, m, Clock(), first=first)
         orders = set()
         for layer in range(model.config.num_layers):
             positions = rng.permutation(m)[: m // 3]

@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.eval import partial, report, runner, systems, tasks, workload
+from specjax.eval import partial, registry, report, runner, systems, tasks, workload
 from specjax.compiles import CompileCounter
+from specjax.eval.errors import EvalError
 
 from eval_fakes import FakeModel, PlainRecompute
 
@@ -18,8 +19,8 @@ EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
 @pytest.fixture(autouse=True)
 def plain_recompute(monkeypatch):
     """FakeModel has no params for the engine: the fakes run beside eval's model-API recompute."""
-    monkeypatch.setattr(systems, "_engine_systems", lambda: {})
-    monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
+    monkeypatch.setattr(registry, "factories", lambda: {})
+    monkeypatch.setitem(registry.PLUGINS, "recompute", PlainRecompute)
 
 
 def _run(model, wl, names, store):
@@ -63,7 +64,7 @@ def test_compile_counter_counts_backend_compiles_only_inside_its_block():
 
 
 def test_fake_compile_in_timed_requests_is_counted_per_request(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems.PLUGINS, "fake_compiling", _CompilesEveryCall)
+    monkeypatch.setitem(registry.PLUGINS, "fake_compiling", _CompilesEveryCall)
     model = FakeModel()
     wl = _needle(model.tokenizer)
     runs = _run(model, wl, ["recompute", "fake_compiling"], tmp_path / "store")
@@ -107,7 +108,7 @@ def test_interleaved_runs_take_turns_request_by_request_and_give_what_runs_in_se
     rotating; the runs close only after every request; each run's outcomes are its own, in request order. In
     sequence: one run's whole life, then the other's."""
     for fake in (_LoggedA, _LoggedB):
-        monkeypatch.setitem(systems.PLUGINS, fake.name, fake)
+        monkeypatch.setitem(registry.PLUGINS, fake.name, fake)
     monkeypatch.setattr(_Logged, "log", [])
     model = FakeModel()
     wl = _needle(model.tokenizer)
@@ -150,7 +151,7 @@ class _Reads(PlainRecompute):
 
 
 def test_fake_read_and_transfer_fields_in_results_json_and_resume(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems.PLUGINS, "fake_reads", _Reads)
+    monkeypatch.setitem(registry.PLUGINS, "fake_reads", _Reads)
     model = FakeModel()
     wl = _needle(model.tokenizer)
     assert [r.request_id for r in wl.requests] == [0, 1, 2, 3]
@@ -261,7 +262,7 @@ def test_a_run_is_named_as_its_system_was_built(tmp_path, monkeypatch):
     description in the summary is its base's."""
     from specjax.eval import tradeoff
 
-    monkeypatch.setitem(systems.PLUGINS, "fake_options", _WithOptions)
+    monkeypatch.setitem(registry.PLUGINS, "fake_options", _WithOptions)
     model = FakeModel()
     wl = _needle(model.tokenizer, limit=2)
     runs = _run(model, wl, ["recompute", "fake_options"], tmp_path / "store")
@@ -277,7 +278,7 @@ class _Misnamed(PlainRecompute):
 
 
 def test_a_system_built_under_another_name_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems.PLUGINS, "fake_misnamed", _Misnamed)
+    monkeypatch.setitem(registry.PLUGINS, "fake_misnamed", _Misnamed)
     model = FakeModel()
-    with pytest.raises(systems.EvalError, match="'fake_misnamed' was built as 'recompute'"):
+    with pytest.raises(EvalError, match="'fake_misnamed' was built as 'recompute'"):
         _run(model, _needle(model.tokenizer, limit=2), ["fake_misnamed"], tmp_path / "store")

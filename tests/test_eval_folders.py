@@ -20,7 +20,7 @@ from absl import flags
 import toy_kv
 from eval_fakes import FakeModel, PlainRecompute
 from specjax.eval import __main__ as cli
-from specjax.eval import folders, partial, report, runner, systems, tasks
+from specjax.eval import folders, partial, registry, report, runner, tasks
 from specjax.eval.errors import EvalError
 from specjax.stores import KVStore
 from specjax.stores.errors import ManifestError
@@ -32,8 +32,8 @@ READ_ONLY = pathlib.Path("/sys/specjax-test")  # not even root may make a folder
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: FakeModel())
-    monkeypatch.setattr(systems, "_engine_systems", lambda: {})
-    monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
+    monkeypatch.setattr(registry, "factories", lambda: {})
+    monkeypatch.setitem(registry.PLUGINS, "recompute", PlainRecompute)
 
 
 def _main(*args):
@@ -236,8 +236,8 @@ def test_a_full_disk_while_writing_results_keeps_the_runs_to_resume(fake, tmp_pa
     assert (tmp_path / ".partial" / "recompute.json").is_file()
     monkeypatch.undo()
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: FakeModel())
-    monkeypatch.setattr(systems, "_engine_systems", lambda: {})
-    monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
+    monkeypatch.setattr(registry, "factories", lambda: {})
+    monkeypatch.setitem(registry.PLUGINS, "recompute", PlainRecompute)
     _main(f"--output_dir={tmp_path}", "--resume")
     assert json.loads((tmp_path / "results.json").read_text())["resumed"].keys() == {"recompute"}
 
@@ -258,7 +258,7 @@ import signal, sys, time, pathlib
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, also under a background job
 sys.path.insert(0, {tests!r})
 from eval_fakes import FakeModel, PlainRecompute
-from specjax.eval import __main__ as cli, systems
+from specjax.eval import __main__ as cli, registry
 
 class Slow(PlainRecompute):
     def run(self, request):
@@ -267,8 +267,8 @@ class Slow(PlainRecompute):
         return super().run(request)
 
 cli.load_model = lambda *a, **k: FakeModel()
-systems._engine_systems = lambda: {{}}
-systems.PLUGINS["recompute"] = Slow
+registry.factories = lambda: {{}}
+registry.PLUGINS["recompute"] = Slow
 sys.argv = ["prog", "--limit=40", "--noprogress", "--output_dir={out}"]
 cli.run()
 """

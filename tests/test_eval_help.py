@@ -92,15 +92,15 @@ def test_inflight_bytes_help_says_what_the_scheduler_keeps_in_flight():
 
 
 def test_numbers_in_help_texts_follow_the_code():
-    from specjax.eval import systems as systems_lib
+    from specjax.eval import registry
 
     helps = {f.name: " ".join(f.metadata["help"].split())
              for g in settings_lib.EVAL_GROUPS for f in dataclasses.fields(g)}
-    own = {name: s.chunk_tokens for name, s in systems_lib.KNOWN_SYSTEMS.items() if s.chunk_tokens}
+    own = {name: s.chunk_tokens for name, s in registry.KNOWN_SYSTEMS.items() if s.chunk_tokens}
     assert own and all(f"{name}: {n}" in helps["chunk_tokens"] for name, n in own.items())
     assert f"for needle {cli.NEEDLE_DEFAULT_LIMIT}," in helps["limit"]
-    runs = cli.runner.plan(systems_lib.resolve("default"),
+    runs = cli.runner.plan(registry.resolve("default"),
                            settings_lib.parse_retentions(settings_lib.RunSettings.retention))
-    assert f"({len(runs)} runs: {len(systems_lib.DEFAULT_SYSTEMS)} systems" in helps["limit"]
-    assert ", ".join(systems_lib.DEFAULT_SYSTEMS) in helps["systems"]
+    assert f"({len(runs)} runs: {len(registry.DEFAULT_SYSTEMS)} systems" in helps["limit"]
+    assert ", ".join(registry.DEFAULT_SYSTEMS) in helps["systems"]
     assert "docs/data.md" in helps["data_dir"] and "shared" not in helps["data_dir"]

@@ -4,7 +4,7 @@ left at its own rate, so the slow first warm-up (JIT compilation, store writes) 
 import io
 import pathlib
 
-from specjax.eval import runner, systems, tasks, workload
+from specjax.eval import registry, runner, systems, tasks, workload
 from specjax.eval.progress import Progress
 
 from eval_fakes import FakeModel, PlainRecompute
@@ -53,8 +53,8 @@ def test_resumed_units_are_left_out_of_both_rates():
 
 
 def test_runner_marks_warm_up_units_and_the_eval_counts_them(monkeypatch):
-    monkeypatch.setattr(systems, "_engine_systems", lambda: {})  # FakeModel: eval's model-API recompute
-    monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
+    monkeypatch.setattr(registry, "factories", lambda: {})  # FakeModel: eval's model-API recompute
+    monkeypatch.setitem(registry.PLUGINS, "recompute", PlainRecompute)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=12))
     plan = runner.plan(["recompute"], [0.25])

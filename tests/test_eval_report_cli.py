@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from specjax.eval import __main__ as cli
-from specjax.eval import partial, report, runner, systems, tasks, workload
+from specjax.eval import partial, registry, report, runner, systems, tasks, workload
 
 from eval_fakes import FakeModel, PlainRecompute
 
@@ -21,8 +21,8 @@ def plain_recompute_for_fakes(request, monkeypatch):
     """FakeModel has no params for the engine: tests that use it get eval's model-API recompute."""
     if "fake" in request.node.name or request.node.name.startswith(("test_results_json", "test_validator",
                                                                        "test_sweep")):
-        monkeypatch.setattr(systems, "_engine_systems", lambda: {})
-        monkeypatch.setitem(systems.PLUGINS, "recompute", PlainRecompute)
+        monkeypatch.setattr(registry, "factories", lambda: {})
+        monkeypatch.setitem(registry.PLUGINS, "recompute", PlainRecompute)
 EMULATION = {"disk_bandwidth": None, "pcie_bandwidth": None, "direct_io": False}
 
 
@@ -107,7 +107,7 @@ def test_layers_whose_guess_did_not_pay_are_reported(tmp_path, monkeypatch, gues
     """A speculative run whose guesses did not pay for their host time says so per request in layers (results.json's
     `speculation`, beyond the contract) and in the I/O table, not a bare "-"; the contract's `prefetch` stays what it
     was (None without a guess)."""
-    monkeypatch.setitem(systems.PLUGINS, "fake_unguessed", _FakeUnguessed)
+    monkeypatch.setitem(registry.PLUGINS, "fake_unguessed", _FakeUnguessed)
     monkeypatch.setattr(_FakeUnguessed, "guessing", guessing)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=4))
@@ -132,7 +132,7 @@ def test_layers_whose_guess_did_not_pay_are_reported(tmp_path, monkeypatch, gues
 
 
 def test_sweep_writes_accuracy_plot(tmp_path, monkeypatch):
-    monkeypatch.setitem(systems.PLUGINS, "fake_spec", _FakeRetentionSystem)
+    monkeypatch.setitem(registry.PLUGINS, "fake_spec", _FakeRetentionSystem)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=8))
     plan = runner.plan(["recompute", "fake_spec"], [0.05, 0.5])
@@ -332,7 +332,7 @@ def test_runner_drops_compiled_programs_between_systems(monkeypatch):
             step(jnp.ones(len(request.query_ids))).block_until_ready()  # one program per query length
             return super().run(request)
 
-    monkeypatch.setitem(systems.PLUGINS, "fake_compiling", Compiling)
+    monkeypatch.setitem(registry.PLUGINS, "fake_compiling", Compiling)
     model = FakeModel()
     wl = workload.build_workload(tasks.load_task("needle"), model.tokenizer, workload.WorkloadSpec(limit=4))
     runner.run_all(model, wl, runner.plan(["fake_compiling", "fake_compiling"], [0.25]), systems.SystemSettings(),
@@ -366,8 +366,8 @@ def test_fake_interrupted_run_resumes_without_rerunning_finished_systems(tmp_pat
                 raise RuntimeError("interrupted")
             return super().run(request)
 
-    monkeypatch.setitem(systems.PLUGINS, "recompute", Counted)
-    monkeypatch.setitem(systems.PLUGINS, "fake_flaky", Flaky)
+    monkeypatch.setitem(registry.PLUGINS, "recompute", Counted)
+    monkeypatch.setitem(registry.PLUGINS, "fake_flaky", Flaky)
 
     def main(*extra):
         flags.FLAGS(["prog", "--limit=6", "--systems=recompute,fake_flaky", "--retention=0.25",

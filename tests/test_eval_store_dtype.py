@@ -8,7 +8,7 @@ import specjax
 from specjax.checkpoint import save_model_dir
 from specjax.config import from_hf_config
 from specjax.configs.models import MODEL_SHAPES
-from specjax.eval import runner, systems, tasks, workload
+from specjax.eval import registry, runner, systems, tasks, workload
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.models.params import init_params
 
@@ -44,5 +44,5 @@ def test_a_bfloat16_run_on_a_float32_store_folder_gets_its_own_base_store(conver
     for dtype, record in again.items():
         assert record["base"] == first[dtype]["base"]
         assert record["prefixes_written"] == 0 and record["prefixes_reused"] == 1
-    blend = systems.make_system("full_reuse", bf16, systems.SystemSettings(chunk_tokens=16))
+    blend = registry.make_system("full_reuse", bf16, systems.SystemSettings(chunk_tokens=16))
     assert blend.store_key == f"text_chunks-sink-chunk16-weights-{short}-bfloat16"

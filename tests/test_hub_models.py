@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
 from hf_checkpoints import write_gguf  # noqa: E402
-from specjax import convert, hub, paths  # noqa: E402
+from specjax import convert, hub, paths, resolve  # noqa: E402
 from specjax.errors import ModelNotFoundError, SpecjaxError  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -121,12 +121,12 @@ def test_hub_gguf_repo_is_converted_from_its_gguf(tmp_path):
 def test_registered_names_resolve_to_their_hub_repo(specjax_home, monkeypatch):
     asked = []
     monkeypatch.setattr(hub, "from_hub", lambda repo_id, revision=None: asked.append((repo_id, revision)))
-    paths.resolve_model_dir("opt-6.7b")
-    paths.resolve_model_dir("llama2-7b", revision="abc123")
-    paths.resolve_model_dir("qwen2.5-7b")
+    resolve.resolve_model_dir("opt-6.7b")
+    resolve.resolve_model_dir("llama2-7b", revision="abc123")
+    resolve.resolve_model_dir("qwen2.5-7b")
     assert asked == [("facebook/opt-6.7b", None), ("meta-llama/Llama-2-7b-hf", "abc123"), ("Qwen/Qwen2.5-7B", None)]
     with pytest.raises(SpecjaxError, match="--revision is for Hugging Face hub models"):
-        paths.resolve_model_dir("tiny-llama", revision="abc123")
+        resolve.resolve_model_dir("tiny-llama", revision="abc123")
     assert hub.hub_model_dir("acme/x", "refs/pr/1") == specjax_home / "models" / "hf" / "acme--x" / "refs--pr--1"
 
 

@@ -190,3 +190,11 @@ def test_identification_imports_no_reader_and_no_engine():
     banned = {"specjax.engine.engine", "specjax.engine.layer_io", "specjax.stores.prefetch", "specjax.stores.caches",
               "specjax.stores.store"}
     assert not imported & banned
+
+
+def test_every_identification_a_system_may_name_is_a_policy():
+    from specjax.engine.systems import IDENTIFY
+
+    assert tuple(I.POLICIES) == IDENTIFY
+    for name in IDENTIFY:
+        assert isinstance(I.policy(name), I.POLICIES[name])

@@ -205,7 +205,7 @@ class BlendEngine(Engine):
                  for i in range(cfg.num_layers)]
         parts = [opened.enter_context(self._match_or_store(key)) for key in keys]
         match = opened.enter_context(self.store.join(parts))
-        io = LayerIO(self, match, m, size, clock, positions=read)
+        io = LayerIO(self.read_path(), match, m, size, clock, positions=read)
         opened.callback(io.close)
         io.plan_reads([layer for layer, load in enumerate(loads) if load])
         tokens = np.asarray(prefix + query, np.int32)

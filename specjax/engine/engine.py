@@ -24,7 +24,7 @@ from specjax import sharding as sh
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.identify import Facts, policy, probe_kv_heads
-from specjax.engine.layer_io import BadChunk, Clock, LayerIO
+from specjax.engine.layer_io import BadChunk, Clock, LayerIO, ReadPath
 from specjax.engine.replay import Recorder, Replay
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
@@ -173,6 +173,11 @@ class Engine:
         self.store.off_free(self.cache.invalidate)
         if self.speculator is not None:
             self.store.off_free(self.speculator.usage.forget)
+
+    def read_path(self) -> ReadPath:
+        """What a request's reads go through now (a `LayerIO`'s: it sees these parts, not the engine)."""
+        return ReadPath(self.store, self.prefetcher, self.cache, self.speculator, self.io_worker, self.identification,
+                        self.facts, self.system, self.cfg.num_layers, self.selections, self.place_kv)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe
@@ -341,7 +346,7 @@ class Engine:
         if reuse and new_prefix > 0:  # it owns `match` from here, and releases it when it commits or aborts
             writer = self.store.begin_insert(request.prefix, base=match)
             opened.callback(writer.abort)  # a no-op once committed
-        io = LayerIO(self, match, r, m_pad, clock, first=head)
+        io = LayerIO(self.read_path(), match, r, m_pad, clock, first=head)
         opened.callback(io.close)
         if m == 0 and 0 < self.config.prefill_chunk_tokens < n:
             logits, layers_kv = self._prefill_chunked(tokens, writer, new_prefix, clock)

@@ -20,7 +20,8 @@ of the request's layer its `Layer`. It also declares `certain_reads(facts)`, the
 then selects (the request's read plan issues them for every layer at its start), and `selection_reads(facts)`, the
 kinds it reads for the tokens it selects (what speculation reads ahead).
 
-`policy(name)` refuses an unknown identification, so a `System` naming one fails when it is built.
+A `System` names one of `specjax.engine.systems.IDENTIFY`, each a policy of `POLICIES` here; `policy(name)` refuses
+any other.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 
 from specjax.engine import state as st
 from specjax.engine import steps as S
+from specjax.engine.systems import System
 from specjax.errors import SpecjaxError
 from specjax.idsets import distinct
 from specjax.kernels import PerHeadIndices, SharedIndices, quest
@@ -44,7 +46,6 @@ from specjax.stores import K, PROBE, V
 
 if TYPE_CHECKING:
     from specjax.config import ModelConfig
-    from specjax.engine.systems import System
 
 
 def probe_query_heads(cfg, count: int = 3) -> tuple[int, ...]:
@@ -477,7 +478,7 @@ def _importance_now(scores, n: int, positions: np.ndarray | None, m: int | None)
     return out
 
 
-POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}
+POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}  # systems.IDENTIFY's
 
 
 def policy(name: str):

@@ -5,21 +5,43 @@ TTFT breakdown (`Clock`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from specjax.engine import events
 from specjax.engine import identify as I
-from specjax.engine.speculation import prefetch_report
-from specjax.stores import K, PROBE, V, Locations
+from specjax.engine.speculation import Speculator, prefetch_report
+from specjax.engine.systems import System
+from specjax.stores import K, PROBE, V, KVStore, Locations
+from specjax.stores.caches import TieredCache
+from specjax.stores.prefetch import Prefetcher
 
-if TYPE_CHECKING:
-    from specjax.engine.engine import Engine
+
+@dataclasses.dataclass(frozen=True)
+class ReadPath:
+    """Everything a request's reads go through, as its engine holds them when the request starts (`Engine.read_path`):
+    the store and the prefetcher over it with its caches, the speculator and the I/O worker (None where the system
+    has none), the identification and what it knows (`identify.Facts`), the system, the model's layer count, the
+    selection trace being recorded or replayed, and `place_kv`, which puts a take's array where the layer attends to
+    it (the engine's mesh)."""
+
+    store: KVStore
+    prefetcher: Prefetcher | None
+    cache: TieredCache | None
+    speculator: Speculator | None
+    io_worker: concurrent.futures.ThreadPoolExecutor | None
+    identification: Any  # a policy of `identify.POLICIES`
+    facts: I.Facts
+    system: System
+    num_layers: int
+    selections: Any  # a `replay.Recorder` or `replay.Replay`, or None
+    place_kv: Callable[[Any], Any]
 
 
 class BadChunk(Exception):
@@ -171,10 +193,10 @@ _WATCHER = _Watcher()
 class LayerIO:
     """One request's reads through the prefetcher: what is requested ahead, what is taken, and timing."""
 
-    def __init__(self, engine: Engine, match, m: int, m_pad: int, clock: Clock, positions=None, first: int = 0):
+    def __init__(self, path: ReadPath, match, m: int, m_pad: int, clock: Clock, positions=None, first: int = 0):
         """`positions`: the m match positions the request reads, in order (default: 0..m-1). `first`: the positions
         this request's layers see are match positions first, first + 1, ... (the planner computes the ones before)."""
-        self.engine, self.match, self.m, self.m_pad, self.clock = engine, match, m, m_pad, clock
+        self.path, self.match, self.m, self.m_pad, self.clock = path, match, m, m_pad, clock
         self.first = first
         self.all_positions = np.arange(m) if positions is None else np.asarray(positions, np.int64)
         self.prefetched: dict[int, np.ndarray] = {}
@@ -191,7 +213,7 @@ class LayerIO:
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
-        self._selection_kinds = (engine.identification.selection_reads(engine.facts) if engine.speculator is not None
+        self._selection_kinds = (path.identification.selection_reads(path.facts) if path.speculator is not None
                                  else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
 
@@ -205,7 +227,7 @@ class LayerIO:
         if loc is None:
             every = self._every_position.get(layer)
             if every is None:
-                every = self._every_position[layer] = self.engine.store.locate(
+                every = self._every_position[layer] = self.path.store.locate(
                     self.match, np.arange(self.first, self.match.length), layer)
             if len(positions) and (positions.min() < 0 or positions.max() >= len(every.chunks)):
                 raise IndexError(f"positions must lie in [0, {len(every.chunks)}) of the matched prefix past its "
@@ -216,14 +238,14 @@ class LayerIO:
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
         """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate`."""
         chunks = self.locate(layer, positions).unique_chunks()
-        return self.engine.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
+        return self.path.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
 
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
         that prefetch them."""
-        if self.engine.system.prefetch in ("none", "periods"):
+        if self.path.system.prefetch in ("none", "periods"):
             return
-        for kind in self.engine.identification.certain_reads(self.engine.facts):
+        for kind in self.path.identification.certain_reads(self.path.facts):
             self._request(layer, kind, self.all_positions)
 
     def plan_reads(self, layers) -> None:
@@ -235,14 +257,14 @@ class LayerIO:
         ContiguousKV reads its first period's keys here and plans every later read itself (`plan_period`); a system
         that does not prefetch (`prefetch="none"`) reads each layer when it takes it."""
         layers = list(layers)
-        if self.engine.system.prefetch == "periods" and layers:
+        if self.path.system.prefetch == "periods" and layers:
             self._request(layers[0], K, self.all_positions)
             return
-        if self.engine.io_worker is None or self.engine.system.prefetch == "none" or not layers:
+        if self.path.io_worker is None or self.path.system.prefetch == "none" or not layers:
             for layer in layers:
                 self._request_certain(layer)
             return
-        self._plan = self.engine.io_worker.submit(self._issue_plan, layers)
+        self._plan = self.path.io_worker.submit(self._issue_plan, layers)
 
     def _issue_plan(self, layers) -> None:
         try:
@@ -253,7 +275,7 @@ class LayerIO:
                     self._planned_cv.notify_all()
         finally:
             with self._planned_cv:
-                self._planned = max(self._planned, self.engine.cfg.num_layers)  # issued or failed: nobody waits
+                self._planned = max(self._planned, self.path.num_layers)  # issued or failed: nobody waits
                 self._planned_cv.notify_all()
 
     def _wait_planned(self, layer: int) -> None:
@@ -273,7 +295,7 @@ class LayerIO:
         have arrived. Inter-period: the next period's first-layer keys, and this set speculatively for the
         next period's layers; once that period chooses its own set only the difference is read.
         """
-        pf, system, num_layers = self.engine.prefetcher, self.engine.system, self.engine.cfg.num_layers
+        pf, system, num_layers = self.path.prefetcher, self.path.system, self.path.num_layers
         p, sp = system.period_layers, system.subperiod_layers
         tickets = []
         for layer in range(first, min(first + p, num_layers)):
@@ -292,7 +314,7 @@ class LayerIO:
 
     def credit(self, layer: int, kind: int, positions: np.ndarray, importance: np.ndarray) -> None:
         """Feed `importance` (per position) of `positions` to their cached chunks without reading them again."""
-        cache = self.engine.cache
+        cache = self.path.cache
         if cache is None:
             return
         chunks = self.locate(layer, positions).chunks
@@ -306,8 +328,8 @@ class LayerIO:
         planned at the request's start.)"""
         events.emit("selection", io=self, layer=layer, chosen=chosen)
         self._join_ahead()
-        if self.engine.speculator is not None:
-            self.engine.speculator.observe_selection(self._selection_disk_bytes.pop(layer, 0))
+        if self.path.speculator is not None:
+            self.path.speculator.observe_selection(self._selection_disk_bytes.pop(layer, 0))
         self._selected.append((layer, chosen, self.prefetched.pop(layer, None), self._behind.pop(layer, [])))
         self._read_ahead_of(layer, chosen)
 
@@ -316,7 +338,7 @@ class LayerIO:
         depends on it: which chunks the layer needed, for later requests' speculation (`ChunkUsage`), and how what
         was read ahead for it did (`prefetch_report`)."""
         selected, self._selected = self._selected, []
-        speculator = self.engine.speculator
+        speculator = self.path.speculator
         for layer, chosen, guess, behind in selected:
             if speculator is not None:
                 speculator.usage.record(layer, self.locate(layer, self.all_positions).unique_chunks(),
@@ -336,17 +358,17 @@ class LayerIO:
         next layer's K/V are taken (`_join_ahead`). No guess where one does not pay for its host time
         (`Speculator.pays`): the layer then reads its set on demand, and nothing is handed to the worker (on a busy
         host, the hand-over and the join cost the request's thread more than the check does)."""
-        speculator = self.engine.speculator
-        if speculator is None or layer + 1 >= self.engine.cfg.num_layers or not len(chosen):
+        speculator = self.path.speculator
+        if speculator is None or layer + 1 >= self.path.num_layers or not len(chosen):
             return
         if not speculator.pays():
             self.stats["unpaid_layers"] += 1
             return
         self.stats["guessed_layers"] += 1
-        if self.engine.io_worker is None:
+        if self.path.io_worker is None:
             self._speculate(layer + 1, chosen)
         else:
-            self._ahead = self.engine.io_worker.submit(self._speculate, layer + 1, chosen)
+            self._ahead = self.path.io_worker.submit(self._speculate, layer + 1, chosen)
 
     def _join_ahead(self) -> None:
         """Wait until the reads queued by the last `after_selection` are issued (re-raising what they raised)."""
@@ -359,12 +381,12 @@ class LayerIO:
         speculative priority as far as the disk's budget goes and in the background beyond it; a guessed chunk the
         layer does not need is withdrawn when its K/V are taken unless the disk has already read it (`_read_ahead_of`
         decides whether to guess)."""
-        speculator = self.engine.speculator
+        speculator = self.path.speculator
         opened = self._window_opened[layer] = time.perf_counter()
         kinds = self._selection_kinds
         now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
         for kind in kinds:
-            self.engine.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
+            self.path.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
                                            speculative=True)
         guess = np.concatenate([now, background])
         chunks, chunk_of = self.locate(layer, self.all_positions).chunk_index
@@ -379,10 +401,10 @@ class LayerIO:
             self._join_ahead()
             opened = self._window_opened.pop(layer, None)
             if opened is not None:
-                self.engine.speculator.observe_window(opened)
+                self.path.speculator.observe_window(opened)
             if layer in self.prefetched:
                 self._note_behind(layer, kind)
-        taken = self.clock.timed(phase, self.engine.prefetcher.take, self.match, layer, kind, positions,
+        taken = self.clock.timed(phase, self.path.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
             raise BadChunk()
@@ -390,8 +412,8 @@ class LayerIO:
             self.clock.device_work(taken.dispatched_at, taken.array)
         if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
             self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
-                                                 * self.engine.store.layout.chunk_nbytes(kind))
-        return self.engine.place_kv(taken.array)
+                                                 * self.path.store.layout.chunk_nbytes(kind))
+        return self.path.place_kv(taken.array)
 
     def _note_behind(self, layer: int, kind: int) -> None:
         """The layer's guessed positions whose `kind` chunk is not on its way as the layer takes it: they were not
@@ -399,7 +421,7 @@ class LayerIO:
         guess = self.prefetched[layer]
         loc = self.locate(layer, guess)
         chunks = loc.unique_chunks()
-        behind = chunks[~self.engine.prefetcher.ahead(layer, kind, chunks)]
+        behind = chunks[~self.path.prefetcher.ahead(layer, kind, chunks)]
         if len(behind):
             self._behind.setdefault(layer, []).append(guess[np.isin(loc.chunks, behind)])
 
@@ -418,7 +440,7 @@ class LayerIO:
     def select(self, policy, state, layer: int, q, own_k, n: int, k: int, k_cap: int) -> I.Selected:
         """Layer `layer`'s identification by `policy` (`specjax.engine.identify`): its steps carried out in the
         order it yields them, each one's result sent back, until it returns the layer's selection."""
-        steps = policy.select(self.engine.facts, I.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
+        steps = policy.select(self.path.facts, I.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
                                                          self.all_positions), state)
         result = None
         try:
@@ -440,7 +462,7 @@ class LayerIO:
                                  step.phase, importance=step.importance)
             case I.Score():
                 scores = self.identify(step.fn, *step.args, **step.kwargs)
-                hook = self.engine.selections
+                hook = self.path.selections
                 if hook is None:
                     return scores
                 columns = self.all_positions if step.columns is None else step.columns
@@ -450,7 +472,7 @@ class LayerIO:
             case I.Locate():
                 return self.locate(layer, step.positions)
             case I.Summaries():
-                got = self.clock.timed("probe_io", self.engine.store.key_summaries, layer, step.chunks)
+                got = self.clock.timed("probe_io", self.path.store.key_summaries, layer, step.chunks)
                 if not got.ok.all():
                     raise BadChunk()
                 return got.array
@@ -469,5 +491,5 @@ class LayerIO:
                 concurrent.futures.wait([self._plan])  # to issue it was raised by the take that needed it)
             self._join_ahead()
         finally:
-            if self.engine.prefetcher is not None:
-                self.engine.prefetcher.close()
+            if self.path.prefetcher is not None:
+                self.path.prefetcher.close()

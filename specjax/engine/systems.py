@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.errors import SpecjaxError
-from specjax.engine import identify
 from specjax.stores.caches import POLICIES
 
-# How a layer chooses its tokens (specjax.engine.identify): load all | per-head H2O | SPEC's ITF | ContiguousKV's chunks
-IDENTIFY = tuple(identify.POLICIES)
+# How a layer chooses its tokens, each a policy of specjax.engine.identify: load all | per-head H2O | SPEC's ITF |
+# ContiguousKV's chunks | spec_gqa's ITF over KV-head probes
+IDENTIFY = ("none", "h2o", "itf", "chunks", "gqa_itf")
 # what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
 # its selection | ContiguousKV's intra- and inter-period plan
 PREFETCH = ("none", "certain", "speculative", "periods")

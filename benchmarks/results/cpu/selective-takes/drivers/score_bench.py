@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.kernels import _common as c
+from specjax.kernels import common as c
 from specjax.kernels.probe_scores import probe_scores_reference
 
 

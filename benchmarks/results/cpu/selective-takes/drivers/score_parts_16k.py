@@ -5,7 +5,7 @@ alone in f32 (as the reference) and in bf16 with f32 accumulation (not the same 
 """
 import time, functools, numpy as np, jax, jax.numpy as jnp
 from jax import lax
-from specjax.kernels import _common as c
+from specjax.kernels import common as c
 from specjax.kernels.probe_scores import probe_scores_reference
 rng = np.random.default_rng(0)
 P, G, n, m, d = 28, 4, 64, 16384, 128

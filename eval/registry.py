@@ -1,0 +1,64 @@
+"""Every system a run can compare, by name: the engine's (`specjax.eval.engine_systems`) and any a plugin or test
+adds (`PLUGINS`); `resolve` checks a --systems list, `make_system` builds one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
+from specjax.eval.engine_systems import factories
+from specjax.eval.errors import EvalError
+from specjax.eval.systems import System, SystemSettings
+
+# the SPEC paper's line-up, what `--systems default` runs
+DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
+
+
+Factory = Callable[[Any, SystemSettings], System]
+# Systems from outside the engine, by name (a plugin's or a test's); they win over the engine's of the same name.
+PLUGINS: dict[str, Factory] = {}
+
+
+def available() -> dict[str, Factory]:
+    """name -> factory: every system the prefill engine builds (recompute included, so all are timed alike), then
+    the plugins'."""
+    return {**factories(), **PLUGINS}
+
+
+def resolve(spec: str) -> list[str]:
+    """Parse --systems: names are checked before any work starts."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise EvalError("--systems is empty; give a comma-separated list, e.g. recompute,spec")
+    built = available()
+    if names == ["default"]:
+        return [n for n in DEFAULT_SYSTEMS if n in built]
+    if names == ["all"]:
+        return [n for n in KNOWN_SYSTEMS if n in built]
+    for n in names:
+        if n not in built:
+            raise EvalError(f"unknown system '{n}'; known systems: {', '.join(KNOWN_SYSTEMS)}")
+    if len(set(names)) != len(names):
+        raise EvalError(f"--systems lists a system twice: {spec}")
+    return names
+
+
+def uses_retention(name: str) -> bool:
+    """Whether the system keeps a share of the prefix (`--retention`); a plugin's is assumed to."""
+    system = KNOWN_SYSTEMS.get(name)
+    return True if system is None else system.prunes
+
+
+def make_system(name: str, model, settings: SystemSettings) -> System:
+    """The system registered as `name`, built with `settings`. Its own `name` labels its results: the registered
+    name, extended by the options it was built with ("spec-no_prefetch"); any other is refused, so that no run is
+    filed under another system."""
+    built = available()
+    if name not in built:
+        resolve(name)  # raises the right one-line error
+    system = built[name](model, settings)
+    if system.name != name and not system.name.startswith(name + "-"):
+        raise EvalError(f"system {name!r} was built as {system.name!r}: a system's name must be the name it is "
+                        f"registered under, with any options after a '-' ({name}-...)")
+    return system

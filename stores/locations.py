@@ -1,0 +1,25 @@
+"""Where token positions of a stored prefix live in the store: the chunk and the row inside it, per position."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from specjax.idsets import distinct
+
+
+@dataclasses.dataclass(frozen=True)
+class Locations:
+    """Where requested token positions live: chunk id and slot offset inside it, per position."""
+    chunks: np.ndarray
+    offsets: np.ndarray
+
+    @functools.cached_property
+    def chunk_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct chunks, sorted; each position's index among them), computed once per Locations."""
+        return distinct(self.chunks, return_inverse=True)
+
+    def unique_chunks(self) -> np.ndarray:
+        return self.chunk_index[0]
