@@ -3,6 +3,9 @@
     import specjax
     model = specjax.load_model("smollm2-135m")
     model.generate("The capital of France is", max_new_tokens=8)
+
+    store = specjax.open_store(model, "/tmp/kv")                # prefix KV reuse (specjax.reuse)
+    engine = specjax.prefill_engine(model, "spec", store, retention=0.25)
 """
 
 from specjax import host_memory
@@ -12,5 +15,6 @@ host_memory.reuse_freed_blocks()  # before XLA's threads first allocate (see spe
 from specjax.api import Model, load_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.reuse import Request, open_store, prefill_engine, warm_up  # noqa: E402
 
-__all__ = ["Model", "ModelConfig", "SpecjaxError", "load_model"]
+__all__ = ["Model", "ModelConfig", "Request", "SpecjaxError", "load_model", "open_store", "prefill_engine", "warm_up"]
