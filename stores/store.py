@@ -24,7 +24,8 @@ from specjax.stores.index import Match, StoreIndex, layout_from_fingerprint
 from specjax.stores.kvarray import KVArrays
 from specjax.stores.manifest import ManifestIO
 from specjax.stores.metrics import StoreMetrics
-from specjax.stores.reads import ChunkRead, ChunkReader, Gathered, Locations, Run, when_all
+from specjax.stores.locations import Locations
+from specjax.stores.reads import ChunkRead, ChunkReader, Gathered, Run, when_all
 from specjax.stores.summaries import KeySummaries
 from specjax.stores.writer import PrefixWriter, SegmentWriter, StoreWriter
 

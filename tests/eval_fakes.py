@@ -93,7 +93,7 @@ class FakeModel:
 
 class PlainRecompute:
     """A recompute system on a model's plain `logits` (eval.systems' interface without the engine): the base of the
-    fake systems the eval tests plug in (`systems.PLUGINS`)."""
+    fake systems the eval tests plug in (`registry.PLUGINS`)."""
 
     name = "recompute"
     needs_store = False
