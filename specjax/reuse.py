@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from specjax.compiles import CompileCounter
 from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
-from specjax.engine.systems import SYSTEMS
 from specjax.errors import SpecjaxError
 from specjax.stores import KVStore, Layout
 
@@ -25,12 +24,7 @@ def chunk_tokens_of(system: str | None = None, chunk_tokens: int | None = None) 
     else the store layout's default."""
     if chunk_tokens is not None:
         return int(chunk_tokens)
-    if system is not None:
-        if system not in SYSTEMS:
-            raise SpecjaxError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
-        if SYSTEMS[system].chunk_tokens:
-            return SYSTEMS[system].chunk_tokens
-    return Layout.chunk_tokens
+    return (system is not None and make_system(system).chunk_tokens) or Layout.chunk_tokens
 
 
 def open_store(model, location, *, system: str | None = None, chunk_tokens: int | None = None,

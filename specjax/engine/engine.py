@@ -177,7 +177,7 @@ class Engine:
     def read_path(self) -> ReadPath:
         """What a request's reads go through now (a `LayerIO`'s: it sees these parts, not the engine)."""
         return ReadPath(self.store, self.prefetcher, self.cache, self.speculator, self.io_worker, self.identification,
-                        self.facts, self.system, self.cfg.num_layers, self.selections, self.place_kv)
+                        self.facts, self.system, self.selections, self.place_kv)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe

@@ -27,9 +27,9 @@ from specjax.stores.prefetch import Prefetcher
 class ReadPath:
     """Everything a request's reads go through, as its engine holds them when the request starts (`Engine.read_path`):
     the store and the prefetcher over it with its caches, the speculator and the I/O worker (None where the system
-    has none), the identification and what it knows (`identify.Facts`), the system, the model's layer count, the
-    selection trace being recorded or replayed, and `place_kv`, which puts a take's array where the layer attends to
-    it (the engine's mesh)."""
+    has none), the identification and what it knows (`identify.Facts`), the system the request runs (the planner's
+    load-all plan runs another than `facts.system`), the selection trace being recorded or replayed, and `place_kv`,
+    which puts a take's array where the layer attends to it (the engine's mesh)."""
 
     store: KVStore
     prefetcher: Prefetcher | None
@@ -39,9 +39,12 @@ class ReadPath:
     identification: Any  # a policy of `identify.POLICIES`
     facts: I.Facts
     system: System
-    num_layers: int
     selections: Any  # a `replay.Recorder` or `replay.Replay`, or None
     place_kv: Callable[[Any], Any]
+
+    @property
+    def num_layers(self) -> int:
+        return self.facts.cfg.num_layers
 
 
 class BadChunk(Exception):
@@ -387,7 +390,7 @@ class LayerIO:
         now, background = speculator.chunks(self.locate, layer, previous, kinds)  # chunk ids of `layer`
         for kind in kinds:
             self.path.prefetcher.request(self.match, layer, kind, chunks=now, background=background,
-                                           speculative=True)
+                                         speculative=True)
         guess = np.concatenate([now, background])
         chunks, chunk_of = self.locate(layer, self.all_positions).chunk_index
         self.prefetched[layer] = self.all_positions[np.isin(chunks, guess)[chunk_of]]
@@ -441,7 +444,7 @@ class LayerIO:
         """Layer `layer`'s identification by `policy` (`specjax.engine.identify`): its steps carried out in the
         order it yields them, each one's result sent back, until it returns the layer's selection."""
         steps = policy.select(self.path.facts, I.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
-                                                         self.all_positions), state)
+                                                       self.all_positions), state)
         result = None
         try:
             while True:
