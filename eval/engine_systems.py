@@ -205,6 +205,7 @@ def _counters(r, prefix_tokens: int) -> dict:
     return {
         "disk_bytes": io.get("disk_bytes", 0), "host_to_device_bytes": io.get("host_to_device_bytes", 0),
         "device_page_bytes": io.get("device_page_bytes", 0),
+        "chosen_on_device_bytes": io.get("chosen_on_device_bytes", 0),
         "chunks_read": io.get("chunks_read", 0), "used_token_bytes": io.get("used_token_bytes", 0),
         "read_requests": io.get("read_requests", 0), "host_to_device_transfers": io.get("host_to_device_transfers", 0),
         "cache_lookups": io.get("device_hits", 0) + io.get("host_hits", 0) + io.get("misses", 0),

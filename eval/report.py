@@ -141,6 +141,8 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
                "used_token_bytes": int(get("used_token_bytes")),
                "host_to_device_per_used": _ratio(get("host_to_device_bytes"), get("used_token_bytes")),
                "device_page_bytes_per_request": _ratio(get("device_page_bytes"), len(outs)),
+               # of the used bytes, the rows a device step chose that the device took from the caches' pages itself
+               "chosen_on_device_share": _ratio(get("chosen_on_device_bytes"), get("used_token_bytes")),
                # beyond the contract: what damaged stored KV made the timed requests read and write, not in disk_bytes
                "repair_disk_bytes": int(get("repair_disk_bytes")),
                "repair_disk_bytes_written": int(get("repair_disk_bytes_written"))},

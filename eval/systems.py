@@ -37,6 +37,8 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   guess_recall = prefetch_guess_hits / prefetch_needed (specjax.engine.speculation.prefetch_report);
 #   prefetch_guessed_layers / prefetch_unpaid_layers: layers whose next layer was guessed, or was not because a guess
 #   would not have paid for its host time (speculation's `Speculator.pays`)
+#   chosen_on_device_share = chosen_on_device_bytes / used_token_bytes: the used rows a device step chose that the
+#   device took from the caches' pages with no host step between (`identify.TakeChosen`)
 #   cake's computed_fraction = computed_prefix_tokens / reused_tokens (stored prefix computed, not loaded)
 #   bytes_per_read = disk_bytes / read_requests; read_requests / host_to_device_transfers are also given per request
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
@@ -48,7 +50,8 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   repair_disk_bytes / repair_disk_bytes_written: what damaged stored KV made the request read (an attempt given up
 #   at a bad chunk, the repair's checks) and write (the repair), counted apart from disk_bytes, the system's own reads
 COUNTER_KEYS = (
-    "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "device_page_bytes", "chunks_read", "used_token_bytes", "read_requests",
+    "disk_bytes", "probe_disk_bytes", "host_to_device_bytes", "device_page_bytes", "chunks_read", "used_token_bytes",
+    "chosen_on_device_bytes", "read_requests",
     "host_to_device_transfers",
     "cache_lookups", "device_hits", "host_hits",
     "itf_layers", "itf_fallbacks", "jaccard_sum",

@@ -21,6 +21,7 @@ class StoreMetrics:
     host_hits: int = 0
     misses: int = 0                # chunk lookups that had to go to disk
     used_token_bytes: int = 0      # bytes of the token vectors a caller actually asked for
+    chosen_on_device_bytes: int = 0  # of those, rows a device step chose that the device took from the caches' pages
 
     def __post_init__(self):
         self._lock = threading.Lock()

@@ -97,6 +97,19 @@ def _gather(pages, table, staged, host=None, dtype=None):
     return jnp.where((slots >= 0)[None, :, None], rows_of(pages, slots), out)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
+def _gather_rows(pages, host, table, rows, count, when, dtype=None):
+    """[heads, size, d] (size = len(rows)): row i is row rows[i] of a block table of every position of a layer
+    (`table` [4, positions], as `_gather`'s) for i < `count`, zeros after; and `when` and whether every one of those
+    rows lies in a page (device pages, or host pages where the device reads them). The rows are chosen on the device:
+    the host never reads them before the gather."""
+    valid = jnp.arange(rows.shape[0]) < count
+    picked = jnp.where(valid[None], jnp.take(table, rows, axis=1, mode="clip"), -1)
+    found = (picked[0] >= 0) | (picked[3] >= 0)
+    picked = picked.at[1].set(jnp.maximum(picked[1], 0))
+    return _gather(pages, picked, None, host, dtype=dtype), when & jnp.all(found | ~valid)
+
+
 @dataclasses.dataclass(eq=False)
 class _Pages:
     """The page array of one head count, and which chunk each slot holds."""
@@ -231,6 +244,23 @@ class DevicePool:
         with self._device_lock:
             self._write_pending(pages)
             return _gather(pages.array, table, staged, host, dtype=self.layout.np_dtype)
+
+    def gather_rows(self, kind: int, table: np.ndarray, rows: jax.Array, count, when) -> tuple[jax.Array, jax.Array]:
+        """(`[heads, len(rows), d]`, `when` and whether every row was in a page) on the device: row i is the row that
+        block table `table` (`[4, positions]`: slot, offset, unused, host slot per position of a layer; -1 where a
+        position is in no page the device reads) gives position rows[i], for i < `count` (device scalars or host
+        ints), zeros after. `rows` may still be being computed: nothing here waits for it. Pages placed since the last
+        gather from this page array are written first; the caller pins the slots the table names until it is done."""
+        pages = self._pages[self.layout.heads(kind)]
+        with self._device_lock:
+            self._write_pending(pages)
+            return _gather_rows(pages.array, self._host_array(kind), table, rows, count, when,
+                                dtype=self.layout.np_dtype)
+
+    def readable(self, kind: int) -> bool:
+        """Can a take of `kind` find rows in a page the device reads (a device tier with slots, or host pages read
+        in place)?"""
+        return self._pages[self.layout.heads(kind)].array.shape[0] > 1 or self._host_array(kind) is not None
 
     def _host_array(self, kind: int) -> jax.Array | None:
         """The host tier's page array of `kind` as the device reads it, or None (`HostPages.on_device`)."""

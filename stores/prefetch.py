@@ -121,6 +121,20 @@ class Taken:
     dispatched_at: float | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class Resident:
+    """Where every position of a layer's reused prefix lies in the page arrays the device reads, for takes whose rows
+    the device chooses (`Prefetcher.resident`): `table` [4, size] (slot, offset, unused, host slot per position, -1
+    where the position is in no such page), for `loc`, the positions' locations; `pinned`: the device slots it
+    names, held until the take is accounted for or discarded."""
+
+    layer: int
+    kind: int
+    loc: Locations
+    table: np.ndarray
+    pinned: list
+
+
 class Prefetcher:
     """Moves chunks disk -> host -> device ahead of use, within `max_buffer_bytes` of staged speculative reads."""
 
@@ -326,6 +340,50 @@ class Prefetcher:
                 for ticket in list(self._tickets.get((layer, kind), [])):
                     self._cancel_locked(ticket)
         return Taken(array, ok, waited_ms, len(missing), dispatched_at)
+
+    def resident(self, layer: int, kind: int, loc: Locations, size: int) -> Resident | None:
+        """The block table of every position of `loc` (a layer's reused prefix) in the pages the device reads, for
+        `DevicePool.gather_rows`, its device slots pinned; None where no tier has such pages (caches off, or only a
+        host tier the device cannot read in place). Chunks this request read and no tier holds yet are in no page."""
+        if not self.caching or not self.pool.readable(kind):
+            return None
+        chunks, inverse = loc.chunk_index
+        keys = chunk_keys(layer, kind, chunks)
+        slots = self.pool.pin_many(keys)
+        host_pages = self.cache.host_pages
+        on_host = (host_pages.slots(keys) if host_pages is not None and host_pages.on_device(kind) is not None
+                   else np.full(len(chunks), -1, np.int64))
+        table = np.full((4, size), -1, np.int32)
+        n = len(inverse)
+        table[0, :n], table[1, :n], table[3, :n] = slots[inverse], loc.offsets, on_host[inverse]
+        return Resident(layer, kind, loc, table, slots[slots >= 0].tolist())
+
+    def took_resident(self, resident: Resident, positions: np.ndarray) -> None:
+        """`positions` of `resident` were taken on the device (`DevicePool.gather_rows`), every one from a page: count
+        them as `take` counts a take served from the caches (uses, hits, the host pages' rows that crossed), let go of
+        the layer's open tickets of that kind, and unpin."""
+        layer, kind, lay = resident.layer, resident.kind, self.store.layout
+        try:
+            positions = np.asarray(positions, np.int64)
+            nbytes = len(positions) * lay.token_nbytes(kind)
+            self.store.metrics.add(used_token_bytes=nbytes, chosen_on_device_bytes=nbytes)
+            chunks, inverse = distinct(resident.loc.chunks[positions], return_inverse=True)
+            self.cache.lookup_many(chunk_keys(layer, kind, chunks), np.bincount(inverse).tolist(),
+                                   chunk_tokens=lay.chunk_tokens)
+            from_host = int(((resident.table[0, positions] < 0) & (resident.table[3, positions] >= 0)).sum())
+            if from_host:
+                self.store.metrics.add(host_to_device_bytes=from_host * lay.token_nbytes(kind),
+                                       host_to_device_transfers=1)
+            with self._lock:
+                for ticket in list(self._tickets.get((layer, kind), [])):
+                    self._cancel_locked(ticket)
+        finally:
+            self.discard(resident)
+
+    def discard(self, resident: Resident) -> None:
+        """`resident`'s take did not happen (or is accounted for): unpin its slots."""
+        pinned, resident.pinned = resident.pinned, []
+        self.pool.unpin(resident.kind, pinned)
 
     @property
     def caching(self) -> bool:

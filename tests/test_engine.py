@@ -262,6 +262,36 @@ def test_a_shared_set_reads_no_keys_when_the_probe_keys_are_every_kv_head(model)
     np.testing.assert_allclose(r.first_token_logits, plain.first_token_logits, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["spec", "spec_gqa"])
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_cached_shared_set_is_taken_on_the_device_with_the_same_kv_and_counts(model, name, tier):
+    """Once the caches hold a prefix (after its first request), a layer's shared set is gathered by the device from
+    their pages (TakeChosen, `chosen_on_device_bytes`), the host tier's in place on a CPU device: the answer is the
+    one of the same system reading every set through takes (caches off), bit for bit, and it uses what those used."""
+    req = _request(model, prefix_len=128, seed=7)
+    budget = {"gpu_cache_bytes": 8 << 20, "cpu_cache_bytes": 0} if tier == "device" else \
+        {"gpu_cache_bytes": 0, "cpu_cache_bytes": 8 << 20}
+    runs = {}
+    for cached in (True, False):
+        engine = Engine(model, make_system(name, alpha=50.0), _store(model),
+                        EngineConfig(retention=0.25, trace=True, **(budget if cached else {})))
+        engine.warm(req.prefix)
+        runs[cached] = [engine.run(req) for _ in range(3)]
+    cold, *warm = runs[True]
+    assert cold.io["chosen_on_device_bytes"] == 0  # nothing cached yet: every set through takes
+    for ours, plain in zip(runs[True], runs[False]):
+        assert not any(ours.layers["fallback"])
+        np.testing.assert_array_equal(ours.first_token_logits, plain.first_token_logits)
+        assert ours.continuation_logprobs == plain.continuation_logprobs
+        for a, b in zip(ours.selections, plain.selections):
+            np.testing.assert_array_equal(a, b)
+        assert ours.io["used_token_bytes"] == plain.io["used_token_bytes"]
+    for r in warm:
+        shared = model.config.num_layers * 32 * model.config.head_dim * 4 * model.config.num_kv_heads  # a kind's rows
+        assert r.io["chosen_on_device_bytes"] >= shared and r.io["disk_bytes"] == 0
+        assert r.io["device_hits" if tier == "device" else "host_hits"] > 0 and r.io["misses"] == 0
+
+
 def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     """A large alpha makes t ~ 0, so every layer shares one set: probe keys + k of m tokens' K and V are read."""
     req = _request(model, prefix_len=128, seed=7)

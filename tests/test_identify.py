@@ -27,8 +27,9 @@ class Memory:
     """Carries a policy's steps out over one layer's KV in memory (`kv`: kind -> [heads, M, d]); the scores of a
     role in `scores` are handed back in place of the computed ones (as a replayed selection trace would be)."""
 
-    def __init__(self, kv: dict, scores: dict | None = None):
-        self.kv, self.scores = kv, scores or {}
+    def __init__(self, kv: dict, scores: dict | None = None, cached: bool = False):
+        """`cached`: every row is in the caches' pages, so a `TakeChosen` is served (else it gets None)."""
+        self.kv, self.scores, self.cached = kv, scores or {}, cached
         self.steps: list = []
         self.computed: dict = {}  # role -> the scores a Score step computed
 
@@ -49,6 +50,12 @@ class Memory:
                 rows = np.zeros((self.kv[step.kind].shape[0], step.pad_to or layer.m_pad, D), np.float32)
                 rows[:, : len(positions)] = self.kv[step.kind][:, positions]
                 return jnp.asarray(rows)
+            case I.TakeChosen():
+                if not (self.cached and bool(step.when)):
+                    return None
+                rows = np.asarray(step.rows)[: step.count]
+                return tuple(self.carry_out(layer, I.Take(kind, layer.positions[rows], step.pad_to))
+                             for kind in step.kinds)
             case I.Score():
                 computed = self.computed[step.role] = step.fn(*step.args, **step.kwargs)
                 given = self.scores.get(step.role)
@@ -119,15 +126,32 @@ def test_itf_takes_the_probes_shared_set_when_they_agree_and_reads_only_its_kv()
     row = np.random.default_rng(2).random(M_PAD).astype(np.float32)
     memory = Memory(kv, scores={"probes": np.stack([row] * 3)})  # three probe heads, one opinion
     out = memory.run(I.policy("itf"), _facts("spec"), layer, _state())
-    assert memory.kinds() == [("Take", PROBE), ("Score", None), ("Decide", None), ("Take", K), ("Take", V)]
+    assert memory.kinds() == [("Take", PROBE), ("Score", None), ("Decide", None), ("TakeChosen", None),
+                              ("Take", K), ("Take", V)]  # nothing cached: the device could take none of the set
     assert memory.steps[0].phase == "probe_io" and memory.steps[1].role == "probes"
+    assert memory.steps[3].kinds == (K, V) and bool(memory.steps[3].when)
     chosen = np.asarray(out.chosen)
     assert chosen.shape == (1, KEEP) and set(chosen[0].tolist()) == _top(row)
     assert isinstance(out.selection, SharedIndices)
-    for take in memory.steps[3:]:  # the shared set's K and V, nothing else
+    for take in memory.steps[4:]:  # the shared set's K and V, nothing else
         np.testing.assert_array_equal(take.positions, chosen[0])
     np.testing.assert_array_equal(np.asarray(out.keys)[:, :KEEP], kv[K][:, chosen[0]])
     assert not bool(out.state.fallback[0]) and float(out.state.jaccard[0]) == 1.0
+
+
+def test_itf_takes_a_cached_shared_set_on_the_device_and_gets_what_its_takes_would_give():
+    kv, layer = _kv(1)
+    row = np.random.default_rng(2).random(M_PAD).astype(np.float32)
+    by_takes = Memory(kv, scores={"probes": np.stack([row] * 3)}).run(I.policy("itf"), _facts("spec"), layer, _state())
+    memory = Memory(kv, scores={"probes": np.stack([row] * 3)}, cached=True)
+    out = memory.run(I.policy("itf"), _facts("spec"), layer, _state())
+    assert memory.kinds() == [("Take", PROBE), ("Score", None), ("Decide", None), ("TakeChosen", None)]
+    step = memory.steps[3]
+    assert step.count == KEEP and step.pad_to == bucket(KEEP)
+    np.testing.assert_array_equal(np.asarray(step.rows)[:KEEP], np.asarray(out.chosen)[0])
+    np.testing.assert_array_equal(np.asarray(out.chosen), np.asarray(by_takes.chosen))
+    for field in ("keys", "values"):
+        np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(by_takes, field)))
 
 
 def test_itf_falls_back_to_every_heads_own_set_when_the_probes_disagree():
@@ -135,11 +159,12 @@ def test_itf_falls_back_to_every_heads_own_set_when_the_probes_disagree():
     apart = np.zeros((3, M_PAD), np.float32)
     for probe in range(3):  # each probe head attends to a block of its own
         apart[probe, probe * KEEP:(probe + 1) * KEEP] = 1.0 + np.arange(KEEP)
-    memory = Memory(kv, scores={"probes": apart})
+    memory = Memory(kv, scores={"probes": apart}, cached=True)  # whatever is cached, the failed test decides
     out = memory.run(I.policy("itf"), _facts("spec"), layer, _state())
-    assert memory.kinds() == [("Take", PROBE), ("Score", None), ("Decide", None),  # the test, failed:
-                              ("Take", K), ("Score", None), ("Decide", None), ("Take", V)]  # per-head H2O
-    assert memory.steps[3].positions is None and memory.steps[4].role == "heads"
+    assert memory.kinds() == [("Take", PROBE), ("Score", None), ("Decide", None), ("TakeChosen", None),
+                              ("Take", K), ("Score", None), ("Decide", None), ("Take", V)]  # the test failed:
+    assert not bool(memory.steps[3].when)  # no shared set taken; per-head H2O
+    assert memory.steps[4].positions is None and memory.steps[5].role == "heads"
     assert bool(out.state.fallback[0]) and float(out.state.jaccard[0]) == 0.0
     scores = np.asarray(memory.computed["heads"])
     for head in range(CFG.num_heads):

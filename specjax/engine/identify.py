@@ -5,6 +5,7 @@ A policy decides; it reads nothing and knows no engine. Its `select(facts, layer
 the steps its decision needs, one at a time, and is sent each one's result back:
 
     Take(kind, positions, pad_to)   vectors of the reused prefix [heads, pad_to, d], read through the caches
+    TakeChosen(kinds, rows, ...)    the vectors of rows a device step chose, from the caches' pages, or None
     Decide(fn, args, kwargs)        a pure device step of the decision (`specjax.engine.state`, `kernels.quest`)
     Score(...)                      a scoring step, which a selection trace may record or stand in for
     Locate(positions), Summaries(chunks), Credit(...), PlanPeriod(chosen)
@@ -132,6 +133,21 @@ class Take:
     pad_to: int | None = None
     phase: str = "kv_io_stall"
     importance: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TakeChosen:
+    """`kinds`' vectors of the rows a device step chose (`rows` [pad_to], indices into the layer's `positions`, the
+    first `count` valid; a device array), each [heads, pad_to, d], zeros after `count`, taken on the device from the
+    caches' pages without the host reading `rows` first: a tuple of them, or None unless `when` (a device bool,
+    e.g. the decision's own test) holds and every row lies in a page the device reads. On None nothing was taken:
+    the policy takes its set as it would have."""
+
+    kinds: tuple
+    rows: Any
+    count: int
+    pad_to: int
+    when: Any = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -270,14 +286,18 @@ class ITF(H2O):
                                   kv_heads=f.probe_kv), heads=f.probe_q, role="probes")
         state, shared, use_shared = yield decide(st.itf_select, state, layer.index, scores, k, m, f.system.alpha,
                                                  k_cap=k_cap)
+        taken = yield TakeChosen((V,) if f.probe_is_k else (K, V), shared, k, k_cap, when=use_shared)
         if not bool(use_shared):  # all keys: the probe keys already are, when they are every KV head's
             return (yield from super().select(f, layer, state, keys=probe_k if f.probe_is_k else None))
         chosen = np.asarray(shared)[:k]
         if f.probe_is_k:  # the probe keys' rows are positions of R, as a take would give them
             keys = S.gather_tokens(probe_k, jnp.asarray(padded(chosen, k_cap, layer.m_pad)))
+            values = taken[0] if taken is not None else (yield Take(V, chosen, k_cap))
+        elif taken is not None:
+            keys, values = taken
         else:
             keys = yield Take(K, chosen, k_cap)
-        values = yield Take(V, chosen, k_cap)
+            values = yield Take(V, chosen, k_cap)
         selection = SharedIndices(iota(k_cap), k)
         return Selected(state, keys, values, selection, _importance(scores, m), chosen[None])
 
@@ -411,6 +431,9 @@ class GroupedITF:
             state, probes, shared, per_head, use_shared = yield decide(
                 st.gqa_select, state, layer.index, every, k, c, f.system.alpha, f.system.min_head_share or 0.0,
                 groups=len(probe_kv), probe_rows=len(heads), k_cap=k_cap, guarded=guarded, kept_of=m)
+        # every position a candidate: the set's values (and keys, unless at hand) taken on the device where cached
+        taken = ((yield TakeChosen((V,) if keys is not None else (K, V), shared, k, k_cap, when=use_shared))
+                 if c == m else None)
         if bool(use_shared):
             slots = np.asarray(shared)[:k]  # of the candidates
             chosen = cand[slots]
@@ -419,8 +442,8 @@ class GroupedITF:
                 state, keys = _shared_rows(state, layer.index, keys, shared, k, positions)
             else:
                 state = st.record_union(state, layer.index, jnp.asarray(padded(chosen, k_cap, -1)), k)
-                keys = yield Take(K, chosen, k_cap)
-            values = yield Take(V, chosen, k_cap)
+                keys = taken[0] if taken is not None else (yield Take(K, chosen, k_cap))
+            values = taken[-1] if taken is not None else (yield Take(V, chosen, k_cap))
             selection = SharedIndices(iota(k_cap), k)
             return Selected(state, keys, values, selection, _importance(probes, c, cand, m), chosen[None])
         if per_head is None:

@@ -219,6 +219,7 @@ class LayerIO:
         self._selection_kinds = (path.identification.selection_reads(path.facts) if path.speculator is not None
                                  else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
+        self._chosen_takes: list = []  # (layer, Residents, rows, count) taken on the device, not yet accounted for
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`: the store locates every position of the match once per layer and
@@ -330,6 +331,7 @@ class LayerIO:
         queue the guess of the next layer's selection (spec) while this one computes. (Certain reads were all
         planned at the request's start.)"""
         events.emit("selection", io=self, layer=layer, chosen=chosen)
+        self._account_chosen()
         self._join_ahead()
         if self.path.speculator is not None:
             self.path.speculator.observe_selection(self._selection_disk_bytes.pop(layer, 0))
@@ -418,6 +420,53 @@ class LayerIO:
                                                  * self.path.store.layout.chunk_nbytes(kind))
         return self.path.place_kv(taken.array)
 
+    def take_chosen(self, layer: int, step: I.TakeChosen):
+        """`step`'s kinds' rows gathered on the device from the caches' pages by the block table of every position of
+        the layer (`Prefetcher.resident`), with no host step between the device's choice and the gather: the host
+        waits only for the gathers' test (`step.when` and every row in a page) and, if it holds, hands the arrays
+        back (None otherwise; nothing is counted then). What the takes would have counted is done after the layer's
+        compute is dispatched (`_account_chosen`)."""
+        pf = self.path.prefetcher
+        if pf is None:
+            return None
+        every = self.locate(layer, self.all_positions)
+        residents = []
+        try:
+            for kind in step.kinds:
+                resident = pf.resident(layer, kind, every, self.m_pad)
+                if resident is None:
+                    return None
+                residents.append(resident)
+            dispatched = time.monotonic()
+            arrays, holds = [], step.when
+            for resident in residents:
+                array, holds = pf.pool.gather_rows(resident.kind, resident.table, step.rows, step.count, holds)
+                arrays.append(array)
+            self.clock.device_work(dispatched, arrays)
+            if bool(self.clock.device_wait(holds)):
+                self._chosen_takes.append((layer, residents, step.rows, step.count))
+                residents = []
+                return tuple(map(self.path.place_kv, arrays))
+            return None
+        finally:
+            for resident in residents:
+                pf.discard(resident)
+
+    def _account_chosen(self) -> None:
+        """What the takes made on the device (`take_chosen`) would have counted as takes: the speculation's window and
+        what it had read ahead, the uses and hits of the chunks, the layer's open tickets let go."""
+        done, self._chosen_takes = self._chosen_takes, []
+        for layer, residents, rows, count in done:
+            positions = np.asarray(rows)[:count]
+            self._join_ahead()
+            opened = self._window_opened.pop(layer, None)
+            if opened is not None:
+                self.path.speculator.observe_window(opened)
+            for resident in residents:
+                if layer in self.prefetched:
+                    self._note_behind(layer, resident.kind)
+                self.path.prefetcher.took_resident(resident, positions)
+
     def _note_behind(self, layer: int, kind: int) -> None:
         """The layer's guessed positions whose `kind` chunk is not on its way as the layer takes it: they were not
         read ahead (`prefetch_report`'s `ahead`)."""
@@ -463,6 +512,8 @@ class LayerIO:
                 positions = self.all_positions if step.positions is None else step.positions
                 return self.take(layer, step.kind, positions, self.m_pad if step.pad_to is None else step.pad_to,
                                  step.phase, importance=step.importance)
+            case I.TakeChosen():
+                return self.take_chosen(layer, step)
             case I.Score():
                 scores = self.identify(step.fn, *step.args, **step.kwargs)
                 hook = self.path.selections
@@ -494,5 +545,9 @@ class LayerIO:
                 concurrent.futures.wait([self._plan])  # to issue it was raised by the take that needed it)
             self._join_ahead()
         finally:
+            for _, residents, _, _ in self._chosen_takes:  # a request that failed before accounting for them
+                for resident in residents:
+                    self.path.prefetcher.discard(resident)
+            self._chosen_takes = []
             if self.path.prefetcher is not None:
                 self.path.prefetcher.close()
