@@ -104,7 +104,7 @@ def _gather_rows(pages, host, table, rows, count, when, dtype=None):
     rows lies in a page (device pages, or host pages where the device reads them). The rows are chosen on the device:
     the host never reads them before the gather."""
     valid = jnp.arange(rows.shape[0]) < count
-    picked = jnp.where(valid[None], jnp.take(table, rows, axis=1, mode="clip"), -1)
+    picked = jnp.where(valid[None], jnp.take(table, rows, axis=1, mode="fill", fill_value=-1), -1)
     found = (picked[0] >= 0) | (picked[3] >= 0)
     picked = picked.at[1].set(jnp.maximum(picked[1], 0))
     return _gather(pages, picked, None, host, dtype=dtype), when & jnp.all(found | ~valid)

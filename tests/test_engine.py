@@ -292,6 +292,28 @@ def test_a_cached_shared_set_is_taken_on_the_device_with_the_same_kv_and_counts(
         assert r.io["device_hits" if tier == "device" else "host_hits"] > 0 and r.io["misses"] == 0
 
 
+def test_a_failure_after_a_set_was_taken_on_the_device_leaves_no_page_pinned(model, monkeypatch):
+    """The slots a device-taken set pinned are let go whatever fails before its uses are counted: a later request
+    still finds every page free to be replaced."""
+    req = _request(model, prefix_len=128, seed=7)
+    engine = Engine(model, make_system("spec", alpha=50.0), _store(model),
+                    EngineConfig(retention=0.25, gpu_cache_bytes=8 << 20, cpu_cache_bytes=0))
+    engine.warm(req.prefix)
+    engine.run(req)
+    pool = engine.prefetcher.pool
+
+    def failing(resident, positions):
+        assert any(pages.pinned for pages in pool._pages.values())  # the set's slots are held until now
+        raise RuntimeError("accounting failed")
+
+    monkeypatch.setattr(engine.prefetcher, "took_resident", failing)
+    with pytest.raises(RuntimeError, match="accounting failed"):
+        engine.run(req)
+    assert not any(pages.pinned for pages in pool._pages.values())
+    monkeypatch.undo()
+    assert engine.run(req).io["chosen_on_device_bytes"] > 0
+
+
 def test_spec_shares_sets_loads_less_and_scores_its_prefetch(model):
     """A large alpha makes t ~ 0, so every layer shares one set: probe keys + k of m tokens' K and V are read."""
     req = _request(model, prefix_len=128, seed=7)

@@ -424,8 +424,9 @@ class LayerIO:
         """`step`'s kinds' rows gathered on the device from the caches' pages by the block table of every position of
         the layer (`Prefetcher.resident`), with no host step between the device's choice and the gather: the host
         waits only for the gathers' test (`step.when` and every row in a page) and, if it holds, hands the arrays
-        back (None otherwise; nothing is counted then). What the takes would have counted is done after the layer's
-        compute is dispatched (`_account_chosen`)."""
+        back (None otherwise; nothing is counted then). The speculation's window and what its guess had read ahead
+        are noted here, as a take notes them; what the takes would have counted, after the layer's compute is
+        dispatched (`_account_chosen`)."""
         pf = self.path.prefetcher
         if pf is None:
             return None
@@ -443,29 +444,35 @@ class LayerIO:
                 array, holds = pf.pool.gather_rows(resident.kind, resident.table, step.rows, step.count, holds)
                 arrays.append(array)
             self.clock.device_work(dispatched, arrays)
-            if bool(self.clock.device_wait(holds)):
-                self._chosen_takes.append((layer, residents, step.rows, step.count))
-                residents = []
-                return tuple(map(self.path.place_kv, arrays))
-            return None
+            if not bool(self.clock.device_wait(holds)):
+                return None
+            self._chosen_takes.append((layer, residents, step.rows, step.count))
+            taken, residents = residents, []
+            self._join_ahead()  # the layer's K/V are taken: what had its guess read ahead by now?
+            opened = self._window_opened.pop(layer, None)
+            if opened is not None:
+                self.path.speculator.observe_window(opened)
+            if layer in self.prefetched:
+                for resident in taken:
+                    self._note_behind(layer, resident.kind)
+            return tuple(map(self.path.place_kv, arrays))
         finally:
             for resident in residents:
                 pf.discard(resident)
 
     def _account_chosen(self) -> None:
-        """What the takes made on the device (`take_chosen`) would have counted as takes: the speculation's window and
-        what it had read ahead, the uses and hits of the chunks, the layer's open tickets let go."""
+        """What the takes made on the device (`take_chosen`) would have counted as takes: the uses and hits of the
+        chunks, the layer's open tickets let go; every slot they pinned is unpinned, whatever fails."""
         done, self._chosen_takes = self._chosen_takes, []
-        for layer, residents, rows, count in done:
-            positions = np.asarray(rows)[:count]
-            self._join_ahead()
-            opened = self._window_opened.pop(layer, None)
-            if opened is not None:
-                self.path.speculator.observe_window(opened)
-            for resident in residents:
-                if layer in self.prefetched:
-                    self._note_behind(layer, resident.kind)
-                self.path.prefetcher.took_resident(resident, positions)
+        try:
+            for _, residents, rows, count in done:
+                positions = np.asarray(rows)[:count]
+                for resident in residents:
+                    self.path.prefetcher.took_resident(resident, positions)
+        finally:
+            for _, residents, _, _ in done:
+                for resident in residents:
+                    self.path.prefetcher.discard(resident)
 
     def _note_behind(self, layer: int, kind: int) -> None:
         """The layer's guessed positions whose `kind` chunk is not on its way as the layer takes it: they were not
