@@ -15,7 +15,7 @@ reader). The disk's rate is the best second-read rate. For each system: mean TTF
 bytes' time at the disk's rate, TTFT / that time, TTFT / the larger of that time and the device floor (as_full's
 device work alone), TTFT / (that time + the floor + the device-side identification time), that identification time,
 the host time per request that no disk read, device wait or device work overlapped (`host_exposed_ms`: see
-`layer_io.Clock`), and the process's CPU time to the first token (`cpu_ms`, every thread's: on a CPU device the
+`clock.Clock`), and the process's CPU time to the first token (`cpu_ms`, every thread's: on a CPU device the
 device's compute too).
 """
 

@@ -2,7 +2,7 @@
 what is still missing and hands back device arrays in original token order.
 
 Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler. The
-prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`_Table`): holding, taking and letting
+prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`HeldReads`): holding, taking and letting
 go of a layer's chunks is a few array steps, not a Python object or step per chunk.
 A take reads its tokens out of the tiers' page arrays (stores.pool) through a block table: device-cache hits from
 their device pages; host-cache hits from the host tier's pages, read in place where the device reads host memory (a
@@ -15,11 +15,9 @@ write-behind, `stores.caches`); close the prefetcher after every request.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import threading
 import time
 
@@ -29,75 +27,19 @@ import numpy as np
 from specjax.idsets import distinct
 from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, HOST, TieredCache, chunk_keys
+from specjax.stores.held_reads import HeldReads
 from specjax.stores.landing import BUFFERS
 from specjax.stores.pool import DevicePool, HostPages, staged_size
 from specjax.stores.store import KVStore, Locations, Match
-
-
-class _Table:
-    """The reads held for one (layer, kind): each chunk a read brings has a slot (a run's chunks consecutive ones),
-    with its chunk id, its run (index into `runs`), how many tickets and takes hold it (a slot is held while that is
-    above zero), whether it is still speculative (issued ahead of need: yields to demand reads at the disk) and
-    whether a take used it (and offered it to the caches). A chunk nobody holds is forgotten: a later need reads it
-    anew into a new slot. Once no slot is held the table starts over, so it spans what one layer has in flight."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.runs: list = []  # Run, or None once none of its slots is held (its buffer is then free to go)
-        self.slot_of: dict = {}  # chunk id -> its held slot
-        self.chunk = np.zeros(0, np.int64)
-        self.run_of = np.zeros(0, np.int64)
-        self.holders = np.zeros(0, np.int32)
-        self.speculative = np.zeros(0, bool)
-        self.taken = np.zeros(0, bool)
-
-    def find(self, chunks: np.ndarray) -> np.ndarray:
-        """The held slot of each chunk, -1 where none."""
-        get = self.slot_of.get
-        return np.fromiter(map(get, chunks.tolist(), itertools.repeat(-1)), np.int64, len(chunks))
-
-    def add(self, runs: list, speculative: bool) -> np.ndarray:
-        """Slots for the chunks of `runs` (one holder each); returns them."""
-        first = np.array([r.first_chunk for r in runs], np.int64)
-        count = np.array([r.n_chunks for r in runs], np.int64)
-        total = int(count.sum())
-        base, run_base = len(self.chunk), len(self.runs)
-        chunks = np.repeat(first - np.cumsum(count) + count, count) + np.arange(total)  # each new slot's chunk
-        self.runs += runs
-        self.chunk = np.concatenate([self.chunk, chunks])
-        self.run_of = np.concatenate([self.run_of, np.repeat(np.arange(run_base, run_base + len(runs)), count)])
-        self.holders = np.concatenate([self.holders, np.ones(total, np.int32)])
-        self.speculative = np.concatenate([self.speculative, np.full(total, speculative)])
-        self.taken = np.concatenate([self.taken, np.zeros(total, bool)])
-        slots = np.arange(base, base + total)
-        self.slot_of.update(zip(chunks.tolist(), slots.tolist()))
-        return slots
-
-    def forget(self, slots: np.ndarray) -> None:
-        """Nobody holds `slots` any more (their holder counts are down to zero)."""
-        collections.deque(map(self.slot_of.pop, self.chunk[slots].tolist()), maxlen=0)
-        if not self.slot_of:
-            self.reset()
-            return
-        for r in distinct(self.run_of[slots]).tolist():
-            if not (self.holders[self.run_of == r] > 0).any():
-                self.runs[r] = None
-
-    def runs_of(self, slots: np.ndarray) -> list:
-        """The distinct runs holding `slots`, with the slots of each: [(run index, slots)]."""
-        run_of = self.run_of[slots]
-        return [(r, slots[run_of == r]) for r in distinct(run_of).tolist()]
 
 
 @dataclasses.dataclass
 class Ticket:
     layer: int
     kind: int
-    holds: list  # slot arrays (`_Table`) of the chunks it holds
+    holds: list  # slot arrays (`HeldReads`) of the chunks it holds
     speculative: bool
-    table: _Table | None = None
+    table: HeldReads | None = None
     released: bool = False
 
     @property
@@ -143,7 +85,7 @@ class Prefetcher:
         """`pcie_bandwidth`: bytes/s of an emulated host->device link (None: not throttled)."""
         self.store, self.cache = store, cache
         self.max_buffer_bytes = max_buffer_bytes
-        self._tables: dict = {}  # (layer, kind) -> _Table of the reads held
+        self._tables: dict = {}  # (layer, kind) -> HeldReads of the reads held
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
@@ -159,16 +101,16 @@ class Prefetcher:
     def buffered_bytes(self) -> int:
         return self._buffered
 
-    def _table(self, layer: int, kind: int) -> _Table:
+    def _table(self, layer: int, kind: int) -> HeldReads:
         table = self._tables.get((layer, kind))
         if table is None:
-            table = self._tables[(layer, kind)] = _Table()
+            table = self._tables[(layer, kind)] = HeldReads()
         return table
 
     def _hold(self, layer: int, kind: int, chunks, demand: bool, background: bool = False) -> np.ndarray:
         """Hold the reads of (layer, kind) for `chunks` (distinct ids), issuing those not in flight as coalesced
         reads (speculative ones `background` at the disk if asked); speculative reads respect the buffer bound, and
-        a demand for a speculative read in flight expedites it. Returns the slots held (`_Table`)."""
+        a demand for a speculative read in flight expedites it. Returns the slots held (`HeldReads`)."""
         chunks = np.asarray(chunks, np.int64)
         table = self._table(layer, kind)
         slots = table.find(chunks)

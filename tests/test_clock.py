@@ -1,5 +1,5 @@
 """The request clock's exposed host time: host work that neither a disk read, a wait for the device nor device work
-the host went on past overlapped (specjax.engine.layer_io.Clock)."""
+the host went on past overlapped (specjax.engine.clock.Clock)."""
 
 import dataclasses
 import os
@@ -16,7 +16,7 @@ from specjax.api import Model
 from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine import engine as engine_module
 from specjax.engine.blend import blend_fingerprint, chunk_keys
-from specjax.engine.layer_io import Clock
+from specjax.engine.clock import Clock
 from specjax.stores import KVStore
 
 

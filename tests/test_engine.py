@@ -479,7 +479,8 @@ def test_a_requests_locations_are_the_stores_on_a_reordered_store(model, first):
     """LayerIO locates every position of the match once per layer and indexes sets out of that: the same chunks
     and offsets as the store's own lookup, per layer of a store that SPEC's reordering repacked (each layer in its
     own order), past a computed head of `first` tokens; a position outside the match is refused."""
-    from specjax.engine.layer_io import Clock, LayerIO
+    from specjax.engine.clock import Clock
+    from specjax.engine.layer_io import LayerIO
 
     req = _request(model, prefix_len=100, seed=12)
     engine = _engine(model, "spec", retention=0.25)

@@ -44,7 +44,8 @@ from specjax import sharding as sh
 from specjax.engine import events
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill, fingerprint
-from specjax.engine.layer_io import Clock, LayerIO
+from specjax.engine.clock import Clock
+from specjax.engine.layer_io import LayerIO
 from specjax.engine.types import LayerKV, LayerRecord
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices

@@ -20,7 +20,7 @@ import numpy as np
 from specjax import sharding as sh
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill
-from specjax.engine.layer_io import Clock
+from specjax.engine.clock import Clock
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices

@@ -24,7 +24,8 @@ from specjax import sharding as sh
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.identify import Facts, policy, probe_kv_heads
-from specjax.engine.layer_io import BadChunk, Clock, LayerIO, ReadPath
+from specjax.engine.clock import Clock
+from specjax.engine.layer_io import BadChunk, LayerIO, ReadPath
 from specjax.engine.replay import Recorder, Replay
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System

@@ -93,9 +93,9 @@ class RequestResult:
     selections: list | None = None  # with EngineConfig.trace: per layer, int arrays [heads or 1, k] of R positions
     split: dict | None = None  # cake: where computing from the front met loading from the back (see engine.cake)
     # the request's host time that no disk read, device wait or device work overlapped
-    # (layer_io.Clock.exposed_host_ms); None where the engine does not measure it
+    # (clock.Clock.exposed_host_ms); None where the engine does not measure it
     host_exposed_ms: float | None = None
-    # the process's CPU time, every thread's, from the request's start to its first token (layer_io.Clock.cpu_ms)
+    # the process's CPU time, every thread's, from the request's start to its first token (clock.Clock.cpu_ms)
     cpu_ms: float | None = None
     # the planner (specjax.engine.planner): the stored head computed instead of loaded, its predicted TTFT and every
     # candidate plan's prediction
