@@ -2,8 +2,8 @@
 what is still missing and hands back device arrays in original token order.
 
 Reads go to the store as runs of adjacent chunks (one disk request each) through the disk's read scheduler. The
-prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`HeldReads`): holding, taking and letting
-go of a layer's chunks is a few array steps, not a Python object or step per chunk.
+prefetcher's books are numpy arrays per (layer, kind) with a slot per chunk read (`HeldReads`): holding, taking and
+letting go of a layer's chunks is a few array steps, not a Python object or step per chunk.
 A take reads its tokens out of the tiers' page arrays (stores.pool) through a block table: device-cache hits from
 their device pages; host-cache hits from the host tier's pages, read in place where the device reads host memory (a
 CPU device) and otherwise copied, with the rows just read from disk, into one host array of only the rows no device
