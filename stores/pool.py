@@ -236,9 +236,7 @@ class DevicePool:
         if staged is not None and staged.shape[1] == size and index is None and not (slots >= 0).any() \
                 and not from_host:
             return staged
-        if from_host:
-            self.metrics.add(host_to_device_bytes=from_host * self.layout.token_nbytes(kind),
-                             host_to_device_transfers=1)
+        self.count_host_rows(kind, from_host)
         table = np.stack([slots, offsets, np.arange(size) if index is None else index,
                           np.full(size, -1) if host_slots is None else host_slots]).astype(np.int32)
         with self._device_lock:
@@ -256,6 +254,12 @@ class DevicePool:
             self._write_pending(pages)
             return _gather_rows(pages.array, self._host_array(kind), table, rows, count, when,
                                 dtype=self.layout.np_dtype)
+
+    def count_host_rows(self, kind: int, rows: int) -> None:
+        """A take's `rows` from the host tier's pages, read in place by the device: they count as crossing (one
+        transfer), as they would on a device that does not share host memory."""
+        if rows:
+            self.metrics.add(host_to_device_bytes=rows * self.layout.token_nbytes(kind), host_to_device_transfers=1)
 
     def readable(self, kind: int) -> bool:
         """Can a take of `kind` find rows in a page the device reads (a device tier with slots, or host pages read

@@ -279,8 +279,7 @@ class Prefetcher:
         finally:
             with self._lock:
                 self._release(layer, kind, demand)
-                for ticket in list(self._tickets.get((layer, kind), [])):
-                    self._cancel_locked(ticket)
+                self._cancel_tickets_locked(layer, kind)
         return Taken(array, ok, waited_ms, len(missing), dispatched_at)
 
     def resident(self, layer: int, kind: int, loc: Locations, size: int) -> Resident | None:
@@ -302,25 +301,24 @@ class Prefetcher:
 
     def took_resident(self, resident: Resident, positions: np.ndarray) -> None:
         """`positions` of `resident` were taken on the device (`DevicePool.gather_rows`), every one from a page: count
-        them as `take` counts a take served from the caches (uses, hits, the host pages' rows that crossed), let go of
-        the layer's open tickets of that kind, and unpin."""
+        them as `take` counts a take served from the caches (uses, hits, the host pages' rows that crossed) and let go
+        of the layer's open tickets of that kind. The caller then `discard`s it."""
         layer, kind, lay = resident.layer, resident.kind, self.store.layout
-        try:
-            positions = np.asarray(positions, np.int64)
-            nbytes = len(positions) * lay.token_nbytes(kind)
-            self.store.metrics.add(used_token_bytes=nbytes, chosen_on_device_bytes=nbytes)
-            chunks, inverse = distinct(resident.loc.chunks[positions], return_inverse=True)
-            self.cache.lookup_many(chunk_keys(layer, kind, chunks), np.bincount(inverse).tolist(),
-                                   chunk_tokens=lay.chunk_tokens)
-            from_host = int(((resident.table[0, positions] < 0) & (resident.table[3, positions] >= 0)).sum())
-            if from_host:
-                self.store.metrics.add(host_to_device_bytes=from_host * lay.token_nbytes(kind),
-                                       host_to_device_transfers=1)
-            with self._lock:
-                for ticket in list(self._tickets.get((layer, kind), [])):
-                    self._cancel_locked(ticket)
-        finally:
-            self.discard(resident)
+        positions = np.asarray(positions, np.int64)
+        nbytes = len(positions) * lay.token_nbytes(kind)
+        self.store.metrics.add(used_token_bytes=nbytes, chosen_on_device_bytes=nbytes)
+        chunks, inverse = distinct(resident.loc.chunks[positions], return_inverse=True)
+        self.cache.lookup_many(chunk_keys(layer, kind, chunks), np.bincount(inverse).tolist(),
+                               chunk_tokens=lay.chunk_tokens)
+        self.pool.count_host_rows(kind, int(((resident.table[0, positions] < 0)
+                                             & (resident.table[3, positions] >= 0)).sum()))
+        with self._lock:
+            self._cancel_tickets_locked(layer, kind)
+
+    def _cancel_tickets_locked(self, layer: int, kind: int) -> None:
+        """The layer's `kind` is taken: its open tickets (a guess's reads among them) are let go."""
+        for ticket in list(self._tickets.get((layer, kind), [])):
+            self._cancel_locked(ticket)
 
     def discard(self, resident: Resident) -> None:
         """`resident`'s take did not happen (or is accounted for): unpin its slots."""

@@ -76,7 +76,7 @@ class LayerIO:
         self._selection_kinds = (path.identification.selection_reads(path.facts) if path.speculator is not None
                                  else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
-        self._chosen_takes: list = []  # (layer, Residents, rows, count) taken on the device, not yet accounted for
+        self._chosen_takes: list = []  # (Residents, rows, count) taken on the device, not yet accounted for
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`: the store locates every position of the match once per layer and
@@ -259,13 +259,8 @@ class LayerIO:
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache."""
         self._wait_planned(layer)
-        if kind != PROBE:  # the layer's K/V: its guess has been issued; what did it get ahead?
-            self._join_ahead()
-            opened = self._window_opened.pop(layer, None)
-            if opened is not None:
-                self.path.speculator.observe_window(opened)
-            if layer in self.prefetched:
-                self._note_behind(layer, kind)
+        if kind != PROBE:
+            self._kv_taken(layer, (kind,))
         taken = self.clock.timed(phase, self.path.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
@@ -303,33 +298,42 @@ class LayerIO:
             self.clock.device_work(dispatched, arrays)
             if not bool(self.clock.device_wait(holds)):
                 return None
-            self._chosen_takes.append((layer, residents, step.rows, step.count))
-            taken, residents = residents, []
-            self._join_ahead()  # the layer's K/V are taken: what had its guess read ahead by now?
-            opened = self._window_opened.pop(layer, None)
-            if opened is not None:
-                self.path.speculator.observe_window(opened)
-            if layer in self.prefetched:
-                for resident in taken:
-                    self._note_behind(layer, resident.kind)
+            self._chosen_takes.append((residents, step.rows, step.count))
+            residents = []
+            self._kv_taken(layer, step.kinds)
             return tuple(map(self.path.place_kv, arrays))
         finally:
             for resident in residents:
                 pf.discard(resident)
+
+    def _kv_taken(self, layer: int, kinds) -> None:
+        """The layer's K/V of `kinds` are being taken, its guess issued by now: the speculation's window closes, and
+        what the guess had not got on its way is noted (`_note_behind`)."""
+        self._join_ahead()
+        opened = self._window_opened.pop(layer, None)
+        if opened is not None:
+            self.path.speculator.observe_window(opened)
+        if layer in self.prefetched:
+            for kind in kinds:
+                self._note_behind(layer, kind)
 
     def _account_chosen(self) -> None:
         """What the takes made on the device (`take_chosen`) would have counted as takes: the uses and hits of the
         chunks, the layer's open tickets let go; every slot they pinned is unpinned, whatever fails."""
         done, self._chosen_takes = self._chosen_takes, []
         try:
-            for _, residents, rows, count in done:
+            for residents, rows, count in done:
                 positions = np.asarray(rows)[:count]
                 for resident in residents:
                     self.path.prefetcher.took_resident(resident, positions)
         finally:
-            for _, residents, _, _ in done:
-                for resident in residents:
-                    self.path.prefetcher.discard(resident)
+            self._discard_chosen(done)
+
+    def _discard_chosen(self, done: list) -> None:
+        """Unpin the slots of takes made on the device (`_chosen_takes` entries)."""
+        for residents, _, _ in done:
+            for resident in residents:
+                self.path.prefetcher.discard(resident)
 
     def _note_behind(self, layer: int, kind: int) -> None:
         """The layer's guessed positions whose `kind` chunk is not on its way as the layer takes it: they were not
@@ -409,9 +413,7 @@ class LayerIO:
                 concurrent.futures.wait([self._plan])  # to issue it was raised by the take that needed it)
             self._join_ahead()
         finally:
-            for _, residents, _, _ in self._chosen_takes:  # a request that failed before accounting for them
-                for resident in residents:
-                    self.path.prefetcher.discard(resident)
-            self._chosen_takes = []
+            done, self._chosen_takes = self._chosen_takes, []
+            self._discard_chosen(done)  # a request that failed before accounting for them
             if self.path.prefetcher is not None:
                 self.path.prefetcher.close()
