@@ -2,11 +2,12 @@
 # The GPU runs in phases, each sized to fit one 10-minute device call with the install (issue 40). The first matters
 # most; run the others as device time allows.
 #
-#   core      the machine's limits (disk O_DIRECT rate, host-to-device, bf16 matmul), then recompute, as_full, spec,
-#             cake, the planner and spec_gqa on Qwen2.5-7B's shape (random weights, bf16), needle with 4k and
-#             16k-token prefixes, O_DIRECT reads, selections replayed from smollm2-135m's; then recompute, as_full,
-#             spec and spec_gqa at 30k (Qwen2.5-7B takes 32,768 tokens in all). Its limits add to 800 s: in one
-#             10-minute call, DEADLINE=540 gives the 30k step what the others leave
+#   core      the machine's limits (disk O_DIRECT rate, host-to-device, bf16 matmul) and the host-to-device rates of a
+#             take's buffers (benchmarks/host_transfer.py: pageable, registered for DMA, pinned_host), then
+#             recompute, as_full, spec, cake, the planner and spec_gqa on Qwen2.5-7B's shape (random weights, bf16),
+#             needle with 16k and then 4k-token prefixes, O_DIRECT reads, selections replayed from smollm2-135m's;
+#             then recompute, as_full, spec and spec_gqa at 30k (Qwen2.5-7B takes 32,768 tokens in all). Its limits
+#             add to 890 s: in one 10-minute call, DEADLINE=540 gives the 4k and 30k steps what the others leave
 #   more      as_h2o_lfu and impress at 4k and 16k
 #   opt       OPT-6.7B's shape at 4k: recompute, as_full, spec, cake, the planner, as_h2o_lfu
 #   emulated  core's line-up at 4k on a disk emulated at the SPEC paper's measured 5 GB/s (read from the page cache
@@ -52,10 +53,10 @@ DEADLINE=${DEADLINE:-}  # seconds from the start for the whole session: a device
 
 if [ -n "$TINY" ]; then
   QWEN=tiny-gqa; OPT=tiny-llama; DTYPE=float32; LIMIT=2; LONG_LIMIT=1
-  P4K=256; P16K=512; P30K=1024; LIMITS_FLAGS=--tiny; TRACE=${TRACE:-$OUT/trace}
+  P4K=256; P16K=512; P30K=1024; LIMITS_FLAGS=--tiny; TRANSFER_FLAGS=--tiny; TRACE=${TRACE:-$OUT/trace}
 else
   QWEN=qwen2.5-7b; OPT=/tmp/models/opt-6.7b-pos8k; DTYPE=bfloat16; LIMIT=4; LONG_LIMIT=2
-  P4K=4096; P16K=16384; P30K=30000; LIMITS_FLAGS="--store $STORES"; TRACE=${TRACE:-.traces/smollm2-needle}
+  P4K=4096; P16K=16384; P30K=30000; LIMITS_FLAGS="--store $STORES"; TRANSFER_FLAGS=; TRACE=${TRACE:-.traces/smollm2-needle}
 fi
 
 step() {  # step NAME LIMIT_S COMMAND...: the limit is cut to what DEADLINE leaves; skipped under 20 s
@@ -107,10 +108,11 @@ for phase in "$@"; do
   case $phase in
   core)
     step limits 120 $PY benchmarks/machine_limits.py $LIMITS_FLAGS --output "$RESULTS/limits.json"
-    # issue 39's line-up first (the planner against recompute, as_full, spec and cake in one run), then spec_gqa:
-    # a step cut off at its limit keeps the systems it finished
-    evaluate qwen-4k 260 $QWEN $P4K $LIMIT recompute,as_full,spec,cake,planner,spec_gqa --direct_io
+    step transfer 90 $PY benchmarks/host_transfer.py $TRANSFER_FLAGS --output "$RESULTS/host_transfer.json"
+    # 16k first: where loading a selection can beat recomputing on a GPU. Recompute, as_full, spec and cake, the
+    # planner, then spec_gqa: a step cut off at its limit keeps the systems it finished
     evaluate qwen-16k 240 $QWEN $P16K $LONG_LIMIT recompute,as_full,spec,cake,planner,spec_gqa --direct_io
+    evaluate qwen-4k 260 $QWEN $P4K $LIMIT recompute,as_full,spec,cake,planner,spec_gqa --direct_io
     evaluate qwen-30k 180 $QWEN $P30K 1 recompute,as_full,spec,spec_gqa --direct_io ;;
   more)
     evaluate qwen-4k-more 200 $QWEN $P4K $LIMIT as_h2o_lfu,impress --direct_io

@@ -20,11 +20,13 @@ import os
 import threading
 import weakref
 
+import jax
 import numpy as np
 
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundary
 KEEP_BYTES = 2 << 30  # free landing buffers kept for reuse at most (more are unmapped when released)
 READ_THREADS = 32  # preadv calls in flight at most, over every store of the process (the scheduler bounds bytes)
+DMA_ENV = "SPECJAX_DMA_MAP"  # "off": landing buffers stay pageable memory on an accelerator too
 
 
 def _size_class(nbytes: int) -> int:
@@ -34,20 +36,56 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def dma_client(choice: str | None = None):
+    """The default backend's client where it registers host memory for DMA (a GPU's), else None: a CPU device reads
+    host memory in place, and $SPECJAX_DMA_MAP=off (or `choice="off"`) asks for pageable buffers."""
+    choice = (os.environ.get(DMA_ENV, "on") if choice is None else choice).strip().lower() or "on"
+    if choice not in ("on", "off"):
+        raise ValueError(f"${DMA_ENV}={choice!r} is not 'on' or 'off'; unset it or pick one.")
+    if choice == "off" or jax.default_backend() == "cpu":
+        return None
+    client = jax.devices()[0].client
+    return client if hasattr(client, "dma_map") else None
+
+
 class LandingBuffers:
     """Page-aligned host buffers that reads land in, faulted in once and used again.
 
     `empty(shape, dtype)` lends an uninitialised array on a page boundary. It goes back to the free list when the last
     reference to it or to any view of it is gone (a CPU device that aliased it holds one until its own array is
     freed), so a buffer is never written while anything can still read it. At most `keep_bytes` of free buffers are
-    kept."""
+    kept. With `dma` ("on", "off"; None: $SPECJAX_DMA_MAP, default on) each buffer is registered for DMA with the
+    accelerator's runtime when it is mapped and unregistered before it is unmapped (`pinned_for_dma`)."""
 
-    def __init__(self, keep_bytes: int = KEEP_BYTES):
+    def __init__(self, keep_bytes: int = KEEP_BYTES, dma: str | None = None):
         self.keep_bytes = keep_bytes
+        self._dma_choice = dma
+        self._client = None  # the runtime that registers buffers, found at the first buffer (`dma_client`)
+        self._registered: set[int] = set()  # addresses of the buffers registered with it
+        self._refused = False  # it refused one: later buffers stay pageable
         self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
         self._free_bytes = 0
         self._lock = threading.Lock()
-        self.stats = {"lent": 0, "reused": 0, "mapped_bytes": 0}
+        self.stats = {"lent": 0, "reused": 0, "mapped_bytes": 0, "dma_mapped_bytes": 0}
+
+    @property
+    def pinned_for_dma(self) -> bool:
+        """Are new buffers registered for DMA (decided at the first buffer lent)?"""
+        return bool(self._client) and not self._refused
+
+    def _register(self, buf: mmap.mmap, size: int) -> None:
+        if self._client is None:
+            self._client = dma_client(self._dma_choice) or False
+        if self.pinned_for_dma:
+            try:
+                self._client.dma_map(_address(buf), size)
+            except Exception as e:  # noqa: BLE001 -- the runtime refused: buffers stay pageable, said once
+                self._refused = True
+                print(f"[specjax.landing] host buffers stay pageable: registering one for DMA failed ({e})")
+                return
+            with self._lock:
+                self._registered.add(_address(buf))
+                self.stats["dma_mapped_bytes"] += size
 
     def empty(self, shape: tuple, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -63,6 +101,7 @@ class LandingBuffers:
         if buf is None:
             buf = mmap.mmap(-1, size)  # anonymous: page-aligned
             np.frombuffer(buf, np.uint8)[::mmap.PAGESIZE] = 0  # fault every page in now, once
+            self._register(buf, size)
             with self._lock:
                 self.stats["mapped_bytes"] += size
         flat = np.frombuffer(buf, np.uint8, nbytes)  # its views keep it alive (numpy's base stops at it)
@@ -76,11 +115,25 @@ class LandingBuffers:
                 self._free_bytes += size
                 return
             self.stats["mapped_bytes"] -= size
+            address = _address(buf)
+            registered = address in self._registered
+            self._registered.discard(address)
+        if registered:
+            with self._lock:
+                self.stats["dma_mapped_bytes"] -= size
+            try:
+                self._client.dma_unmap(address)
+            except Exception:  # noqa: BLE001 -- the runtime is gone (interpreter exit): nothing left to unregister
+                pass
         # unmapped when `buf` is collected (this frame's reference is its last)
 
     @property
     def free_bytes(self) -> int:
         return self._free_bytes
+
+
+def _address(buf: mmap.mmap) -> int:
+    return np.frombuffer(buf, np.uint8, 1).ctypes.data
 
 
 BUFFERS = LandingBuffers()  # one per process: every store's reads land in it

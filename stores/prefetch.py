@@ -421,7 +421,7 @@ class Prefetcher:
                 if len(rows):
                     if staged is None:
                         staged = _staging(shape, lay.np_dtype, count)
-                    _copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
+                    copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
             dispatched_at = time.monotonic()
             if not ok.all():  # a bad chunk's rows: zeros
                 if staged_at is not None:
@@ -461,7 +461,7 @@ def _staging(shape: tuple, dtype, n: int) -> np.ndarray:
     return staged
 
 
-def _copy_rows(out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, index: np.ndarray, offsets: np.ndarray) -> None:
+def copy_rows(out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, index: np.ndarray, offsets: np.ndarray) -> None:
     """out[:, rows[i]] = chunks[index[i], :, offsets[i]] (`out` [heads, size, d], `chunks` [n, heads, c, d]): each
     head's row copied as one opaque element of d values' bytes, not value by value (reads land contiguous: no copy
     of `chunks` here)."""

@@ -36,6 +36,61 @@ def test_free_buffers_kept_are_bounded():
     assert buffers.free_bytes == 3 * 65536 and buffers.stats["mapped_bytes"] == 3 * 65536
 
 
+class _Runtime:
+    """A stand-in for an accelerator's client: what it registered for DMA, address -> size."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.mapped, self.calls = fail, {}, []
+
+    def dma_map(self, address, size):
+        self.calls.append(("map", address, size))
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed")
+        assert address % ALIGN == 0 and address not in self.mapped
+        self.mapped[address] = size
+
+    def dma_unmap(self, address):
+        self.calls.append(("unmap", address))
+        del self.mapped[address]
+
+
+def test_buffers_are_registered_for_dma_once_when_mapped_and_unregistered_before_they_are_unmapped(monkeypatch):
+    runtime = _Runtime()
+    monkeypatch.setattr(landing, "dma_client", lambda choice=None: runtime)
+    buffers = LandingBuffers(keep_bytes=2 * 65536)
+    lent = [buffers.empty((65536,), np.uint8) for _ in range(4)]
+    assert buffers.pinned_for_dma and sorted(runtime.mapped) == sorted(a.ctypes.data for a in lent)
+    assert buffers.stats["dma_mapped_bytes"] == 4 * 65536
+    del lent  # two are kept (still registered: they are lent again), two unmapped
+    assert len(runtime.mapped) == 2 and buffers.stats["dma_mapped_bytes"] == 2 * 65536
+    again = buffers.empty((65536,), np.uint8)
+    assert again.ctypes.data in runtime.mapped and len([c for c in runtime.calls if c[0] == "map"]) == 4
+
+
+def test_a_runtime_that_refuses_registration_leaves_pageable_buffers_that_still_work(monkeypatch, capsys):
+    runtime = _Runtime(fail=True)
+    monkeypatch.setattr(landing, "dma_client", lambda choice=None: runtime)
+    buffers = LandingBuffers(keep_bytes=0)
+    a = buffers.empty((3, 1000), np.float32)
+    a[:] = 1
+    b = buffers.empty((3, 1000), np.float32)
+    assert not buffers.pinned_for_dma and len(runtime.calls) == 1  # asked once, then never again
+    assert "stay pageable" in capsys.readouterr().out and buffers.stats["dma_mapped_bytes"] == 0
+    del a, b  # dropped without unregistering anything
+    assert [c[0] for c in runtime.calls] == ["map"]
+
+
+def test_no_dma_registration_on_a_cpu_or_when_turned_off(monkeypatch):
+    assert landing.dma_client("off") is None and landing.dma_client("on") is None  # this suite's backend is a CPU
+    monkeypatch.setenv(landing.DMA_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECJAX_DMA_MAP"):
+        landing.dma_client()
+    monkeypatch.setenv(landing.DMA_ENV, "off")
+    buffers = LandingBuffers()
+    buffers.empty((8,), np.uint8)
+    assert landing.dma_client() is None and not buffers.pinned_for_dma
+
+
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("ranges", [[(0, 3 * ALIGN)], [(ALIGN, 2 * ALIGN), (5 * ALIGN, 6 * ALIGN)],
                                     [(100, 5000)], [(7 * ALIGN, 8 * ALIGN + 123)], [(3, 4), (4, 9000)]])
