@@ -12,8 +12,8 @@
   (`DevicePool.gather`), blocked until the rows are on the device; rate = the rows' bytes / that time, with each
   buffer kind; and `pages_*`: the hit chunks' whole pages crossing as they lie (one copy of the page array's
   range, no row copy on the host, pageable or registered for DMA), the device then gathering the rows
-  (`DevicePool.gather_extent`). Shape: Qwen2.5-7B's K or V of one layer (4 KV heads of 128, bfloat16) over `--tokens` tokens, the
-  rows `--retention` of them, chosen at random.
+  (`DevicePool.gather_extent`). Shape: Qwen2.5-7B's K or V of one layer (4 KV heads of 128, bfloat16) over
+  `--tokens` tokens, the rows `--retention` of them, chosen at random.
 
 Each figure is the median of `--repeats` timed copies after one untimed. On a CPU device there is no DMA
 registration or pinned memory kind distinct from the host: those rows say so.
@@ -161,8 +161,9 @@ def main(argv=None) -> dict:
           f"dma_mapped {fmt(b['dma_mapped'])}, pinned_host {fmt(b['pinned_host'])}")
     for name in ("pageable", "dma_mapped", "pages_pageable", "pages_dma_mapped"):
         v = t[name]
-        detail = "" if v is None else (f" (the host's row copy alone {v['host_copy_GBps']:.2f})" if "host_copy_GBps" in v
-                                       else f" (pages {v['pages_GBps']:.2f} GB/s of {v['pages_bytes'] / 1e6:.1f} MB)")
+        detail = "" if v is None else (
+            f" (the host's row copy alone {v['host_copy_GBps']:.2f})" if "host_copy_GBps" in v
+            else f" (pages {v['pages_GBps']:.2f} GB/s of {v['pages_bytes'] / 1e6:.1f} MB)")
         print(f"host-tier take, {t['rows']} of {t['tokens']} rows ({t['bytes'] / 1e6:.1f} MB), {name}: "
               + ("n/a" if v is None else f"{v['GBps']:.2f} GB/s of rows{detail}"))
     if args.output:

@@ -14,7 +14,8 @@ host_memory.reuse_freed_blocks()  # before XLA's threads first allocate (see spe
 
 from specjax.api import Model, load_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
+from specjax.connector import Connector, CorruptPrefixError  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.reuse import Request, open_store, prefill_engine, warm_up  # noqa: E402
 
-__all__ = ["Model", "ModelConfig", "Request", "SpecjaxError", "load_model", "open_store", "prefill_engine", "warm_up"]
+__all__ = ["Connector", "CorruptPrefixError", "Model", "ModelConfig", "Request", "SpecjaxError", "load_model", "open_store", "prefill_engine", "warm_up"]

@@ -131,3 +131,16 @@ def test_no_module_imports_another_modules_underscore_names():
 
 def test_a_requests_reads_see_the_engines_read_path_not_the_engine():
     assert "specjax.engine.engine" not in graph()["specjax.engine.layer_io"]
+
+
+def test_the_connector_sees_the_store_and_no_model_or_engine():
+    edges = graph()
+    below = set()
+    todo = ["specjax.connector"]
+    while todo:  # everything the connector imports, directly or through others
+        for module in edges.get(todo.pop(), ()):
+            if module not in below:
+                below.add(module)
+                todo.append(module)
+    assert "specjax.stores.prefetch" in below
+    assert not [m for m in below if m.startswith(("specjax.engine", "specjax.models", "specjax.eval"))]
