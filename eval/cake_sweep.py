@@ -63,7 +63,7 @@ def markdown(sweep: dict) -> str:
 
 
 def plot(sweep: dict, path: pathlib.Path) -> None:
-    from specjax.eval.report import pyplot
+    from specjax.eval.report_figures import pyplot
 
     plt = pyplot()
     rows = sweep["rows"]

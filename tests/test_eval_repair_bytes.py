@@ -10,7 +10,7 @@ import pytest
 import specjax
 from specjax.engine import Engine, Request, fingerprint, make_system
 from specjax.engine.systems import SystemOptions
-from specjax.eval import report, runner, systems, tasks, workload
+from specjax.eval import report, report_markdown, runner, systems, tasks, workload
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.stores import K, PROBE, V, KVStore
 
@@ -108,7 +108,7 @@ def test_spec_meeting_a_damaged_probe_extent_reads_its_own_bytes_and_reports_the
     assert all({"repair_disk_bytes", "repair_disk_bytes_written"} <= o.counters.keys() for o in damaged[1].outcomes)
 
     (note,) = [n for n in report.store_notes(damaged) if n.startswith("spec-no_prefetch: ")]
-    assert (f"disk: {report._fmt_bytes(np.mean(own[1]))} a request its own, and repair of 1 damaged chunks "
-            f"{report._fmt_bytes(repair['disk_bytes'])} read, {report._fmt_bytes(2 * written)} written") in note
+    assert (f"disk: {report_markdown.fmt_bytes(np.mean(own[1]))} a request its own, and repair of 1 damaged chunks "
+            f"{report_markdown.fmt_bytes(repair['disk_bytes'])} read, {report_markdown.fmt_bytes(2 * written)} written") in note
     results["notes"] = report.store_notes(damaged)
-    assert f"**note**: {note}" in report.markdown(results)
+    assert f"**note**: {note}" in report_markdown.markdown(results)

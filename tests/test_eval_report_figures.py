@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from specjax.eval import report
+from specjax.eval import report, report_figures as figures, report_markdown as report_md
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PHASES = ("probe_io", "identify", "kv_io_stall", "compute")
@@ -58,7 +58,7 @@ def test_results_md_links_every_figure_written_with_a_caption(tmp_path, which):
         results["systems"] = {"recompute": results["systems"]["recompute"]}
     written = [p.name for p in report.write_all(results, tmp_path) if p.suffix == ".png"]
     md = (tmp_path / "results.md").read_text()
-    assert sorted(_linked(md)) == sorted(written) == sorted(report.figures(results))
+    assert sorted(_linked(md)) == sorted(written) == sorted(figures.figures(results))
     lines = md.splitlines()
     for name in written:
         link = next(i for i, line in enumerate(lines) if line.endswith(f"]({name})"))
@@ -71,19 +71,19 @@ def test_results_md_links_every_figure_written_with_a_caption(tmp_path, which):
 
 
 def test_no_unknown_rate_is_printed_as_none(tmp_path):
-    md = report.markdown(_sweep())
+    md = report_md.markdown(_sweep())
     assert "None B/s" not in md and "None" not in md.split("## Settings")[0]
     assert ("- emulation: off (disk: the real disk, not emulated; PCIe: the real link, not emulated; direct I/O off)"
             in md)
-    emulated = report.markdown(_sweep({"disk_bandwidth": 2e7, "pcie_bandwidth": None, "direct_io": True}))
+    emulated = report_md.markdown(_sweep({"disk_bandwidth": 2e7, "pcie_bandwidth": None, "direct_io": True}))
     assert ("- emulation: on (disk 20 MB/s (emulated); PCIe: the real link, not emulated; direct I/O on)"
             in emulated)
 
 
 def test_ttft_definition_is_the_readmes():
-    assert report.TTFT_DEFINITION in (REPO / "README.md").read_text().replace("\n", " ")
-    md = report.markdown(_sweep())
-    assert report.TTFT_DEFINITION in md
+    assert report_md.TTFT_DEFINITION in (REPO / "README.md").read_text().replace("\n", " ")
+    md = report_md.markdown(_sweep())
+    assert report_md.TTFT_DEFINITION in md
     assert "8 runs of 5 systems" not in md and md.count("11 runs of 5 systems (as_full and recompute once each; "
                                                          "as_h2o_lfu, as_h2o_lru and spec at retention 0.1, 0.25 "
                                                          "and 0.75)") == 1
@@ -99,14 +99,14 @@ def test_ttft_breakdown_shows_every_runs_phases_at_its_own_scale():
     """Scaled by recompute's 3 s bar, as_full's phases were slivers: the right panel gives every run the whole
     width, so each phase of each run is as wide as its share."""
     results = _sweep()
-    fig = report.ttft_figure(results)
+    fig = figures.ttft_figure(results)
     try:
         share_ax = fig.axes[1]
         rows: dict[float, float] = {}
         for bar in share_ax.patches:
             rows[round(bar.get_y(), 6)] = rows.get(round(bar.get_y(), 6), 0.0) + bar.get_width()
         assert len(rows) == len(results["systems"]) and all(w == pytest.approx(100.0) for w in rows.values())
-        shares = report.ttft_shares(results)
+        shares = figures.ttft_shares(results)
         assert shares["as_full"]["kv_io_stall"] == pytest.approx(306.0 / 513.6)
         labels = [t.get_text() for t in fig.axes[-1].get_yticklabels()]
         assert "513.6 ms" in labels and "3069.0 ms" in labels  # each row's mean written beside it
@@ -128,9 +128,9 @@ def _legend_clear_of_axes(fig):
 def test_coinciding_accuracy_series_stay_visible():
     """as_h2o_lru and as_h2o_lfu have equal accuracy at every retention: one hid the other."""
     results = _sweep()
-    series = {s["name"]: s for s in report.retention_series(results)}
+    series = {s["name"]: s for s in figures.retention_series(results)}
     assert series["as_h2o_lru"]["same_as"] == "as_h2o_lfu" and series["as_h2o_lfu"]["same_as"] is None
-    fig = report.accuracy_figure(results)
+    fig = figures.accuracy_figure(results)
     try:
         lines = [c.lines[0] for c in fig.axes[0].containers]  # each series' data line
         drawn = [tuple(line.get_xdata()) for line in lines]
@@ -145,7 +145,7 @@ def test_coinciding_accuracy_series_stay_visible():
 
 
 def test_layers_legend_is_clear_of_the_data_and_explains_as_h2o_fallback():
-    fig = report.layers_figure(_sweep())
+    fig = figures.layers_figure(_sweep())
     try:
         labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
         assert "as_h2o_lfu@r=0.25 (per-head H2O: fallback 1.0)" in labels
@@ -154,14 +154,14 @@ def test_layers_legend_is_clear_of_the_data_and_explains_as_h2o_fallback():
         _legend_clear_of_axes(fig)
     finally:
         _close(fig)
-    assert report.layers_figure({"systems": {"recompute": {}}}) is None
-    md = report.markdown(_sweep())
+    assert figures.layers_figure({"systems": {"recompute": {}}}) is None
+    md = report_md.markdown(_sweep())
     assert "`as_h2o_*` take per-head H2O sets on every layer, so their fallback rate is 1.0" in md
     without = _sweep()
     without["systems"] = {k: s for k, s in without["systems"].items() if not k.startswith("as_h2o")}
-    fig = report.layers_figure(without)
+    fig = figures.layers_figure(without)
     try:  # no as_h2o_* run: nothing to explain about them
         assert fig.texts and not any("as_h2o" in t.get_text() for t in fig.texts)
     finally:
         _close(fig)
-    assert "as_h2o" not in report.markdown(without)
+    assert "as_h2o" not in report_md.markdown(without)
