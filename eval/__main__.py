@@ -28,7 +28,7 @@ from specjax.models import attention as attention_lib
 from specjax.eval import folders, presets as presets_lib
 from specjax.eval import report, runner, tasks as tasks_lib, tradeoff, workload as workload_lib
 from specjax.eval import settings as settings_lib
-from specjax.eval import registry, systems as systems_lib
+from specjax.eval import registry, synthetic, systems as systems_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.fallback_tokenizer import tokenizer_for
 from specjax.eval.partial import PartialRuns, code_version, requests_digest
@@ -129,7 +129,7 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
         fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
         reuse_std=values["reuse_std"], prefix_tokens=values["prefix_tokens"], limit=limit,
         add_bos=values["add_bos"], seed=values["seed"],
-        needle=dataclasses.replace(tasks_lib.NeedleSpec(), num_facts=values["needle_facts"]))
+        needle=dataclasses.replace(synthetic.NeedleSpec(), num_facts=values["needle_facts"]))
     tokenizer, tokenizer_source = tokenizer_for(model)
     workload = workload_lib.build_workload(task, tokenizer, spec)
     summary = workload.summary()
@@ -302,7 +302,7 @@ def main(argv):
         ignored = [f"--{name}" for name in ("prefix_tokens", "needle_facts") if FLAGS[name].present]
         if ignored:
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
-                            f"(~110 tokens each) drawn from a fixed pool (specjax.eval.tasks.RagSpec)")
+                            f"(~110 tokens each) drawn from a fixed pool (specjax.eval.synthetic.RagSpec)")
     settings_lib.checked(values)  # fail on a bad setting (a preset's) or an unknown system before loading a model
     registry.resolve(values["systems"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"

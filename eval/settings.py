@@ -19,7 +19,7 @@ from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
 from specjax.errors import SpecjaxError
 from specjax.eval import presets as presets_lib
-from specjax.eval import registry
+from specjax.eval import registry, synthetic
 from specjax.eval import tasks as tasks_lib
 from specjax.eval.errors import EvalError
 from specjax.eval.units import parse_bandwidth, parse_bytes, parse_fewshot, parse_retentions, parse_size
@@ -133,7 +133,7 @@ class WorkloadSettings:
                                 check=_must(lambda v: v >= 1, "must be at least 1"))
     reuse_std: float = setting(3.0, "Standard deviation of the number of queries sharing one prefix.",
                                check=_must(lambda v: v >= 0, "must be non-negative"))
-    needle_facts: int = setting(tasks_lib.NeedleSpec.num_facts, "needle: key-value facts per prefix (ignored when "
+    needle_facts: int = setting(synthetic.NeedleSpec.num_facts, "needle: key-value facts per prefix (ignored when "
                                 "--prefix_tokens is set).", check=_must(lambda v: v >= 4, "must be at least 4"))
     add_bos: bool = setting(False, "Start every prefix with the tokenizer's BOS token (lm-eval adds none).")
     seed: int = setting(0, "Seed for the workload (items, few-shot draws, reuse counts, needle facts) and random "

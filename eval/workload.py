@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specjax.engine.types import Request as EngineRequest
-from specjax.eval import tasks as tasks_lib
+from specjax.eval import synthetic, tasks as tasks_lib
 from specjax.eval.errors import EvalError
 
 
@@ -55,8 +55,8 @@ class WorkloadSpec:
     interleave: bool = True  # shuffle arrival order so prefixes are reused over time
     add_bos: bool = False  # lm-eval adds no BOS token by default
     seed: int = 0
-    needle: tasks_lib.NeedleSpec = tasks_lib.NeedleSpec()
-    rag: tasks_lib.RagSpec = tasks_lib.RagSpec()
+    needle: synthetic.NeedleSpec = synthetic.NeedleSpec()
+    rag: synthetic.RagSpec = synthetic.RagSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,14 +181,14 @@ def _extend(task, examples, picked, exclude, target_tokens, tokenizer, rng):
     return examples
 
 
-def needle_facts_for(tokenizer, prefix_tokens: int | None, spec: tasks_lib.NeedleSpec) -> int:
+def needle_facts_for(tokenizer, prefix_tokens: int | None, spec: synthetic.NeedleSpec) -> int:
     """How many facts make a needle prefix of about `prefix_tokens` tokens."""
     if not prefix_tokens:
         return spec.num_facts
-    header = len(tokenizer.encode(tasks_lib.NEEDLE_HEADER))
+    header = len(tokenizer.encode(synthetic.NEEDLE_HEADER))
 
     def facts_needed(probe_spec):
-        probe = tasks_lib.make_needle_doc(np.random.default_rng(0), dataclasses.replace(probe_spec, num_facts=20))
+        probe = synthetic.make_needle_doc(np.random.default_rng(0), dataclasses.replace(probe_spec, num_facts=20))
         per_fact = (len(tokenizer.encode(probe.text())) - header) / 20
         return max(4, int(math.ceil((prefix_tokens - header) / per_fact)))
 
@@ -201,15 +201,15 @@ def needle_facts_for(tokenizer, prefix_tokens: int | None, spec: tasks_lib.Needl
 def _build_needle(tokenizer, spec: WorkloadSpec) -> Workload:
     rng = np.random.default_rng(spec.seed)
     needle = dataclasses.replace(
-        spec.needle, values=tasks_lib.single_token_words(tokenizer, spec.needle.values),
-        names=tasks_lib.single_token_words(tokenizer, spec.needle.names))
+        spec.needle, values=synthetic.single_token_words(tokenizer, spec.needle.values),
+        names=synthetic.single_token_words(tokenizer, spec.needle.names))
     needle = dataclasses.replace(needle, num_facts=needle_facts_for(tokenizer, spec.prefix_tokens, needle))
     n = 50 if spec.limit is None else spec.limit
     counts = reuse_counts(n, spec.reuse_mean, spec.reuse_std, rng)
     enc = _Encoder(tokenizer, spec.add_bos)
     docs, questions = [], []
     for count in counts:
-        doc = tasks_lib.make_needle_doc(rng, needle)
+        doc = synthetic.make_needle_doc(rng, needle)
         # facts asked are spread over the whole prefix (depth), distinct while they last
         asked = rng.choice(needle.num_facts, count, replace=count > needle.num_facts)
         docs.append(doc)
@@ -226,11 +226,11 @@ def _build_needle(tokenizer, spec: WorkloadSpec) -> Workload:
 def _build_rag(tokenizer, spec: WorkloadSpec) -> Workload:
     """Contexts of a header chunk + 4-6 pool chunks in a seeded order, each asked `reuse_counts` questions."""
     rng = np.random.default_rng(spec.seed)
-    needle = dataclasses.replace(spec.needle, names=tasks_lib.single_token_words(tokenizer, spec.needle.names))
+    needle = dataclasses.replace(spec.needle, names=synthetic.single_token_words(tokenizer, spec.needle.names))
     rag = spec.rag
-    pool = tasks_lib.make_rag_pool(rng, rag, needle)
+    pool = synthetic.make_rag_pool(rng, rag, needle)
     pool_ids = [tuple(tokenizer.encode(c.body())) for c in pool]
-    header_ids = _Encoder(tokenizer, spec.add_bos).prefix(tasks_lib.RAG_HEADER)
+    header_ids = _Encoder(tokenizer, spec.add_bos).prefix(synthetic.RAG_HEADER)
     n = 50 if spec.limit is None else spec.limit
     enc = _Encoder(tokenizer, False)
     lo, hi = rag.chunks_per_request
@@ -250,5 +250,5 @@ def _build_rag(tokenizer, spec: WorkloadSpec) -> Workload:
         query_ids, choice_ids = enc.query(ex.context, ex.continuations())
         requests.append(Request(rid, p, fact, sum(chunk_ids, ()), query_ids, choice_ids, ex.choices, ex.gold,
                                 chunk_ids))
-    texts = tuple(tasks_lib.RAG_HEADER + "".join(pool[i].body() for i in picked) for picked in contexts)
+    texts = tuple(synthetic.RAG_HEADER + "".join(pool[i].body() for i in picked) for picked in contexts)
     return Workload(tuple(requests), texts, tuple(len(picked) for picked in contexts))

@@ -20,7 +20,7 @@ from specjax.engine.blend import (CHECK_LAYER, blend_fingerprint, chunk_keys, ch
                                   reposition_keys)
 from specjax.errors import SpecjaxError
 from specjax.stores.errors import StoreMismatchError
-from specjax.eval import tasks, workload
+from specjax.eval import synthetic, tasks, workload
 from specjax.models import transformer as T
 from specjax.models.params import init_params
 from specjax.stores import K, KVStore
@@ -307,7 +307,7 @@ def test_rag_workload_is_deterministic_and_prefix_is_the_chunks():
     for r in a.requests:
         assert r.prefix_ids == sum(r.chunk_ids, ())
         assert 5 <= len(r.chunk_ids) <= 7  # the header chunk + 4-6 retrieved chunks
-        assert r.chunk_ids[0] == tuple(TOKENIZER.encode(tasks.RAG_HEADER))
+        assert r.chunk_ids[0] == tuple(TOKENIZER.encode(synthetic.RAG_HEADER))
         orders.add(r.chunk_ids)
         text = TOKENIZER.decode(list(r.prefix_ids))
         question = TOKENIZER.decode(list(r.query_ids))
@@ -317,7 +317,7 @@ def test_rag_workload_is_deterministic_and_prefix_is_the_chunks():
             assert (f" is {choice}." in text) and (i == r.gold or f"{key} is {choice}." not in text)
     assert len(orders) > 1 and len({len(r.chunk_ids) for r in a.requests}) > 1
     pool = {c for r in a.requests for c in r.chunk_ids[1:]}
-    assert len(pool) <= tasks.RagSpec.pool_chunks
+    assert len(pool) <= synthetic.RagSpec.pool_chunks
     for chunk in pool:  # every chunk is a needle body tokenized on its own
         assert TOKENIZER.decode(list(chunk)).endswith("\n")
 

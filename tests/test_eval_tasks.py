@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from specjax.eval import metrics, tasks, workload
+from specjax.eval import metrics, synthetic, tasks, workload
 from specjax.eval.errors import EvalError
 
 from eval_fakes import FakeModel
@@ -277,7 +277,7 @@ def test_a_new_declaration_loads_from_the_hub_when_files_are_missing(tmp_path, m
 
 
 def test_needle_and_rag_questions_follow_their_declared_prompt(monkeypatch):
-    doc = tasks.make_needle_doc(np.random.default_rng(0), tasks.NeedleSpec(num_facts=6))
+    doc = synthetic.make_needle_doc(np.random.default_rng(0), synthetic.NeedleSpec(num_facts=6))
     ex = tasks.needle_question(doc, 2, np.random.default_rng(0), 4)
     assert doc.fact(2) == f"{ex.context} {ex.choices[ex.gold]}."  # the question is the fact up to its code
     rag = tasks.rag_question([doc, doc], 1, 2, np.random.default_rng(0), 4)
@@ -426,28 +426,28 @@ def test_needle_is_deterministic_and_answer_is_in_prefix():
 
 def test_needle_keys_use_each_word_once_and_filler_separates_facts():
     wl = _needle(0)
-    spec = tasks.NeedleSpec()
+    spec = synthetic.NeedleSpec()
     for text in wl.prefix_texts:
         lines = text.strip("\n").split("\n")
-        assert lines[0] == tasks.NEEDLE_HEADER.strip()
+        assert lines[0] == synthetic.NEEDLE_HEADER.strip()
         facts = [re.fullmatch(r"The secret code of the (\w+) (\w+) is (\d{4})\.", line) for line in lines[1:]]
         found = [m.groups() for m in facts if m]
         assert len(found) == spec.num_facts
         adjectives, objects, codes = zip(*found)
         assert len(set(adjectives)) == len(set(objects)) == len(set(codes)) == spec.num_facts
         fillers = [line for line, m in zip(lines[1:], facts) if not m]
-        assert len(fillers) == spec.num_facts and set(fillers) <= set(tasks.NEEDLE_FILLER)
+        assert len(fillers) == spec.num_facts and set(fillers) <= set(synthetic.NEEDLE_FILLER)
         assert not any(ch.isdigit() for line in fillers for ch in line)  # no code can hide in the filler
 
 
 def test_needle_many_facts_keep_distinct_keys():
-    spec = tasks.NeedleSpec(num_facts=300)
-    doc = tasks.make_needle_doc(np.random.default_rng(0), spec)
+    spec = synthetic.NeedleSpec(num_facts=300)
+    doc = synthetic.make_needle_doc(np.random.default_rng(0), spec)
     assert len(set(doc.keys)) == len(set(doc.values)) == 300
     per_adjective = np.bincount([spec.adjectives.index(k.split()[1]) for k in doc.keys])
     assert per_adjective.max() - per_adjective.min() <= 1  # words reused as evenly as possible
     with pytest.raises(EvalError, match="at most"):
-        tasks.make_needle_doc(np.random.default_rng(0), dataclasses.replace(spec, num_facts=40 * 40 + 1))
+        synthetic.make_needle_doc(np.random.default_rng(0), dataclasses.replace(spec, num_facts=40 * 40 + 1))
 
 
 def test_needle_prefix_tokens_sets_length():
