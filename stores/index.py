@@ -26,7 +26,7 @@ from specjax.stores.catalog import Catalog, Change, Segment
 from specjax.stores.errors import DiskFullError, StoreError
 from specjax.stores.kvarray import KVArrays, Layout
 from specjax.stores.locations import Locations
-from specjax.stores.manifest import ManifestIO, check_fingerprint
+from specjax.stores.manifest import ManifestIO, check_fingerprint, full_fingerprint, layout_from_fingerprint
 from specjax.stores.radix import PathStep, RadixTree
 
 log = logging.getLogger(__name__)
@@ -55,29 +55,6 @@ class Match:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def layout_from_fingerprint(fingerprint: dict) -> Layout:
-    missing = [k for k in ("num_layers", "kv_heads", "head_dim") if k not in fingerprint]
-    if missing:
-        raise ValueError(f"model fingerprint lacks {missing}; it needs num_layers, kv_heads, head_dim "
-                         f"(and optionally dtype, chunk_tokens, probe_heads)")
-    probe = fingerprint.get("probe_heads", 0)
-    return Layout(num_layers=int(fingerprint["num_layers"]), kv_heads=int(fingerprint["kv_heads"]),
-                  head_dim=int(fingerprint["head_dim"]),
-                  probe_heads=len(probe) if isinstance(probe, (list, tuple)) else int(probe),
-                  chunk_tokens=int(fingerprint.get("chunk_tokens", Layout.chunk_tokens)),
-                  dtype=str(fingerprint.get("dtype", "float32")))
-
-
-def _full_fingerprint(fingerprint: dict, layout: Layout | None = None) -> dict:
-    """The caller's fingerprint plus the layout fields it left to defaults, so both sides compare fully."""
-    layout = layout_from_fingerprint(fingerprint) if layout is None else layout
-    full = dict(fingerprint)
-    full.setdefault("chunk_tokens", layout.chunk_tokens)
-    full.setdefault("dtype", layout.dtype)
-    full.setdefault("probe_heads", layout.probe_heads)
-    return full
 
 
 class StoreIndex:
@@ -110,11 +87,11 @@ class StoreIndex:
                 raise StoreError(f"no KV store at {self.where}; open it with a model fingerprint to create one")
             layout = layout_from_fingerprint(fingerprint)
             self.arrays = make_arrays(layout)  # before a manifest names them
-            body, stamp = io.create(Catalog.initial_body(_full_fingerprint(fingerprint), dataclasses.asdict(layout)))
+            body, stamp = io.create(Catalog.initial_body(full_fingerprint(fingerprint), dataclasses.asdict(layout)))
         self.layout = Layout(**body["layout"])
         self.fingerprint = body["fingerprint"]
         if fingerprint is not None:
-            check_fingerprint(self.fingerprint, _full_fingerprint(fingerprint, self.layout), self.where)
+            check_fingerprint(self.fingerprint, full_fingerprint(fingerprint, self.layout), self.where)
         self.catalog.adopt(body, stamp)
         if self.arrays is None:
             self.arrays = make_arrays(self.layout)

@@ -27,6 +27,7 @@ import tensorstore as ts
 import xxhash
 
 from specjax.stores.errors import ManifestError, StoreMismatchError, unopenable
+from specjax.stores.kvarray import Layout
 
 FORMAT = "specjax-kvstore/3"  # 3: one extent per segment, layer and kind, xxh3 checksums (2: a file per chunk, crc32)
 OLDER_FORMATS = {"specjax-kvstore/1": "one file and one checksum per chunk",
@@ -79,6 +80,30 @@ def describe_weights(fingerprint: dict) -> str:
         return "unrecorded weights"
     source = fingerprint.get("weights_source")
     return f"weights {str(digest)[:12]}" + (f" of {source}" if source else "")
+
+
+def layout_from_fingerprint(fingerprint: dict) -> Layout:
+    """The store layout a model's fingerprint describes (its KV shapes, dtype, chunk size and probe heads)."""
+    missing = [k for k in ("num_layers", "kv_heads", "head_dim") if k not in fingerprint]
+    if missing:
+        raise ValueError(f"model fingerprint lacks {missing}; it needs num_layers, kv_heads, head_dim "
+                         f"(and optionally dtype, chunk_tokens, probe_heads)")
+    probe = fingerprint.get("probe_heads", 0)
+    return Layout(num_layers=int(fingerprint["num_layers"]), kv_heads=int(fingerprint["kv_heads"]),
+                  head_dim=int(fingerprint["head_dim"]),
+                  probe_heads=len(probe) if isinstance(probe, (list, tuple)) else int(probe),
+                  chunk_tokens=int(fingerprint.get("chunk_tokens", Layout.chunk_tokens)),
+                  dtype=str(fingerprint.get("dtype", "float32")))
+
+
+def full_fingerprint(fingerprint: dict, layout: Layout | None = None) -> dict:
+    """The caller's fingerprint plus the layout fields it left to defaults, so both sides compare fully."""
+    layout = layout_from_fingerprint(fingerprint) if layout is None else layout
+    full = dict(fingerprint)
+    full.setdefault("chunk_tokens", layout.chunk_tokens)
+    full.setdefault("dtype", layout.dtype)
+    full.setdefault("probe_heads", layout.probe_heads)
+    return full
 
 
 def check_fingerprint(stored: dict, given: dict, where: str) -> None:

@@ -20,7 +20,8 @@ import tensorstore as ts
 
 from specjax.stores import kvarray, leases
 from specjax.stores.catalog import Segment
-from specjax.stores.index import Match, StoreIndex, layout_from_fingerprint
+from specjax.stores.index import Match, StoreIndex
+from specjax.stores.manifest import layout_from_fingerprint
 from specjax.stores.kvarray import KVArrays
 from specjax.stores.manifest import ManifestIO
 from specjax.stores.metrics import StoreMetrics
