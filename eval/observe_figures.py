@@ -23,15 +23,23 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
     """Write the figures into `out` (each titled with `label`); returns their paths."""
     plt = _plt()
     written = []
-
-    def save(fig, name):
+    for make in (_head_heatmaps, _head_similarity, _layer_similarity, _static_preidentification, _chunk_density,
+                 _itf_threshold, _engine_reorder_and_cache):
+        made = make(plt, results)
+        if made is None:
+            continue
+        fig, name = made
         fig.suptitle(label, fontsize=8, y=0.995)
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    return written
 
+
+def _head_heatmaps(plt, results: dict):
+    """SPEC Fig. 7b: head x head Jaccard at the middle layer, per retention."""
     heads, rets = results["heads"], results["retentions"]
     mid = results["middle_layer"]
     fig, axes = plt.subplots(1, len(rets), figsize=(4 * len(rets), 3.6))
@@ -41,8 +49,12 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
         ax.set_xlabel("query head")
         ax.set_ylabel("query head")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    save(fig, "fig7b_head_jaccard_heatmap.png")
+    return fig, "fig7b_head_jaccard_heatmap.png"
 
+
+def _head_similarity(plt, results: dict):
+    """SPEC Fig. 8: mean Jaccard between heads per layer, all pairs and within / across KV heads."""
+    heads, rets = results["heads"], results["retentions"]
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, ret in enumerate(rets):
         color = f"C{i}"
@@ -58,8 +70,11 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
     ax.set_ylim(0, 1)
     ax.legend(fontsize=6, ncol=3)
     ax.set_title("head similarity per layer (thin lines: random expectation)", fontsize=9)
-    save(fig, "fig8_head_jaccard_per_layer.png")
+    return fig, "fig8_head_jaccard_per_layer.png"
 
+
+def _layer_similarity(plt, results: dict):
+    """SPEC Obs. III: layer x layer Jaccard of the shared set, and adjacent layers."""
     lay = results["layers"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     im = axes[0].imshow(lay["matrix"], vmin=0, vmax=1, cmap="viridis")
@@ -75,8 +90,12 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
     axes[1].set_ylim(0, 1)
     axes[1].legend(fontsize=7)
     axes[1].set_title("adjacent layers (SPEC Obs. III)", fontsize=9)
-    save(fig, "obs3_layer_similarity.png")
+    return fig, "obs3_layer_similarity.png"
 
+
+def _static_preidentification(plt, results: dict):
+    """SPEC Fig. 4: recall and accuracy of another query's sets."""
+    rets = results["retentions"]
     spi, acc = results["spi"], results["accuracy"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     axes[0].bar([f"{r:.0%}" for r in rets], [spi[r]["recall"] for r in rets])
@@ -96,8 +115,11 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
         axes[1].set_ylabel("accuracy")
         axes[1].legend(fontsize=7)
     axes[1].set_title("accuracy cost (SPEC Fig. 4)", fontsize=9)
-    save(fig, "fig4_static_preidentification.png")
+    return fig, "fig4_static_preidentification.png"
 
+
+def _chunk_density(plt, results: dict):
+    """SPEC Fig. 5a / ContiguousKV Fig. 4: important fraction of touched chunks, read amplification."""
     den = results["density"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ret in den:
@@ -116,8 +138,12 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
     axes[1].set_ylabel("read amplification")
     axes[1].legend(fontsize=7)
     axes[1].set_title("read amplification (ContiguousKV Fig. 4)", fontsize=9)
-    save(fig, "fig5a_chunk_density.png")
+    return fig, "fig5a_chunk_density.png"
 
+
+def _itf_threshold(plt, results: dict):
+    """SPEC Fig. 11, 19, 22: keys read, accuracy and per-layer fallback against alpha (and the engine's runs)."""
+    acc = results["accuracy"]
     sweep, alphas = results["itf"], results["alphas"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for probes_name, marker in (("spread", "o"), ("engine", "s")):
@@ -152,16 +178,21 @@ def write_figures(results: dict, out: pathlib.Path, label: str) -> list[pathlib.
         axes[1].plot(eng_alphas, [eng_runs[f"spec alpha={a}"]["accuracy"] for a in eng_alphas], "^--",
                      label="engine run (spec)")
         axes[1].legend(fontsize=7)
-    save(fig, "fig11_19_22_itf_threshold.png")
+    return fig, "fig11_19_22_itf_threshold.png"
+
+
+def _engine_reorder_and_cache(plt, results: dict):
+    """SPEC Fig. 20, 21: the engine's reordering and cache policy; None without those engine runs."""
+    eng_runs = (results.get("engine") or {}).get("runs") or {}
     base, noro, lfu = (eng_runs.get(k) for k in ("spec alpha=0.6", "spec no reorder", "spec LFU cache"))
-    if base and noro and lfu:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-        axes[0].bar(["no reorder", "reorder"], [noro["chunks_read_per_request"], base["chunks_read_per_request"]])
-        axes[0].set_ylabel("chunks read per request")
-        axes[0].set_title("reordering (SPEC Fig. 20), engine", fontsize=9)
-        axes[1].bar(["LFU", "score"], [lfu["device_hit_ratio"], base["device_hit_ratio"]])
-        axes[1].set_ylim(0, 1)
-        axes[1].set_ylabel("device-cache hit ratio")
-        axes[1].set_title("cache policy (SPEC Fig. 21), engine", fontsize=9)
-        save(fig, "fig20_21_engine.png")
-    return written
+    if not (base and noro and lfu):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    axes[0].bar(["no reorder", "reorder"], [noro["chunks_read_per_request"], base["chunks_read_per_request"]])
+    axes[0].set_ylabel("chunks read per request")
+    axes[0].set_title("reordering (SPEC Fig. 20), engine", fontsize=9)
+    axes[1].bar(["LFU", "score"], [lfu["device_hit_ratio"], base["device_hit_ratio"]])
+    axes[1].set_ylim(0, 1)
+    axes[1].set_ylabel("device-cache hit ratio")
+    axes[1].set_title("cache policy (SPEC Fig. 21), engine", fontsize=9)
+    return fig, "fig20_21_engine.png"

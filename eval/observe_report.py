@@ -162,8 +162,24 @@ def kv_head_section(res: dict, cfg) -> str:
 def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib.Path:
     """Write OUT/observations.md from the results, the run's description `meta` and the figures' paths."""
     cfg = meta["cfg"]
-    rets, main, mid = res["retentions"], res["main_retention"], res["middle_layer"]
-    acc = res["accuracy"]
+    L = _header(res, meta)
+    for section in (_summary_section, _heads_section, _layers_section, _spi_section, _density_section,
+                    _itf_section):
+        L += section(res, cfg)
+    if res.get("kv_heads"):
+        L.append(kv_head_section(res, cfg))
+    L.append(meta.get("engine_note", "## 5b/6. Engine measurements\n\npending: the engine was not run."))
+    L.append("")
+    L.append("## Figures\n")
+    L += [f"- `{f.name}`" for f in figures]
+    path = out / "observations.md"
+    path.write_text("\n".join(L) + "\n")
+    return path
+
+
+def _header(res: dict, meta: dict) -> list[str]:
+    """The title, how it was measured, and what each measurement means."""
+    cfg = meta["cfg"]
     L = []
     w = L.append
     w(f"# Observations: {meta['model']} on {meta['task']}\n")
@@ -189,14 +205,25 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
       "Selections come from an unpruned pass over the query (oracle scores), so they are what an exact "
       "identification would pick, not what a pruned pass would.")
     w("- paper numbers are quoted from the papers for other models; they are never measured here.\n")
+    return L
 
+def _summary_section(res: dict, cfg) -> list[str]:
+    """The verdict on each observation."""
+    L = []
+    w = L.append
     w("## Summary\n")
     w("| observation | on this model | measured |")
     w("|---|---|---|")
     for name, state, why in verdicts(res, cfg):
         w(f"| {name} | **{state}** | {why} |")
     w("")
+    return L
 
+def _heads_section(res: dict, cfg) -> list[str]:
+    """Grouped-query notes, then 1: head similarity and the probe-head choice."""
+    rets, main, mid = res["retentions"], res["main_retention"], res["middle_layer"]
+    L = []
+    w = L.append
     w(gqa_notes(res, cfg))
     w("## 1. Head similarity (SPEC Obs. I/II, Fig. 7b, 8)\n")
     w("| retention | middle layer (all pairs) | all layers (all pairs) | same KV head | different KV heads | random | paper |")
@@ -218,7 +245,13 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
         w(f"| {PROBE_LABELS[name]} | {p['probes']} | {p['probe_kv_heads']} of {cfg.num_kv_heads} | {_f(p['probe_jaccard'])} | "
           f"{_f(p['itf_pass'], True)} of layers | {_f(p['shared_recall'], True)} | {_f(p['keys_loaded'], True)} |")
     w("")
+    return L
 
+def _layers_section(res: dict, cfg) -> list[str]:
+    """2: layer similarity at the main retention."""
+    main = res["main_retention"]
+    L = []
+    w = L.append
     lay = res["layers"]
     w(f"## 2. Layer similarity (SPEC Obs. III; ContiguousKV Fig. 7), retention {main:.0%}\n")
     w("| measurement | measured | random | paper |")
@@ -232,7 +265,14 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
     w(f"| coverage of a layer's chunk set by its period's first-layer set | {_f(lay['period_within'], True)} | "
       f"{_f(lay['random_coverage'], True)} | |")
     w("\nFigure: `obs3_layer_similarity.png` (layer x layer matrix and adjacent-layer curve).\n")
+    return L
 
+def _spi_section(res: dict, cfg) -> list[str]:
+    """3: static pre-identification."""
+    rets, main = res["retentions"], res["main_retention"]
+    acc = res["accuracy"]
+    L = []
+    w = L.append
     w("## 3. Static pre-identification (SPEC Fig. 4)\n")
     w("Each request reuses the per-head important sets of the first other request on its prefix.\n")
     w("| retention | recall of own sets | accuracy, own sets (ORI) | accuracy, other query's sets (SPI) | paper |")
@@ -244,7 +284,12 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
         w(f"\nFull prefix (no selection): {_acc(acc, 'full')}. Figure: `fig4_static_preidentification.png`.\n")
     else:
         w("\nAccuracy not measured (--noaccuracy).\n")
+    return L
 
+def _density_section(res: dict, cfg) -> list[str]:
+    """4: chunk density and read amplification."""
+    L = []
+    w = L.append
     w(f"## 4. Chunk density and read amplification ({res['chunk_tokens']}-token chunks; SPEC Fig. 5a, ContiguousKV Fig. 4)\n")
     w("| retention | important per touched chunk (shared set) | read amplification (shared) | important per touched chunk (per KV head) | read amplification (per KV head) | request p50 / p90 amplification (shared) | paper |")
     w("|---|---|---|---|---|---|---|")
@@ -255,7 +300,14 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
           f"{_f(d['per_kv_head']['mean_fraction'], True)} | {d['per_kv_head']['read_amplification']:.2f}x | "
           f"{np.percentile(amps, 50):.2f}x / {np.percentile(amps, 90):.2f}x | {paper} |")
     w("\nNo caching here: every touched chunk is counted as read. Figure: `fig5a_chunk_density.png`.\n")
+    return L
 
+def _itf_section(res: dict, cfg) -> list[str]:
+    """5: the ITF threshold sweep on oracle scores."""
+    main = res["main_retention"]
+    acc = res["accuracy"]
+    L = []
+    w = L.append
     w(f"## 5. ITF threshold sweep (SPEC Fig. 11, 19, 22), retention {main:.0%}, oracle scores\n")
     w("Measured from the importance scores above (an unpruned pass) with the engine's ITF decision "
       "(`specjax.kernels.itf.identify`) and, for accuracy, its layer steps over the chosen sets; not by running "
@@ -272,17 +324,7 @@ def write_markdown(res: dict, meta: dict, out: pathlib.Path, figures) -> pathlib
             w(f"| {a} | {PROBE_LABELS[probes_name]} {s['probes']} | {_f(s['fallback'], True)} | {_f(s['keys_loaded'], True)} | "
               f"{_f(float(np.mean(s['kept_per_layer'])), True)} | {accs} | {paper} |")
     w("\nFigure: `fig11_19_22_itf_threshold.png` (keys read and accuracy vs alpha; fallback per layer).\n")
-    if res.get("kv_heads"):
-        w(kv_head_section(res, cfg))
-    w(meta.get("engine_note", "## 5b/6. Engine measurements\n\npending: the engine was not run."))
-    w("")
-    w("## Figures\n")
-    for f in figures:
-        w(f"- `{f.name}`")
-    path = out / "observations.md"
-    path.write_text("\n".join(L) + "\n")
-    return path
-
+    return L
 
 def engine_section(res: dict) -> str:
     """Markdown for items 5 (engine alpha sweep) and 6 (reordering, cache policy)."""
