@@ -121,37 +121,12 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
     values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
     names = registry.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
-    task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
-    limit = values["limit"]
-    if limit is None and task.synthetic:
-        limit = NEEDLE_DEFAULT_LIMIT
-    spec = workload_lib.WorkloadSpec(
-        fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
-        reuse_std=values["reuse_std"], prefix_tokens=values["prefix_tokens"], limit=limit,
-        add_bos=values["add_bos"], seed=values["seed"],
-        needle=dataclasses.replace(synthetic.NeedleSpec(), num_facts=values["needle_facts"]))
-    tokenizer, tokenizer_source = tokenizer_for(model)
-    workload = workload_lib.build_workload(task, tokenizer, spec)
+    task, limit, workload, tokenizer_source = _workload(model, values)
     summary = workload.summary()
-    max_len = max(len(r.context_ids) + max(len(c) for c in r.choice_ids) for r in workload.requests)
-    if max_len > model.config.max_positions:
-        raise EvalError(f"the longest request has {max_len} tokens but {model.name} takes at most "
-                        f"{model.config.max_positions}; lower --prefix_tokens or --num_fewshot")
-
     # the model's own dtype: cache budgets given as a share of the store must match the bytes it holds
     kv_per_token = model.config.kv_bytes_per_token(np.dtype(model.dtype).itemsize)
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
-    engine = EngineConfig(
-        retention=retentions[0], gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
-        cpu_cache_bytes=cache_bytes(values["cpu_cache"], store_bytes),
-        pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
-        **{k: values[k] for k in ENGINE_FLAGS})
-    settings = systems_lib.SystemSettings(
-        engine=engine, chunk_tokens=values["chunk_tokens"],
-        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
-        direct_io=values["direct_io"], seed=values["seed"],
-        inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values))
+    settings = _system_settings(values, retentions[0], store_bytes)
 
     code = code_version()
     output_dir = out.claim()  # once the request is known to be sound, before any run
@@ -171,30 +146,8 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
                               interleave=values["interleave"])
     progress.close()
 
-    notes = []
-    if model.weights == "random":
-        notes.append("weights are random: accuracy is meaningless; TTFT and I/O are valid for these shapes")
-    if tokenizer_source != "model":
-        notes.append(f"tokenizer: {tokenizer_source}")
-    if settings.disk_bandwidth or settings.engine.pcie_bandwidth:
-        notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
-    notes += report.store_notes(done)
-    if traces:
-        recorded = sorted({f"{t['recorded_by']} ({t['weights']} weights) on {t['task']}" for t in traces.values()})
-        notes.append(f"selections replayed from {values['replay_selections']}, recorded by {', '.join(recorded)}: "
-                     "accuracy is meaningless (the recorded model's choices, this model's logits); TTFT, bytes, "
-                     "reads, hits and plans are what this run measures (see `selections`)")
-    elif values["record_selections"]:
-        notes.append(f"selections recorded into {values['record_selections']}: each layer's scores were copied to "
-                     "the host as it identified, and that is in these TTFTs")
-    if values["interleave"] and len(runs) > 1:
-        notes.append("runs timed in turns (--interleave): each request by every run before the next request, the "
-                     "first run of a turn rotating; all runs were warmed and compiled first and stayed open")
-    if out.moved_from is not None:
-        notes.append(f"written into {output_dir}: {out.moved_from} holds another evaluation's results")
-    if partial.loaded:
-        notes.append(f"resumed: {', '.join(partial.loaded)} were run by an earlier process of this evaluation (same "
-                     "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
+    notes = _notes(model, values, settings, done, traces, len(runs), tokenizer_source, partial.loaded,
+                   out.moved_from, output_dir)
     config = {
         **values, "limit": limit,
         "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},
@@ -219,6 +172,81 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
                 "wall_s": time.time() - started,
                 "selections": _selections_record(values, traces),
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
+    _write_results(results, done, workload, output_dir, partial)
+    return results
+
+
+def _workload(model, values: dict):
+    """(the task, the request limit, its workload, where the tokenizer came from), the longest request checked
+    against the model's positions."""
+    task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
+    limit = values["limit"]
+    if limit is None and task.synthetic:
+        limit = NEEDLE_DEFAULT_LIMIT
+    spec = workload_lib.WorkloadSpec(
+        fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
+        reuse_std=values["reuse_std"], prefix_tokens=values["prefix_tokens"], limit=limit,
+        add_bos=values["add_bos"], seed=values["seed"],
+        needle=dataclasses.replace(synthetic.NeedleSpec(), num_facts=values["needle_facts"]))
+    tokenizer, tokenizer_source = tokenizer_for(model)
+    workload = workload_lib.build_workload(task, tokenizer, spec)
+    max_len = max(len(r.context_ids) + max(len(c) for c in r.choice_ids) for r in workload.requests)
+    if max_len > model.config.max_positions:
+        raise EvalError(f"the longest request has {max_len} tokens but {model.name} takes at most "
+                        f"{model.config.max_positions}; lower --prefix_tokens or --num_fewshot")
+    return task, limit, workload, tokenizer_source
+
+
+def _system_settings(values: dict, retention: float, store_bytes: int) -> systems_lib.SystemSettings:
+    """What every run of the evaluation shares: the engine's config (cache budgets in bytes of a store of
+    `store_bytes`), the store's chunk and disk, the systems' options and the selection trace."""
+    engine = EngineConfig(
+        retention=retention, gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
+        cpu_cache_bytes=cache_bytes(values["cpu_cache"], store_bytes),
+        pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
+        **{k: values[k] for k in ENGINE_FLAGS})
+    return systems_lib.SystemSettings(
+        engine=engine, chunk_tokens=values["chunk_tokens"],
+        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
+        direct_io=values["direct_io"], seed=values["seed"],
+        inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
+        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values))
+
+
+def _notes(model, values: dict, settings, done, traces, n_runs: int, tokenizer_source: str, resumed,
+           moved_from, output_dir) -> list[str]:
+    """The results' caveats, first in results.md: random weights, emulation, stores, replayed or recorded
+    selections, interleaving, where the results went, what was resumed."""
+    notes = []
+    if model.weights == "random":
+        notes.append("weights are random: accuracy is meaningless; TTFT and I/O are valid for these shapes")
+    if tokenizer_source != "model":
+        notes.append(f"tokenizer: {tokenizer_source}")
+    if settings.disk_bandwidth or settings.engine.pcie_bandwidth:
+        notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
+    notes += report.store_notes(done)
+    if traces:
+        recorded = sorted({f"{t['recorded_by']} ({t['weights']} weights) on {t['task']}" for t in traces.values()})
+        notes.append(f"selections replayed from {values['replay_selections']}, recorded by {', '.join(recorded)}: "
+                     "accuracy is meaningless (the recorded model's choices, this model's logits); TTFT, bytes, "
+                     "reads, hits and plans are what this run measures (see `selections`)")
+    elif values["record_selections"]:
+        notes.append(f"selections recorded into {values['record_selections']}: each layer's scores were copied to "
+                     "the host as it identified, and that is in these TTFTs")
+    if values["interleave"] and n_runs > 1:
+        notes.append("runs timed in turns (--interleave): each request by every run before the next request, the "
+                     "first run of a turn rotating; all runs were warmed and compiled first and stayed open")
+    if moved_from is not None:
+        notes.append(f"written into {output_dir}: {moved_from} holds another evaluation's results")
+    if resumed:
+        notes.append(f"resumed: {', '.join(resumed)} were run by an earlier process of this evaluation (same "
+                     "flags, code and machine; see `resumed`); their TTFTs were not timed side by side with the rest")
+    return notes
+
+
+def _write_results(results: dict, done, workload, output_dir: pathlib.Path, partial) -> None:
+    """results.json, results.md, the plots and requests.jsonl into `output_dir`; the finished runs kept until
+    then are dropped once they are written."""
     try:
         written = report.write_all(results, output_dir)
         report.write_requests(done, workload.requests, output_dir / "requests.jsonl")
@@ -228,7 +256,6 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
     written.append(output_dir / "requests.jsonl")
     partial.discard()
     _print_summary(results, written)
-    return results
 
 
 def _selection_setting(values: dict) -> systems_lib.SelectionTrace | None:
