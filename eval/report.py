@@ -133,23 +133,7 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
                      "n": acc["n"], "acc_norm_stderr": _stderr(acc["acc_norm_stderr"])},
         "ttft_ms": metrics.latency_summary([o.ttft_ms for o in outs]),
         "breakdown_ms": breakdown,
-        "io": {"disk_bytes": int(get("disk_bytes")), "host_to_device_bytes": int(get("host_to_device_bytes")),
-               "chunks_read": int(get("chunks_read")),
-               "read_amplification": _ratio(get("disk_bytes"), get("used_token_bytes")),
-               "read_requests_per_request": _ratio(get("read_requests"), len(outs)),
-               "bytes_per_read": get("disk_bytes") / get("read_requests") if get("read_requests") else None,
-               "host_to_device_transfers_per_request": _ratio(get("host_to_device_transfers"), len(outs)),
-               # beyond the contract: the bytes of the vectors the layers took (the probe keys or keys they score
-               # with, and the rows they attend to), host->device bytes per such byte, and of those bytes the whole
-               # chunks written into the device tier's pages (after each first token)
-               "used_token_bytes": int(get("used_token_bytes")),
-               "host_to_device_per_used": _ratio(get("host_to_device_bytes"), get("used_token_bytes")),
-               "device_page_bytes_per_request": _ratio(get("device_page_bytes"), len(outs)),
-               # of the used bytes, the rows a device step chose that the device took from the caches' pages itself
-               "chosen_on_device_share": _ratio(get("chosen_on_device_bytes"), get("used_token_bytes")),
-               # beyond the contract: what damaged stored KV made the timed requests read and write, not in disk_bytes
-               "repair_disk_bytes": int(get("repair_disk_bytes")),
-               "repair_disk_bytes_written": int(get("repair_disk_bytes_written"))},
+        "io": _io(get, len(outs)),
         "cache": {"device_hit_ratio": _ratio(get("device_hits"), get("cache_lookups")),
                   "host_hit_ratio": _ratio(get("host_hits"), get("cache_lookups"))},
         "itf": None,
@@ -168,6 +152,38 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
         "warm_s": run.warm_s,
         "run_s": run.run_s,
     }
+    _add_optional_parts(entry, run, outs, totals, get)
+    if reference_correct is not None:
+        paired = metrics.paired_difference(metrics.per_request_correct(scored), reference_correct)
+        paired["stderr"] = _stderr(paired["stderr"])
+        entry["paired_vs_recompute"] = paired
+    return entry
+
+
+def _io(get, n: int) -> dict:
+    """`systems.<key>.io` from the run's summed counters (`get`) over its `n` requests."""
+    return {"disk_bytes": int(get("disk_bytes")), "host_to_device_bytes": int(get("host_to_device_bytes")),
+            "chunks_read": int(get("chunks_read")),
+            "read_amplification": _ratio(get("disk_bytes"), get("used_token_bytes")),
+            "read_requests_per_request": _ratio(get("read_requests"), n),
+            "bytes_per_read": get("disk_bytes") / get("read_requests") if get("read_requests") else None,
+            "host_to_device_transfers_per_request": _ratio(get("host_to_device_transfers"), n),
+            # beyond the contract: the bytes of the vectors the layers took (the probe keys or keys they score
+            # with, and the rows they attend to), host->device bytes per such byte, and of those bytes the whole
+            # chunks written into the device tier's pages (after each first token)
+            "used_token_bytes": int(get("used_token_bytes")),
+            "host_to_device_per_used": _ratio(get("host_to_device_bytes"), get("used_token_bytes")),
+            "device_page_bytes_per_request": _ratio(get("device_page_bytes"), n),
+            # of the used bytes, the rows a device step chose that the device took from the caches' pages itself
+            "chosen_on_device_share": _ratio(get("chosen_on_device_bytes"), get("used_token_bytes")),
+            # beyond the contract: what damaged stored KV made the timed requests read and write, not in disk_bytes
+            "repair_disk_bytes": int(get("repair_disk_bytes")),
+            "repair_disk_bytes_written": int(get("repair_disk_bytes_written"))}
+
+
+def _add_optional_parts(entry: dict, run, outs, totals: dict, get) -> None:
+    """The parts only some runs have: ITF's decisions, prefetching and speculation, per-device bytes, Cake's split,
+    the planner's choices, per-layer means."""
     if get("itf_layers"):
         entry["itf"] = {"fallback_ratio": _ratio(get("itf_fallbacks"), get("itf_layers")),
                         "mean_jaccard": _ratio(get("jaccard_sum"), get("itf_layers"))}
@@ -191,11 +207,6 @@ def system_entry(run, requests: Sequence, reference_correct: np.ndarray | None, 
     layers = _mean_layers(outs)
     if layers:
         entry["layers"] = layers
-    if reference_correct is not None:
-        paired = metrics.paired_difference(metrics.per_request_correct(scored), reference_correct)
-        paired["stderr"] = _stderr(paired["stderr"])
-        entry["paired_vs_recompute"] = paired
-    return entry
 
 
 def _repair(run) -> dict | None:
