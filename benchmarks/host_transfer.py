@@ -36,8 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import device_name  # noqa: E402
 from specjax.stores.kvarray import Layout  # noqa: E402
 from specjax.stores.landing import LandingBuffers  # noqa: E402
-from specjax.stores.pool import DevicePool, HostPages  # noqa: E402
-from specjax.stores.prefetch import copy_rows  # noqa: E402
+from specjax.stores.pool import DevicePool, HostPages, copy_rows  # noqa: E402
 
 
 def _median_seconds(fn, repeats: int) -> float:

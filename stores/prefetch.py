@@ -28,8 +28,7 @@ from specjax.idsets import distinct
 from specjax.shapes import padded
 from specjax.stores.caches import DEVICE, HOST, TieredCache, chunk_keys
 from specjax.stores.held_reads import HeldReads
-from specjax.stores.landing import BUFFERS
-from specjax.stores.pool import DevicePool, HostPages, staged_size
+from specjax.stores.pool import DevicePool, HostPages, copy_rows, staged_size, staging
 from specjax.stores.store import KVStore, Locations, Match
 
 
@@ -349,34 +348,11 @@ class Prefetcher:
         slots = np.full(size, -1, np.int64)  # the take's block table: slot per row, -1: not from a page
         host_slots = None  # per row, its host page where the device reads them in place (-1: not from one)
         row_chunks = chunks[inverse]
-        staged, pinned = None, []
+        pinned = []
         try:
             parts = []  # (chunk arrays, rows of this take, their chunk index in the arrays) to copy on the host
-            if cached:  # hits: rows from their device pages, else from their host copies stacked in one array
-                hit = np.fromiter(cached, np.int64, len(cached))
-                hit_slots = self.pool.pin_many(chunk_keys(layer, kind, chunks[hit]))
-                pinned = hit_slots[hit_slots >= 0].tolist()
-                slot_of = np.full(len(chunks), -1, np.int64)
-                slot_of[hit] = hit_slots
-                slots[:n] = slot_of[inverse]
-                on_host = hit[hit_slots < 0]
-                host_pages = self.cache.host_pages
-                if len(on_host) and host_pages is not None:  # host-tier hits: rows of its page array, read in
-                    page_of = np.full(len(chunks), -1, np.int64)  # place by the device where it can, else copied
-                    page_of[on_host] = host_pages.slots(chunk_keys(layer, kind, chunks[on_host]))
-                    rows = np.flatnonzero(page_of[inverse] >= 0)
-                    if len(rows) and host_pages.on_device(kind) is not None:
-                        host_slots = np.full(size, -1, np.int64)
-                        host_slots[rows] = page_of[inverse[rows]]
-                    elif len(rows):
-                        parts.append((host_pages.array(kind), rows, page_of[inverse[rows]]))
-                    on_host = on_host[page_of[on_host] < 0]
-                if len(on_host):  # chunks this request read, served from their read buffers
-                    in_stack = np.full(len(chunks), -1, np.int64)
-                    in_stack[on_host] = np.arange(len(on_host))
-                    rows = np.flatnonzero(in_stack[inverse] >= 0)
-                    parts.append((np.stack(list(map(cached.__getitem__, on_host.tolist()))), rows,
-                                  in_stack[inverse[rows]]))
+            if cached:
+                pinned, host_slots = self._hits(layer, kind, chunks, inverse, size, cached, slots, parts)
             in_page = slots[:n] >= 0 if host_slots is None else (slots[:n] >= 0) | (host_slots[:n] >= 0)
             extent = _one_extent(runs)  # with no host-buffer hit, every row not in a page is read
             if extent is not None and (parts or 2 * int((~in_page).sum()) < extent.array.shape[0] * c):
@@ -410,28 +386,75 @@ class Prefetcher:
                 return (self.pool.gather(kind, slots, padded(offsets, size, 0), read, host_slots=host_slots), ok,
                         dispatched_at)
             parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
-            shape, staged_at, count = (lay.heads(kind), size, lay.head_dim), None, n
-            if in_page.any():  # only the rows not in a page cross, in an array of their own
-                host_rows = np.flatnonzero(~in_page)
-                staged_at = np.full(size, -1, np.int64)  # each take row's row of that array
-                staged_at[host_rows] = np.arange(len(host_rows))
-                shape = (shape[0], staged_size(size, len(host_rows)), shape[2])
-                count = shape[1]  # rows past the host rows are never gathered: nothing to zero
-            for arrays, rows, index in parts:
-                if len(rows):
-                    if staged is None:
-                        staged = _staging(shape, lay.np_dtype, count)
-                    copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
-            dispatched_at = time.monotonic()
-            if not ok.all():  # a bad chunk's rows: zeros
-                if staged_at is not None:
-                    staged_at[np.flatnonzero(~ok)] = -1
-                elif staged is not None:
-                    staged[:, np.flatnonzero(~ok)] = 0
-            return self.pool.gather(kind, slots, padded(offsets, size, 0), staged, staged_at, host_slots), ok, \
-                dispatched_at
+            array, dispatched_at = self._gather_parts(kind, size, offsets, slots, host_slots, in_page, parts, ok)
+            return array, ok, dispatched_at
         finally:
             self.pool.unpin(kind, pinned)
+
+    def _gather_parts(self, kind: int, size: int, offsets: np.ndarray, slots: np.ndarray, host_slots, in_page,
+                      parts: list, ok: np.ndarray) -> tuple[jax.Array, float]:
+        """A take's rows on the device, and when its steps were dispatched: the rows of `parts` (chunk arrays, their
+        rows, their chunk index) copied into one host array, only the rows in no page where some are (an array of
+        `staged_size`), crossing in one copy, then gathered with the pages' rows; a bad chunk's rows are zeros."""
+        lay = self.store.layout
+        n = len(ok)
+        staged, shape, staged_at, count = None, (lay.heads(kind), size, lay.head_dim), None, n
+        if in_page.any():  # only the rows not in a page cross, in an array of their own
+            host_rows = np.flatnonzero(~in_page)
+            staged_at = np.full(size, -1, np.int64)  # each take row's row of that array
+            staged_at[host_rows] = np.arange(len(host_rows))
+            shape = (shape[0], staged_size(size, len(host_rows)), shape[2])
+            count = shape[1]  # rows past the host rows are never gathered: nothing to zero
+        for arrays, rows, index in parts:
+            if len(rows):
+                if staged is None:
+                    staged = staging(shape, lay.np_dtype, count)
+                copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
+        dispatched_at = time.monotonic()
+        if not ok.all():  # a bad chunk's rows: zeros
+            if staged_at is not None:
+                staged_at[np.flatnonzero(~ok)] = -1
+            elif staged is not None:
+                staged[:, np.flatnonzero(~ok)] = 0
+        return self.pool.gather(kind, slots, padded(offsets, size, 0), staged, staged_at, host_slots), dispatched_at
+
+    def _hits(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, size: int, cached: dict,
+              slots: np.ndarray, parts: list) -> tuple[list, np.ndarray | None]:
+        """Where a take's cache hits come from: rows of device pages into `slots` (the take's block table), else rows
+        of the host tier's pages (read in place by a device that reads host memory: the host slots returned; else
+        copied, added to `parts`), else the chunks this request read, from their read buffers stacked in one array
+        (added to `parts`). Returns (the device slots pinned, the host slots per row or None); on failure nothing stays
+        pinned."""
+        n, host_slots = len(inverse), None
+        hit = np.fromiter(cached, np.int64, len(cached))
+        hit_slots = self.pool.pin_many(chunk_keys(layer, kind, chunks[hit]))
+        pinned = hit_slots[hit_slots >= 0].tolist()
+        try:
+            slot_of = np.full(len(chunks), -1, np.int64)
+            slot_of[hit] = hit_slots
+            slots[:n] = slot_of[inverse]
+            on_host = hit[hit_slots < 0]
+            host_pages = self.cache.host_pages
+            if len(on_host) and host_pages is not None:  # host-tier hits: rows of its page array
+                page_of = np.full(len(chunks), -1, np.int64)
+                page_of[on_host] = host_pages.slots(chunk_keys(layer, kind, chunks[on_host]))
+                rows = np.flatnonzero(page_of[inverse] >= 0)
+                if len(rows) and host_pages.on_device(kind) is not None:
+                    host_slots = np.full(size, -1, np.int64)
+                    host_slots[rows] = page_of[inverse[rows]]
+                elif len(rows):
+                    parts.append((host_pages.array(kind), rows, page_of[inverse[rows]]))
+                on_host = on_host[page_of[on_host] < 0]
+            if len(on_host):  # chunks this request read, served from their read buffers
+                in_stack = np.full(len(chunks), -1, np.int64)
+                in_stack[on_host] = np.arange(len(on_host))
+                rows = np.flatnonzero(in_stack[inverse] >= 0)
+                parts.append((np.stack(list(map(cached.__getitem__, on_host.tolist()))), rows,
+                              in_stack[inverse[rows]]))
+        except BaseException:
+            self.pool.unpin(kind, pinned)
+            raise
+        return pinned, host_slots
 
     def compile_assembly(self, kind: int, size: int) -> None:
         """Compile every device step of a take of `size` rows (stores.pool.DevicePool.compile)."""
@@ -448,30 +471,6 @@ class Prefetcher:
         if self.caching:
             self.cache.settle()
             self.pool.flush()
-
-
-def _staging(shape: tuple, dtype, n: int) -> np.ndarray:
-    """The host rows `[heads, size, d]` of a take of `n` tokens: a landing buffer (page-aligned and faulted in once,
-    `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take fills from the
-    device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` faults its pages in as
-    it is written, and crossed as one more copy: 1.0-1.3 ms a take of 4,096 rows of Qwen2.5-7B's KV heads against
-    0.67-0.75 ms, `benchmarks/results/cpu/host-exposed`.)"""
-    staged = BUFFERS.empty(shape, dtype)
-    staged[:, n:] = 0
-    return staged
-
-
-def copy_rows(out: np.ndarray, rows: np.ndarray, chunks: np.ndarray, index: np.ndarray, offsets: np.ndarray) -> None:
-    """out[:, rows[i]] = chunks[index[i], :, offsets[i]] (`out` [heads, size, d], `chunks` [n, heads, c, d]): each
-    head's row copied as one opaque element of d values' bytes, not value by value (reads land contiguous: no copy
-    of `chunks` here)."""
-    heads, size, d = out.shape
-    chunks = np.ascontiguousarray(chunks)
-    row = np.dtype((np.void, d * out.itemsize))
-    c = chunks.shape[2]
-    src = (index[None, :] * heads + np.arange(heads)[:, None]) * c + offsets[None, :]
-    dst = np.arange(heads)[:, None] * size + rows[None, :]
-    out.reshape(heads * size, d).view(row)[dst, 0] = chunks.reshape(-1, d).view(row)[src, 0]
 
 
 def _views(arrays: np.ndarray, index: np.ndarray) -> list:
