@@ -36,7 +36,8 @@ import specjax
 from specjax.engine import make_system, steps
 from specjax.eval import tasks as tasks_lib, workload as workload_lib
 from specjax.eval.fallback_tokenizer import tokenizer_for
-from specjax.engine.identify import covering, probe_query_heads, ranked_chunks
+from specjax.engine.identify import covering, ranked_chunks
+from specjax.engine.policy_steps import probe_query_heads
 from specjax.eval.observe_measure import (itf_selection, keep_count, kv_itf_selection, ordered_by_prefix, prefix_kv,
                                          top_k)
 from specjax.kernels import PerHeadIndices, quest

@@ -1,6 +1,6 @@
 """What `python -m specjax.eval.observe` measures on the model, with the engine's own pieces.
 
-- Probe heads: the engine's (`specjax.engine.identify.probe_query_heads`, the first 3 query heads; looked up there
+- Probe heads: the engine's (`specjax.engine.policy_steps.probe_query_heads`, the first 3 query heads; looked up there
   on every call, so observe follows the engine's choice) and, for comparison, spread probes (one query head per
   KV group).
 - Selections: H2O's per-head top-k and ITF's decision, both from `specjax.kernels.itf` (the engine's ITF).
@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from specjax import sharding
 from specjax.engine import EngineConfig, fingerprint, make_engine, make_system, steps
-from specjax.engine import identify
+from specjax.engine import policy_steps
 from specjax.engine import state as st
 from specjax.eval.engine_systems import warm_up
 from specjax.eval.units import cache_bytes
@@ -56,7 +56,7 @@ PROBE_LABELS = {"engine": "engine's probes (first 3 query heads)",
 def probe_choices(cfg) -> dict[str, tuple[int, ...]]:
     """The probe sets the observations compare, by key: the engine's (its ITF's probe heads), spread ones and
     all heads."""
-    return {"engine": identify.probe_query_heads(cfg), "spread": spread_probe_heads(cfg),
+    return {"engine": policy_steps.probe_query_heads(cfg), "spread": spread_probe_heads(cfg),
             "all": tuple(range(cfg.num_heads))}
 
 
@@ -343,8 +343,8 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
     out = {}
     for label, system, reorder in runs:
         started = time.time()
-        probe_q = identify.probe_query_heads(cfg, system.num_probe_heads)
-        probe_kv = len(identify.probe_kv_heads(cfg, system.num_probe_heads))
+        probe_q = policy_steps.probe_query_heads(cfg, system.num_probe_heads)
+        probe_kv = len(policy_steps.probe_kv_heads(cfg, system.num_probe_heads))
         try:
             store = KVStore.open({"driver": "memory", "path": f"observe{time.time_ns()}/"},
                                  fingerprint(model, settings["chunk_tokens"]), context=ts.Context())

@@ -195,7 +195,7 @@ def _header(res: dict, meta: dict) -> list[str]:
       "ITF loads for all heads).")
     engine, spread = res["probes"]["engine"], res["probes"]["spread"]
     w(f"- probe heads: the engine's ITF probes with the first {len(engine['probes'])} query heads "
-      f"{engine['probes']} (`specjax.engine.identify.probe_query_heads`; they read {engine['probe_kv_heads']} of "
+      f"{engine['probes']} (`specjax.engine.policy_steps.probe_query_heads`; they read {engine['probe_kv_heads']} of "
       f"{cfg.num_kv_heads} KV heads). For comparison, spread probes {spread['probes']} take one query head per KV "
       f"group ({spread['probe_kv_heads']} of {cfg.num_kv_heads} KV heads). ITF's decision for either is the "
       "engine's (`specjax.kernels.itf.identify`).")

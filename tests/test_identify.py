@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.engine import identify as I
+from specjax.engine import identify as I, policy_steps as P
 from specjax.engine import make_system
 from specjax.engine import state as st
 from specjax.kernels import PerHeadIndices, SharedIndices
@@ -45,24 +45,24 @@ class Memory:
 
     def carry_out(self, layer, step):
         match step:
-            case I.Take():
+            case P.Take():
                 positions = layer.positions if step.positions is None else np.asarray(step.positions)
                 rows = np.zeros((self.kv[step.kind].shape[0], step.pad_to or layer.m_pad, D), np.float32)
                 rows[:, : len(positions)] = self.kv[step.kind][:, positions]
                 return jnp.asarray(rows)
-            case I.TakeChosen():
+            case P.TakeChosen():
                 if not (self.cached and bool(step.when)):
                     return None
                 rows = np.asarray(step.rows)[: step.count]
-                return tuple(self.carry_out(layer, I.Take(kind, layer.positions[rows], step.pad_to))
+                return tuple(self.carry_out(layer, P.Take(kind, layer.positions[rows], step.pad_to))
                              for kind in step.kinds)
-            case I.Score():
+            case P.Score():
                 computed = self.computed[step.role] = step.fn(*step.args, **step.kwargs)
                 given = self.scores.get(step.role)
                 return computed if given is None else jnp.asarray(given, computed.dtype)
-            case I.Decide():
+            case P.Decide():
                 return step.fn(*step.args, **step.kwargs)
-            case I.Credit() | I.PlanPeriod():
+            case P.Credit() | P.PlanPeriod():
                 return None
         raise AssertionError(f"not a step: {step!r}")
 
@@ -77,7 +77,7 @@ def _kv(seed=0):
     kv[PROBE] = kv[K][:2]  # the probe kind holds the probe heads' KV heads (0 and 1)
     q = jnp.asarray(rng.standard_normal((CFG.num_heads, N_PAD, D)), jnp.float32)
     own_k = jnp.asarray(rng.standard_normal((CFG.num_kv_heads, N_PAD, D)), jnp.float32)
-    return kv, I.Layer(0, q, own_k, N, KEEP, bucket(KEEP), M, M_PAD, np.arange(M))
+    return kv, P.Layer(0, q, own_k, N, KEEP, bucket(KEEP), M, M_PAD, np.arange(M))
 
 
 def _facts(system: str, **changes) -> I.Facts:
@@ -189,7 +189,7 @@ def test_chunks_first_layer_of_a_period_chooses_and_plans_its_later_layers_reuse
     np.testing.assert_array_equal(plan.chosen, chosen)
 
     later = Memory(kv)
-    second = later.run(I.policy("chunks"), facts, I.Layer(1, layer.q, layer.own_k, N, KEEP, layer.k_cap, M, M_PAD,
+    second = later.run(I.policy("chunks"), facts, P.Layer(1, layer.q, layer.own_k, N, KEEP, layer.k_cap, M, M_PAD,
                                                           layer.positions), first.state)
     assert later.kinds() == [("Take", K), ("Take", V)]  # nothing scored or decided: the period's choice
     for take in later.steps:

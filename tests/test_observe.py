@@ -8,7 +8,7 @@ import pytest
 
 from specjax.config import from_hf_config
 from specjax.configs.models import MODEL_SHAPES
-from specjax.engine.identify import probe_kv_heads, probe_query_heads
+from specjax.engine.policy_steps import probe_kv_heads, probe_query_heads
 from specjax.eval import observe, observe_analysis as A, observe_measure as M, observe_report as R
 from specjax.kernels import itf
 
@@ -180,9 +180,9 @@ def test_reported_engine_probes_are_the_engines(tmp_path):
 
 
 def test_engine_probes_follow_the_engines_choice(monkeypatch):
-    from specjax.engine import identify
+    from specjax.engine import policy_steps
 
-    monkeypatch.setattr(identify, "probe_query_heads", lambda cfg, count=3: (2, 5, 8))
+    monkeypatch.setattr(policy_steps, "probe_query_heads", lambda cfg, count=3: (2, 5, 8))
     assert M.probe_choices(GqaCfg)["engine"] == (2, 5, 8)
 
 

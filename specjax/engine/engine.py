@@ -23,7 +23,8 @@ import numpy as np
 from specjax import sharding as sh
 from specjax.engine import state as st
 from specjax.engine import steps as S
-from specjax.engine.identify import Facts, policy, probe_kv_heads
+from specjax.engine.identify import policy
+from specjax.engine.policy_steps import Facts, probe_kv_heads
 from specjax.engine.clock import Clock
 from specjax.engine.layer_io import BadChunk, LayerIO, ReadPath
 from specjax.engine.replay import Recorder, Replay

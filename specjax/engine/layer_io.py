@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from specjax.engine import events
-from specjax.engine import identify as I
+from specjax.engine import policy_steps as P
 from specjax.engine.clock import Clock
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
@@ -36,7 +36,7 @@ class ReadPath:
     speculator: Speculator | None
     io_worker: concurrent.futures.ThreadPoolExecutor | None
     identification: Any  # a policy of `identify.POLICIES`
-    facts: I.Facts
+    facts: P.Facts
     system: System
     selections: Any  # a `replay.Recorder` or `replay.Replay`, or None
     place_kv: Callable[[Any], Any]
@@ -272,7 +272,7 @@ class LayerIO:
                                                  * self.path.store.layout.chunk_nbytes(kind))
         return self.path.place_kv(taken.array)
 
-    def take_chosen(self, layer: int, step: I.TakeChosen):
+    def take_chosen(self, layer: int, step: P.TakeChosen):
         """`step`'s kinds' rows gathered on the device from the caches' pages by the block table of every position of
         the layer (`Prefetcher.resident`), with no host step between the device's choice and the gather: the host
         waits only for the gathers' test (`step.when` and every row in a page) and, if it holds, hands the arrays
@@ -357,10 +357,10 @@ class LayerIO:
     def take_all(self, layer: int, kind: int, phase: str = "kv_io_stall"):
         return self.take(layer, kind, self.all_positions, self.m_pad, phase)
 
-    def select(self, policy, state, layer: int, q, own_k, n: int, k: int, k_cap: int) -> I.Selected:
+    def select(self, policy, state, layer: int, q, own_k, n: int, k: int, k_cap: int) -> P.Selected:
         """Layer `layer`'s identification by `policy` (`specjax.engine.identify`): its steps carried out in the
         order it yields them, each one's result sent back, until it returns the layer's selection."""
-        steps = policy.select(self.path.facts, I.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
+        steps = policy.select(self.path.facts, P.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
                                                        self.all_positions), state)
         result = None
         try:
@@ -376,31 +376,31 @@ class LayerIO:
         `identify`), a scoring step (through a selection trace, if one is recorded or replayed), where positions lie,
         their chunks' key summaries, or ContiguousKV's feedback and period plan."""
         match step:
-            case I.Take():
+            case P.Take():
                 positions = self.all_positions if step.positions is None else step.positions
                 return self.take(layer, step.kind, positions, self.m_pad if step.pad_to is None else step.pad_to,
                                  step.phase, importance=step.importance)
-            case I.TakeChosen():
+            case P.TakeChosen():
                 return self.take_chosen(layer, step)
-            case I.Score():
+            case P.Score():
                 scores = self.identify(step.fn, *step.args, **step.kwargs)
                 hook = self.path.selections
                 if hook is None:
                     return scores
                 columns = self.all_positions if step.columns is None else step.columns
                 return hook.scores(layer, step.heads, step.role, columns, self.m, scores)
-            case I.Decide():
+            case P.Decide():
                 return self.identify(step.fn, *step.args, **step.kwargs)
-            case I.Locate():
+            case P.Locate():
                 return self.locate(layer, step.positions)
-            case I.Summaries():
+            case P.Summaries():
                 got = self.clock.timed("probe_io", self.path.store.key_summaries, layer, step.chunks)
                 if not got.ok.all():
                     raise BadChunk()
                 return got.array
-            case I.Credit():
+            case P.Credit():
                 return self.credit(layer, step.kind, step.positions, step.importance)
-            case I.PlanPeriod():
+            case P.PlanPeriod():
                 return self.plan_period(layer, step.chosen)
         raise TypeError(f"an identification yielded {step!r}, which is no step (specjax.engine.identify)")
 
