@@ -147,6 +147,53 @@ def _rank(deviation, count):
     return jnp.argsort(jnp.where(valid, -deviation, jnp.inf), stable=True).astype(jnp.int32)
 
 
+def _chunks(request) -> list[list[int]]:
+    """A request's text chunks (its whole prefix as one where it names none)."""
+    prefix = [int(t) for t in request.prefix]
+    return [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
+
+
+def _placement(chunks: list[list[int]], keys: list[list[int]], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the rotation of each of `size` token rows: its position in the request less its stored position; the chunk
+    tokens' rows of the chunks' joined match, each chunk stored under `keys` (a later chunk's sink row not read))."""
+    stored_at = [len(k) - len(c) for k, c in zip(keys, chunks)]  # stored position of each chunk's first token
+    starts = np.cumsum([0] + [len(c) for c in chunks])[:-1]
+    joined = np.cumsum([0] + [len(k) for k in keys])[:-1]
+    shift = np.zeros(size, np.int32)
+    for start, offset, c in zip(starts, stored_at, chunks):
+        shift[start:start + len(c)] = start - offset
+    read = np.concatenate([np.zeros(0, np.int64)] + [j + o + np.arange(len(c))
+                                                      for j, o, c in zip(joined, stored_at, chunks)])
+    return shift, read
+
+
+def _loads(counts, m: int) -> list[bool]:
+    """Per layer: does it read the reused KV (its attention uses some of it, or the next layer selects from it)?"""
+    layers = len(counts)
+    return [counts[i] < m or (i + 1 < layers and counts[i + 1] < counts[i]) for i in range(layers)]
+
+
+def _keep_deviating(clock: Clock, deviation, keep: int, recomputed, rows, n: int, size: int, h):
+    """The `keep` most deviating of the `recomputed` rows, with the n query rows: (recomputed, rows, rows on the
+    device padded, h of those rows), ranked once the layer's deviation is computed (as `LayerIO.identify` paces
+    identification)."""
+    order = np.asarray(clock.timed("identify", _rank, clock.device_wait(deviation), len(recomputed)))
+    kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
+    index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
+    rows = rows[index]
+    rows_pad = bucket(len(rows))
+    h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
+    return recomputed[kept], rows, jnp.asarray(padded(rows, rows_pad, size)), h
+
+
+def _context(layers_kv, size: int, total: int) -> list[LayerKV]:
+    """The context a continuation attends to: every token's mixed K/V per layer (the computed rows are in it)."""
+    context = SharedIndices(jnp.arange(size, dtype=jnp.int32), total)
+    k = layers_kv[0][0]
+    no_rows = jnp.zeros((k.shape[0], 0, k.shape[2]), k.dtype)
+    return [LayerKV(k, v, context, no_rows, no_rows) for k, v in layers_kv]
+
+
 @jax.jit
 def _gather_rows(h, idx):
     return h[idx]
@@ -181,7 +228,7 @@ class BlendEngine(Engine):
             return super()._prefill(request, reuse, head, clock, opened)
         cfg, params = self.cfg, self.model.params
         prefix, query = [int(t) for t in request.prefix], [int(t) for t in request.query]
-        chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
+        chunks = _chunks(request)
         if sum(chunks, []) != prefix:
             raise SpecjaxError("a request's chunks must concatenate to its prefix")
         if not query:
@@ -191,19 +238,9 @@ class BlendEngine(Engine):
         total = m + n
         size = bucket(total)
         keys = chunk_keys(chunks, self.sink)
-        stored_at = [len(k) - len(c) for k, c in zip(keys, chunks)]  # stored position of each chunk's first token
-        starts = np.cumsum([0] + [len(c) for c in chunks])[:-1]
-        joined = np.cumsum([0] + [len(k) for k in keys])[:-1]
-        shift = np.zeros(size, np.int32)  # rotation of each token: position in the request - stored position
-        for start, offset, c in zip(starts, stored_at, chunks):
-            shift[start:start + len(c)] = start - offset
-        # the chunk tokens' rows of the joined match (a later chunk's sink row is not read)
-        read = np.concatenate([np.zeros(0, np.int64)] + [j + o + np.arange(len(c))
-                                                          for j, o, c in zip(joined, stored_at, chunks)])
+        shift, read = _placement(chunks, keys, size)
         counts = recompute_counts(cfg.num_layers, m, self.system.blend_ratio, filtering=self.system.blend_filter)
-        # a layer reads the reused KV when its attention uses some of it or the next layer selects from it
-        loads = [counts[i] < m or (i + 1 < cfg.num_layers and counts[i + 1] < counts[i])
-                 for i in range(cfg.num_layers)]
+        loads = _loads(counts, m)
         parts = [opened.enter_context(self._match_or_store(key)) for key in keys]
         match = opened.enter_context(self.store.join(parts))
         io = LayerIO(self.read_path(), match, m, size, clock, positions=read)
@@ -235,30 +272,16 @@ class BlendEngine(Engine):
             layers_kv.append((mixed_k, mixed_v))
             keep = counts[layer + 1] if layer + 1 < cfg.num_layers else len(recomputed)
             if keep < len(recomputed):
-                # ranked once the layer's deviation is computed (as `LayerIO.identify` paces identification)
-                order = np.asarray(clock.timed("identify", _rank, clock.device_wait(deviation), len(recomputed)))
-                kept = np.sort(order[:keep])  # rows of the most deviating tokens, in position order
-                recomputed = recomputed[kept]
-                index = np.concatenate([kept, np.arange(len(rows) - n, len(rows))])
-                rows = rows[index]
-                rows_pad = bucket(len(rows))
-                rows_dev = jnp.asarray(padded(rows, rows_pad, size))
-                h = _gather_rows(h, jnp.asarray(padded(index, rows_pad, 0)))
+                recomputed, rows, rows_dev, h = _keep_deviating(clock, deviation, keep, recomputed, rows, n, size, h)
             pace.step(h)
         logits = clock.device_wait(S.head_row(cfg, params, h, len(rows) - 1))
-        # the context a continuation attends to: every token's mixed K/V (the computed rows are in it)
-        context = SharedIndices(jnp.arange(size, dtype=jnp.int32), total)
-        no_rows = jnp.zeros((cfg.num_kv_heads, 0, cfg.head_dim), layers_kv[0][0].dtype)
-        layers_kv = [LayerKV(k, v, context, no_rows, no_rows) for k, v in layers_kv]
-        return Prefill(logits, layers_kv, 0, reused_tokens=m, computed_tokens=n + len(traced[-1]),
+        return Prefill(logits, _context(layers_kv, size, total), 0, reused_tokens=m, computed_tokens=n + len(traced[-1]),
                        layers=_layer_record(counts, loads, m), prefetch=io.prefetch_report,
                        then=[io.after_first_token], selections=traced)
 
     def stored_keys(self, request) -> list[list[int]]:
         """Each text chunk's key (`chunk_keys`): the store holds chunks, not the request's prefix."""
-        prefix = [int(t) for t in request.prefix]
-        chunks = [[int(t) for t in c] for c in request.chunks if len(c)] or ([prefix] if prefix else [])
-        return chunk_keys(chunks, self.sink)
+        return chunk_keys(_chunks(request), self.sink)
 
     def _match_or_store(self, key: list[int]):
         """The stored KV of a chunk's key (`chunk_keys`); one not stored yet is computed from position 0 and

@@ -189,7 +189,7 @@ class CakeEngine(Engine):
             raise SpecjaxError("cake chooses its own split of the stored prefix: it computes no planned head")
         if not reuse:
             return super()._prefill(request, reuse, head, clock, opened)
-        cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
+        cfg, c = self.cfg, self.chunk_tokens
         prefix = [int(t) for t in request.prefix]
         tokens = prefix + [int(t) for t in request.query]
         match = self.store.match(prefix)
@@ -198,8 +198,9 @@ class CakeEngine(Engine):
             match.close()
             prefill = super()._prefill(request, reuse, head, clock, opened)
             prefill.split = {"stored_tokens": 0, "computed_prefix_tokens": 0, "loaded_prefix_tokens": 0,
-                             "chunk_tokens": c, "chunks": 0, "computed_chunks": 0, "loaded_chunks": 0,
-                             "device_gave_up_chunk": False, "loader_gave_up_chunk": False, "bad_chunk": False}
+                             "chunk_tokens": self.chunk_tokens, "chunks": 0, "computed_chunks": 0,
+                             "loaded_chunks": 0, "device_gave_up_chunk": False, "loader_gave_up_chunk": False,
+                             "bad_chunk": False}
             return prefill
         opened.enter_context(match)
         n_chunks = -(-m // c)
@@ -221,39 +222,8 @@ class CakeEngine(Engine):
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         keys = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
         values = S.zero_buffers(cfg.num_layers, shape, self._no_prefix.dtype)
-        absorbed: set[int] = set()
-        device_gave_up = False
-        loader.start()
-        while (j := meeting.next_to_compute()) is not None:
-            keys, values = self._absorb(meeting, absorbed, keys, values)
-            if self._compute_chunk(j, prefix, m, keys, values, meeting, clock):
-                meeting.computed(j)
-            else:
-                device_gave_up = True  # the loader finished this chunk first
-        split = meeting.stop()
-        keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
-        # The new tokens (unstored prefix tail + query) over the whole prefix, as the engine does for as_full.
-        n_pad = bucket(n)
-        ids = np.zeros(n_pad, np.int32)
-        ids[:n] = tokens[m:]
-        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
-        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(cfg, positions)
-        selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
-        layers_kv = []
-        pace = sh.Pace(self.mesh, clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
-        for layer, lp in enumerate(params["layers"]):
-            q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
-            dispatched = time.monotonic()
-            h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
-                        impl=self.config.kernel_impl)
-            clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
-            layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
-            if writer is not None:
-                writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
-                                   own_k[self.probe_kv, :new_prefix])
-            pace.step(h)
-        logits = clock.device_wait(S.head_row(cfg, params, h, n - 1))
+        keys, values, split, device_gave_up = self._meet(meeting, loader, keys, values, prefix, m, clock)
+        logits, layers_kv = self._over_prefix(tokens[m:], m, keys, values, width, writer, new_prefix, clock)
         computed = min(split * c, m)
         prefill = Prefill(
             logits, layers_kv, n, reused_tokens=m, computed_tokens=n + computed,
@@ -269,6 +239,49 @@ class CakeEngine(Engine):
 
         prefill.then = [loader_stopped] + ([writer.commit] if writer is not None else [])
         return prefill
+
+    def _meet(self, meeting: _Meeting, loader: _Loader, keys, values, prefix, m: int, clock: Clock):
+        """The device computes chunks from the front while `loader` loads them from the back, until they meet: the
+        prefix buffers then holding every chunk, the chunks computed, and whether the device gave a chunk up (the
+        loader finished it first)."""
+        absorbed: set[int] = set()
+        device_gave_up = False
+        loader.start()
+        while (j := meeting.next_to_compute()) is not None:
+            keys, values = self._absorb(meeting, absorbed, keys, values)
+            if self._compute_chunk(j, prefix, m, keys, values, meeting, clock):
+                meeting.computed(j)
+            else:
+                device_gave_up = True  # the loader finished this chunk first
+        split = meeting.stop()
+        keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
+        return keys, values, split, device_gave_up
+
+    def _over_prefix(self, new_tokens, m: int, keys, values, width: int, writer, new_prefix: int, clock: Clock):
+        """(first-token logits, every layer's `LayerKV`): the new tokens (unstored prefix tail + query) over the whole
+        stored prefix `keys`/`values` of m tokens, as the engine does for as_full; the tail's KV written behind."""
+        cfg, params, n = self.cfg, self.model.params, len(new_tokens)
+        n_pad = bucket(n)
+        ids = np.zeros(n_pad, np.int32)
+        ids[:n] = new_tokens
+        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
+        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
+        rotary = T.rotary_step(cfg, positions)
+        selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
+        layers_kv = []
+        pace = sh.Pace(self.mesh, clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
+        for layer, lp in enumerate(params["layers"]):
+            q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
+            dispatched = time.monotonic()
+            h = S.finish(cfg, lp, h, q, own_k, own_v, keys[layer], values[layer], selection, n,
+                         impl=self.config.kernel_impl)
+            clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
+            layers_kv.append(LayerKV(keys[layer], values[layer], selection, own_k, own_v))
+            if writer is not None:
+                writer.write_layer(layer, own_k[:, :new_prefix], own_v[:, :new_prefix],
+                                   own_k[self.probe_kv, :new_prefix])
+            pace.step(h)
+        return clock.device_wait(S.head_row(cfg, params, h, n - 1)), layers_kv
 
     @staticmethod
     def _stop_loader(meeting: _Meeting, loader: _Loader, raising: bool = False) -> None:
