@@ -119,6 +119,7 @@ class Interrupted(EvalError):
 def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> dict:
     started = time.time()
     values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
+    registry.load_plugins(values["plugins"])  # the systems they register are named like the engine's
     names = registry.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
     task, limit, workload, tokenizer_source = _workload(model, values)

@@ -3,6 +3,11 @@ adds (`PLUGINS`); `resolve` checks a --systems list, `make_system` builds one.""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +23,36 @@ DEFAULT_SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "spec")
 Factory = Callable[[Any, SystemSettings], System]
 # Systems from outside the engine, by name (a plugin's or a test's); they win over the engine's of the same name.
 PLUGINS: dict[str, Factory] = {}
+
+
+def load_plugins(spec: str | None) -> list[str]:
+    """Import each of `spec`'s comma-separated Python files or module names (`--plugins`), once per process: each may
+    register identification policies and systems (`specjax.engine.identify.register`,
+    `specjax.engine.systems.register`; docs/development.md, "Adding a system"). Returns the modules' names."""
+    names = []
+    for item in [s.strip() for s in (spec or "").split(",") if s.strip()]:
+        if item.endswith(".py"):
+            path = pathlib.Path(item).expanduser().resolve()
+            if not path.is_file():
+                raise EvalError(f"--plugins: no file {item}")
+            name = f"specjax_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+            if name not in sys.modules:
+                spec_ = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec_)
+                sys.modules[name] = module
+                try:
+                    spec_.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+        else:
+            name = item
+            try:
+                importlib.import_module(item)
+            except ModuleNotFoundError as e:
+                raise EvalError(f"--plugins: cannot import {item} ({e})") from None
+        names.append(name)
+    return names
 
 
 def available() -> dict[str, Factory]:

@@ -199,6 +199,9 @@ class RunSettings:
     systems: str = setting("default", "Comma-separated systems: " + ", ".join(registry.KNOWN_SYSTEMS) + ". "
                            "`default` = the SPEC paper's line-up (" + ", ".join(registry.DEFAULT_SYSTEMS) + ") "
                            "restricted to those built; `all` = every built system.")
+    plugins: str | None = setting(None, "Comma-separated Python files or modules imported first: each may register "
+                                  "identification policies and systems (docs/development.md, \"Adding a system\"), "
+                                  "e.g. examples/recent_window.py, whose systems --systems may then name.")
     retention: str = setting(DEFAULT_RETENTION, "Fraction of prefix tokens kept, or a comma-separated list to sweep "
                              "(e.g. 0.05,0.1,0.25,0.5); each system that prunes runs once per value, the others "
                              "(recompute, as_full, cake, ...) once in all. results.md opens with the accuracy-TTFT "

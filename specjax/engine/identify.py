@@ -13,8 +13,8 @@ of the request's layer its `Layer`. It also declares `certain_reads(facts)`, the
 then selects (the request's read plan issues them for every layer at its start), and `selection_reads(facts)`, the
 kinds it reads for the tokens it selects (what speculation reads ahead).
 
-A `System` names one of `specjax.engine.systems.IDENTIFY`, each a policy of `POLICIES` here; `policy(name)` refuses
-any other.
+A `System` names one of `POLICIES` here; `register(name)` adds one (a new file: docs/development.md, "Adding a
+system"), and `policy(name)` refuses any other.
 """
 
 from __future__ import annotations
@@ -332,7 +332,22 @@ def _importance_now(scores, n: int, positions: np.ndarray | None, m: int | None)
     return out
 
 
-POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}  # systems.IDENTIFY's
+# identification name -> policy class, what a `System`'s `identify` names; `register` adds one
+POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}
+
+
+def register(name: str):
+    """Class decorator: the policy becomes the identification `name` a `System` may name (its module imported before
+    such a system is made). A name already taken is refused."""
+    def add(cls):
+        if name in POLICIES:
+            raise SpecjaxError(f"identification {name!r} is taken (by {POLICIES[name].__name__}); pick another name")
+        for method in ("certain_reads", "selection_reads", "select"):
+            if not callable(getattr(cls, method, None)):
+                raise SpecjaxError(f"policy {cls.__name__} has no {method}(); see specjax.engine.identify")
+        POLICIES[name] = cls
+        return cls
+    return add
 
 
 def policy(name: str):

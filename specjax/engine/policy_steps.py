@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from specjax.engine import state as st
-from specjax.engine.systems import System
 from specjax.kernels import PerHeadIndices, SharedIndices
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ class Facts:
     size, the kernels' implementation, and SPEC's probe heads."""
 
     cfg: ModelConfig
-    system: System
+    system: Any  # the engine's `specjax.engine.systems.System`
     chunk_tokens: int | None
     kernel_impl: str
     probe_q: tuple[int, ...]  # SPEC's probe query heads (`probe_query_heads`)
@@ -58,7 +57,7 @@ class Facts:
     probe_is_k: bool
 
     @classmethod
-    def of(cls, cfg: ModelConfig, system: System, chunk_tokens: int | None = None,
+    def of(cls, cfg: ModelConfig, system, chunk_tokens: int | None = None,
            kernel_impl: str = "auto") -> "Facts":
         probe_q = probe_query_heads(cfg, system.num_probe_heads)
         probe_kv = probe_kv_heads(cfg, system.num_probe_heads)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.engine.identify import POLICIES as IDENTIFY
 from specjax.errors import SpecjaxError
 from specjax.stores.caches import POLICIES
 
-# How a layer chooses its tokens, each a policy of specjax.engine.identify: load all | per-head H2O | SPEC's ITF |
-# ContiguousKV's chunks | spec_gqa's ITF over KV-head probes
-IDENTIFY = ("none", "h2o", "itf", "chunks", "gqa_itf")
+# How a layer chooses its tokens (`IDENTIFY`, specjax.engine.identify's policies by name): load all | per-head H2O |
+# SPEC's ITF | ContiguousKV's chunks | spec_gqa's ITF over KV-head probes | any a new file registers
 # what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
 # its selection | ContiguousKV's intra- and inter-period plan
 PREFETCH = ("none", "certain", "speculative", "periods")
@@ -121,6 +121,18 @@ SYSTEMS: dict[str, System] = {
 
 def system_names() -> list[str]:
     return list(SYSTEMS)
+
+
+def register(system: System) -> System:
+    """Add `system` to the registry under its name (a new system's one row: docs/development.md, "Adding a system"),
+    so that `make_system`, `specjax.prefill_engine` and `python -m specjax.eval --systems` find it. A name already
+    registered is refused."""
+    if system.name in SYSTEMS:
+        raise SpecjaxError(f"a system named {system.name!r} is registered already; pick another name")
+    if "-" in system.name:
+        raise SpecjaxError(f"system name {system.name!r}: '-' separates a system's name from its options")
+    SYSTEMS[system.name] = system
+    return system
 
 
 # SPEC's ablations (paper Fig. 18): option no_NAME sets the System field to the value (AS+H2O+LFU's, the baseline's)
