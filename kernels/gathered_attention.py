@@ -112,10 +112,8 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
     q = c.pad_axis(q, 1, n_q_pad)
     own_k, own_v = (c.pad_axis(x, 1, c.round_up(n_q_pad, block_k)) for x in (own_k, own_v))
     grid_heads, kv_of = num_heads, group  # program h reads KV head h // kv_of
-    if pack > 1:  # [H_kv, n_q_pad * pack, d]: row t * pack + g is token t of the group's query head g
-        q = jnp.swapaxes(c.pad_axis(q.reshape(num_kv, group, n_q_pad, head_dim), 1, pack), 1, 2)
-        q = q.reshape(num_kv, n_q_pad * pack, head_dim)
-        grid_heads, kv_of = num_kv, 1
+    if pack > 1:
+        q, grid_heads, kv_of = _packed(q, num_kv, pack), num_kv, 1
     idx = c.pad_axis(idx, 1, k_pad)
     q_len = jnp.reshape(q_len, (1,)).astype(jnp.int32)
     q_blocks, k_blocks = n_q_pad * pack // block_q, k_pad // block_k
@@ -161,10 +159,24 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
         name=f"gathered_attention_bq{block_q}_bk{block_k}_p{pack}",
     )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
     _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
-    if pack > 1:  # back to [H, n_q_pad, d], the padding heads dropped
-        out = jnp.swapaxes(out.reshape(num_kv, n_q_pad, pack, head_dim), 1, 2)[:, :group]
-        out = out.reshape(num_heads, n_q_pad, head_dim)
+    if pack > 1:
+        out = _unpacked(out, num_heads, pack)
     return out[:, :n_q].astype(q.dtype)
+
+
+def _packed(q, num_kv: int, pack: int):
+    """q [H, n, d] -> [H_kv, n * pack, d]: row t * pack + g is token t of the group's query head g (heads past the
+    group's are zeros)."""
+    num_heads, n, d = q.shape
+    q = jnp.swapaxes(c.pad_axis(q.reshape(num_kv, num_heads // num_kv, n, d), 1, pack), 1, 2)
+    return q.reshape(num_kv, n * pack, d)
+
+
+def _unpacked(out, num_heads: int, pack: int):
+    """`_packed`'s inverse on the output [H_kv, n * pack, d] -> [H, n, d], the padding heads dropped."""
+    num_kv, rows, d = out.shape
+    out = jnp.swapaxes(out.reshape(num_kv, rows // pack, pack, d), 1, 2)[:, :num_heads // num_kv]
+    return out.reshape(num_heads, rows // pack, d)
 
 
 # ----------------------------------------------------------------------------- reference
