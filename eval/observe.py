@@ -136,6 +136,23 @@ def _device() -> str:
     return f"{len(jax.devices())}x {d.platform} ({getattr(d, 'device_kind', d.platform)})"
 
 
+def _settings(values: dict) -> dict:
+    """The analysis's settings from the flags: retentions (the main one among them), alphas, chunk sizes, caches."""
+    from specjax.eval.errors import EvalError
+
+    retentions = _floats(values["retentions"], "retentions")
+    alphas = _floats(values["alphas"], "alphas")
+    if any(not 0 < r <= 1 for r in retentions + [values["main_retention"], values["density_retention"]]):
+        raise EvalError("retentions must be fractions in (0, 1]")
+    if values["main_retention"] not in retentions:
+        retentions = sorted(set(retentions) | {values["main_retention"]})
+    return {"retentions": retentions, "main_retention": values["main_retention"], "alphas": alphas,
+            "density_retention": values["density_retention"], "chunk_tokens": values["chunk_tokens"],
+            "period_chunk_tokens": values["period_chunk_tokens"], "period_layers": values["period_layers"],
+            "accuracy": values["accuracy"], "reorder_every": values.get("reorder_every", 0),
+            "gpu_cache": values.get("gpu_cache", "15%"), "cpu_cache": values.get("cpu_cache", "50%")}
+
+
 def run(values: dict, progress=print) -> dict:
     """The whole command; `values` has the flag names as keys. Returns the results dict."""
     from specjax.eval import tasks as tasks_lib, workload as workload_lib
@@ -144,17 +161,7 @@ def run(values: dict, progress=print) -> dict:
     from specjax.eval.units import parse_fewshot
 
     started = time.time()
-    retentions = _floats(values["retentions"], "retentions")
-    alphas = _floats(values["alphas"], "alphas")
-    if any(not 0 < r <= 1 for r in retentions + [values["main_retention"], values["density_retention"]]):
-        raise EvalError("retentions must be fractions in (0, 1]")
-    if values["main_retention"] not in retentions:
-        retentions = sorted(set(retentions) | {values["main_retention"]})
-    settings = {"retentions": retentions, "main_retention": values["main_retention"], "alphas": alphas,
-                "density_retention": values["density_retention"], "chunk_tokens": values["chunk_tokens"],
-                "period_chunk_tokens": values["period_chunk_tokens"], "period_layers": values["period_layers"],
-                "accuracy": values["accuracy"], "reorder_every": values.get("reorder_every", 0),
-                "gpu_cache": values.get("gpu_cache", "15%"), "cpu_cache": values.get("cpu_cache", "50%")}
+    settings = _settings(values)
     model = _load_model(values["model"], values["init"], values["seed"])
     cfg = model.config
     task = tasks_lib.load_task(values["task"], values["data_dir"])
