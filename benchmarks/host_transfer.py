@@ -54,14 +54,16 @@ def buffer_rates(nbytes: int, repeats: int) -> dict:
     device = jax.devices()[0]
     out = {"bytes": nbytes}
     for kind in ("off", "on"):
-        buffers = LandingBuffers(dma=kind)
-        host = buffers.empty((nbytes,), np.uint8)
-        host[:] = 1
+        buffers = LandingBuffers()
         name = "pageable" if kind == "off" else "dma_mapped"
-        if kind == "on" and not buffers.pinned_for_dma:
+        if buffers.enable_dma(kind) != (kind == "on"):
             out[name] = None  # no runtime here registers host memory (a CPU device reads it in place)
             continue
+        host = buffers.empty((nbytes,), np.uint8)
+        host[:] = 1
         out[name] = nbytes / _median_seconds(lambda: jax.device_put(host, device).block_until_ready(), repeats) / 1e9
+        del host
+        buffers.close()
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" in kinds and device.platform != "cpu":
         pinned = jax.device_put(np.ones(nbytes, np.uint8),
@@ -99,7 +101,10 @@ def host_tier_take(tokens: int, retention: float, repeats: int, seed: int = 0) -
             raise AssertionError(f"{path}: the rows on the device are not the host tier's")
     out = {"tokens": n_chunks * c, "rows": int(len(rows)), "bytes": rows_nbytes}
     for name, choice in (("pageable", "off"), ("dma_mapped", "on")):
-        buffers = LandingBuffers(dma=choice)
+        buffers = LandingBuffers()
+        if buffers.enable_dma(choice) != (choice == "on"):
+            out[name] = None
+            continue
 
         def take():
             staged = buffers.empty((layout.heads(kind), size, layout.head_dim), layout.np_dtype)
@@ -109,14 +114,12 @@ def host_tier_take(tokens: int, retention: float, repeats: int, seed: int = 0) -
             return pool.gather(kind, slots, np.pad(offsets, (0, size - len(rows))), staged).block_until_ready()
 
         check(take(), name)
-        if choice == "on" and not buffers.pinned_for_dma:
-            out[name] = None
-            continue
         copy_only = _median_seconds(lambda: copy_rows(  # the host's part alone: the rows' copy into the buffer
             buffers.empty((layout.heads(kind), size, layout.head_dim), layout.np_dtype), np.arange(len(rows)),
             pages.array(kind), index, offsets), repeats)
         out[name] = {"GBps": rows_nbytes / _median_seconds(take, repeats) / 1e9,
                      "host_copy_GBps": rows_nbytes / copy_only / 1e9}
+        buffers.close()
     table = np.full((2, size), -1, np.int32)
     table[0, :len(rows)], table[1, :len(rows)] = index, offsets
     whole = pages.array(kind)[:n_chunks]  # the hit chunks' slots, one run
@@ -127,8 +130,12 @@ def host_tier_take(tokens: int, retention: float, repeats: int, seed: int = 0) -
                 out[name] = None
                 continue
             client.dma_map(whole.ctypes.data, whole.nbytes)
-        check(pool.gather_extent(kind, whole, table), name)
-        seconds = _median_seconds(lambda: pool.gather_extent(kind, whole, table).block_until_ready(), repeats)
+        try:
+            check(pool.gather_extent(kind, whole, table), name)
+            seconds = _median_seconds(lambda: pool.gather_extent(kind, whole, table).block_until_ready(), repeats)
+        finally:
+            if name == "pages_dma_mapped":
+                client.dma_unmap(whole.ctypes.data)
         out[name] = {"GBps": rows_nbytes / seconds / 1e9, "pages_GBps": whole.nbytes / seconds / 1e9,
                      "pages_bytes": whole.nbytes}
     return out

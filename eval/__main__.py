@@ -119,7 +119,7 @@ class Interrupted(EvalError):
 def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> dict:
     started = time.time()
     values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
-    registry.load_plugins(values["plugins"])  # the systems they register are named like the engine's
+    registry.load_plugins(values["plugins"])  # once per process: loaded by `main` already, or by a caller of run_task
     names = registry.resolve(values["systems"])  # unknown systems fail before any work
     retentions = parse_retentions(values["retention"])
     task, limit, workload, tokenizer_source = _workload(model, values)
@@ -332,6 +332,7 @@ def main(argv):
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.synthetic.RagSpec)")
     settings_lib.checked(values)  # fail on a bad setting (a preset's) or an unknown system before loading a model
+    registry.load_plugins(values["plugins"])  # the systems they register are named like the engine's
     registry.resolve(values["systems"])
     base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
                             f"{values['preset'] or values['task']}")

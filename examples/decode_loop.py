@@ -52,8 +52,10 @@ def prefill(model, connector, prompt: list[int], capacity: int, save: bool):
                                                                reused, end, rotary)
             if save:
                 connector.save_layer(layer, cache.k[layer][:, reused:end], cache.v[layer][:, reused:end])
-    finally:
-        connector.finish()  # publishes what was saved (every layer), lets go of the stored prefix
+    except BaseException:
+        connector.finish()  # lets go of the stored prefix; a partial save is discarded
+        raise
+    connector.finish()  # publishes what was saved (every layer), lets go of the stored prefix
     cache.length = end
     logits = np.asarray(T.head_step(cfg, params, h[len(own) - 1:len(own)]))[0]
     return logits, cache, reused

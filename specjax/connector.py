@@ -108,8 +108,9 @@ class Connector:
             return
         if self._writer is None:
             self._writer = self.store.begin_insert(self._tokens, base=self._match)
-        skip = start - self.reused  # own tokens the store holds already
-        k, v = np.asarray(k)[:, skip:], np.asarray(v)[:, skip:]
+        k, v = np.asarray(k), np.asarray(v)  # start == reused here: the own tokens are exactly what is new
+        # the store's probe kind holds the leading KV heads (those of SPEC's probe query heads, the first ones:
+        # `specjax.engine.policy_steps.probe_kv_heads`)
         self._writer.write_layer(layer, k, v, k[:self.layout.probe_heads] if self.layout.probe_heads else None)
         self._saved.add(layer)
 
@@ -122,15 +123,18 @@ class Connector:
         complete = len(self._saved) == self.layout.num_layers
         self._tokens, self._match, self._writer, self._saved = None, None, None, set()
         self.reused, self._loading = 0, False
+        node = None
         try:
             self.prefetcher.close()
         finally:
-            if writer is None:
-                match.close()
-            elif not complete:
-                writer.abort()
-                match.close()
-        return writer.commit() if writer is not None and complete else None  # the writer closes the match
+            try:
+                if writer is not None and complete:
+                    node = writer.commit()  # it closes the match, whatever happens
+                elif writer is not None:
+                    writer.abort()
+            finally:
+                match.close()  # a no-op once closed
+        return node
 
     def drop_damaged(self, tokens) -> list[list[int]]:
         """After a `CorruptPrefixError` (and `finish()`): remove from the store the stored prefixes of `tokens` that

@@ -1,6 +1,10 @@
 """Where reads land: page-aligned host buffers that stay faulted in and are used again (`LandingBuffers`), and reads
 of a local store's extent files straight into them with `preadv` (`LocalFiles`), the GIL released while the disk
-works.
+works. Once a device pool is made on an accelerator whose runtime registers host memory for DMA (`PjRtClient.dma_map`:
+CUDA's page-locked memory; `LandingBuffers.enable_dma`), every buffer mapped from then on is registered once, so a
+take's host rows and a read's landing buffer cross to the device in one DMA from where they lie, not through the
+runtime's own staging copy of pageable memory ($SPECJAX_DMA_MAP=off leaves them pageable). Tools that only read the
+store (fsck) never start an accelerator's runtime.
 
 Why not TensorStore's kvstore read for local files: its result is a Python `bytes` object, built with the GIL held,
 that the engine then copies into its aligned buffer; each copy of fresh memory also faults its pages in (~0.5 GB/s on
@@ -54,13 +58,12 @@ class LandingBuffers:
     `empty(shape, dtype)` lends an uninitialised array on a page boundary. It goes back to the free list when the last
     reference to it or to any view of it is gone (a CPU device that aliased it holds one until its own array is
     freed), so a buffer is never written while anything can still read it. At most `keep_bytes` of free buffers are
-    kept. With `dma` ("on", "off"; None: $SPECJAX_DMA_MAP, default on) each buffer is registered for DMA with the
-    accelerator's runtime when it is mapped and unregistered before it is unmapped (`pinned_for_dma`)."""
+    kept. After `enable_dma()` each buffer mapped is registered for DMA with the accelerator's runtime and
+    unregistered before it is unmapped (`pinned_for_dma`); `close()` unregisters the free ones and drops them."""
 
-    def __init__(self, keep_bytes: int = KEEP_BYTES, dma: str | None = None):
+    def __init__(self, keep_bytes: int = KEEP_BYTES):
         self.keep_bytes = keep_bytes
-        self._dma_choice = dma
-        self._client = None  # the runtime that registers buffers, found at the first buffer (`dma_client`)
+        self._client = None  # the runtime that registers buffers (`enable_dma`), or None
         self._registered: set[int] = set()  # addresses of the buffers registered with it
         self._refused = False  # it refused one: later buffers stay pageable
         self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
@@ -70,12 +73,28 @@ class LandingBuffers:
 
     @property
     def pinned_for_dma(self) -> bool:
-        """Are new buffers registered for DMA (decided at the first buffer lent)?"""
+        """Are new buffers registered for DMA?"""
         return bool(self._client) and not self._refused
 
-    def _register(self, buf: mmap.mmap, size: int) -> None:
+    def enable_dma(self, choice: str | None = None) -> bool:
+        """Register the buffers mapped from now on with the default backend's runtime where it registers host memory
+        (`dma_client(choice)`: a GPU's, unless $SPECJAX_DMA_MAP or `choice` is "off"); returns whether it does. Called
+        by what has started the device (`stores.pool.DevicePool`), so that the store alone never starts it."""
         if self._client is None:
-            self._client = dma_client(self._dma_choice) or False
+            self._client = dma_client(choice)
+        return self.pinned_for_dma
+
+    def close(self) -> None:
+        """Unregister and drop the free buffers (those lent are unregistered when they come back)."""
+        with self._lock:
+            free = [buf for bufs in self._free.values() for buf in bufs]
+            self._free.clear()
+            self._free_bytes = 0
+            self.stats["mapped_bytes"] -= sum(len(buf) for buf in free)
+        for buf in free:
+            self._unregister(buf, len(buf))
+
+    def _register(self, buf: mmap.mmap, size: int) -> None:
         if self.pinned_for_dma:
             try:
                 self._client.dma_map(_address(buf), size)
@@ -115,17 +134,21 @@ class LandingBuffers:
                 self._free_bytes += size
                 return
             self.stats["mapped_bytes"] -= size
-            address = _address(buf)
+        self._unregister(buf, size)
+        # unmapped when `buf` is collected (this frame's reference is its last)
+
+    def _unregister(self, buf: mmap.mmap, size: int) -> None:
+        address = _address(buf)
+        with self._lock:
             registered = address in self._registered
             self._registered.discard(address)
-        if registered:
-            with self._lock:
+            if registered:
                 self.stats["dma_mapped_bytes"] -= size
+        if registered:
             try:
                 self._client.dma_unmap(address)
             except Exception:  # noqa: BLE001 -- the runtime is gone (interpreter exit): nothing left to unregister
                 pass
-        # unmapped when `buf` is collected (this frame's reference is its last)
 
     @property
     def free_bytes(self) -> int:

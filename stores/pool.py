@@ -161,6 +161,7 @@ class DevicePool:
         # None: the default device, arrays left uncommitted (a committed array gives every jitted step that touches
         # it a second executable for the same shapes)
         self.device = device
+        BUFFERS.enable_dma()  # the device is up: host buffers made from now on cross it in one DMA where they can
         self._lock = threading.Lock()  # the slots' bookkeeping (the tier decides from any thread)
         self._device_lock = threading.Lock()  # the page arrays (a take's writes and gather, from Cake's loader too)
         self._pages: dict[int, _Pages] = {}

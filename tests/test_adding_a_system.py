@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from absl import flags
 
 import specjax
 from specjax.engine import identify, systems
 from specjax.errors import SpecjaxError
-from specjax.eval import __main__ as cli, registry
+from specjax.eval import registry
 from specjax.eval.errors import EvalError
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "recent_window.py"
@@ -73,14 +74,13 @@ def test_it_reads_its_window_only_and_equals_recompute_when_it_keeps_everything(
 
 
 def test_the_evaluation_runs_it_beside_the_engines_systems(tmp_path):
-    flags.FLAGS(["prog", "--model=tiny-llama", "--init=random", "--task=needle", "--prefix_tokens=256", "--limit=2",
-                 "--systems=as_full,recent_window", f"--plugins={EXAMPLE}", "--retention=0.25", "--noprogress",
-                 "--chunk_tokens=16", "--gpu_cache=0", "--cpu_cache=0", f"--output_dir={tmp_path / 'out'}",
-                 f"--store={tmp_path / 'store'}"])
-    try:
-        cli.main(["prog"])
-    finally:
-        flags.FLAGS.unparse_flags()
+    """In a process of its own, as a user runs it: --plugins is imported before --systems is checked."""
+    command = [sys.executable, "-m", "specjax.eval", "--model=tiny-llama", "--init=random", "--task=needle",
+               "--prefix_tokens=256", "--limit=2", "--systems=as_full,recent_window", f"--plugins={EXAMPLE}",
+               "--retention=0.25", "--noprogress", "--chunk_tokens=16", "--gpu_cache=0", "--cpu_cache=0",
+               f"--output_dir={tmp_path / 'out'}", f"--store={tmp_path / 'store'}"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     runs = results["systems"]
     assert set(runs) == {"as_full", "recent_window"}
@@ -88,3 +88,6 @@ def test_the_evaluation_runs_it_beside_the_engines_systems(tmp_path):
     assert window_run["accuracy"]["n"] == runs["as_full"]["accuracy"]["n"] == 2
     assert 0 < window_run["io"]["disk_bytes"] < 0.5 * runs["as_full"]["io"]["disk_bytes"]
     assert results["config"]["plugins"] == str(EXAMPLE)
+    unknown = subprocess.run(command[:8] + ["--systems=recent_window"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+    assert unknown.returncode != 0 and "unknown system 'recent_window'" in unknown.stderr  # without --plugins

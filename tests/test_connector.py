@@ -12,6 +12,7 @@ import pytest
 
 import bench_scripts  # tests/bench_scripts.py: loads a script as a module
 import specjax
+from specjax.engine.policy_steps import probe_kv_heads
 from specjax.errors import SpecjaxError
 from specjax.models import inference
 from specjax.stores import K, KVStore, StoreError
@@ -43,6 +44,8 @@ def test_a_stored_prompt_is_reused_layer_by_layer_with_the_plain_forwards_logits
         logits, cache, reused = decode_loop.prefill(model, conn, prompt, 128, save=False)
         assert reused == len(prefix) and store.metrics.snapshot()["disk_bytes"] > before
         plain = model.logits(prompt)[-1]
+        # the probe keys it saves are the leading KV heads: those the engine stores (probe_kv_heads)
+        assert probe_kv_heads(model.config) == tuple(range(store.layout.probe_heads))
         np.testing.assert_allclose(logits, plain, atol=2e-5, rtol=1e-5)
         # the cache holds the prompt's KV: decoding from it is decoding from a cache prefilled without the store
         reference = inference.empty_cache(model.config, 128, model.params["embed"].dtype)

@@ -58,19 +58,26 @@ def test_buffers_are_registered_for_dma_once_when_mapped_and_unregistered_before
     runtime = _Runtime()
     monkeypatch.setattr(landing, "dma_client", lambda choice=None: runtime)
     buffers = LandingBuffers(keep_bytes=2 * 65536)
+    before = buffers.empty((65536,), np.uint8)  # mapped before the device was up: stays pageable
+    assert not buffers.pinned_for_dma and buffers.enable_dma() and buffers.pinned_for_dma
     lent = [buffers.empty((65536,), np.uint8) for _ in range(4)]
+    assert before.ctypes.data not in runtime.mapped
     assert buffers.pinned_for_dma and sorted(runtime.mapped) == sorted(a.ctypes.data for a in lent)
     assert buffers.stats["dma_mapped_bytes"] == 4 * 65536
     del lent  # two are kept (still registered: they are lent again), two unmapped
     assert len(runtime.mapped) == 2 and buffers.stats["dma_mapped_bytes"] == 2 * 65536
     again = buffers.empty((65536,), np.uint8)
     assert again.ctypes.data in runtime.mapped and len([c for c in runtime.calls if c[0] == "map"]) == 4
+    del again, before
+    buffers.close()  # the free ones unregistered and dropped
+    assert runtime.mapped == {} and buffers.stats["dma_mapped_bytes"] == 0 and buffers.free_bytes == 0
 
 
 def test_a_runtime_that_refuses_registration_leaves_pageable_buffers_that_still_work(monkeypatch, capsys):
     runtime = _Runtime(fail=True)
     monkeypatch.setattr(landing, "dma_client", lambda choice=None: runtime)
     buffers = LandingBuffers(keep_bytes=0)
+    buffers.enable_dma()
     a = buffers.empty((3, 1000), np.float32)
     a[:] = 1
     b = buffers.empty((3, 1000), np.float32)
@@ -87,8 +94,21 @@ def test_no_dma_registration_on_a_cpu_or_when_turned_off(monkeypatch):
         landing.dma_client()
     monkeypatch.setenv(landing.DMA_ENV, "off")
     buffers = LandingBuffers()
+    assert not buffers.enable_dma() and landing.dma_client() is None
     buffers.empty((8,), np.uint8)
-    assert landing.dma_client() is None and not buffers.pinned_for_dma
+    assert not buffers.pinned_for_dma
+
+
+def test_the_store_alone_asks_for_no_dma_registration_and_a_device_pool_does(monkeypatch):
+    asked = []
+    monkeypatch.setattr(landing.BUFFERS, "enable_dma", lambda choice=None: asked.append(choice) or False)
+    landing.BUFFERS.empty((8,), np.uint8)  # what a store's reads (fsck's among them) do
+    assert asked == []
+    from specjax.stores.kvarray import Layout
+    from specjax.stores.pool import DevicePool
+
+    DevicePool(Layout(num_layers=1, kv_heads=2, head_dim=8, probe_heads=0, chunk_tokens=16), 0)
+    assert asked == [None]
 
 
 @pytest.mark.parametrize("direct", [False, True])
