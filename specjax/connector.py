@@ -90,8 +90,9 @@ class Connector:
             taken = self.prefetcher.take(self._match, layer, kind, positions, pad_to=bucket(self.reused))
             if not taken.ok.all():
                 raise CorruptPrefixError(
-                    f"the stored KV of layer {layer} failed its checksum in {self.store.where}: compute this request "
-                    f"without the store (finish() it first); `python -m specjax.stores.fsck` finds such chunks")
+                    f"the stored KV of layer {layer} failed its checksum in {self.store.where}: finish() this request "
+                    f"and compute it without the store; drop_damaged(tokens) then removes the damaged prefix so it can "
+                    f"be saved anew (`python -m specjax.stores.fsck` finds such chunks)")
             out.append(taken.array[:, :self.reused])
         return tuple(out)
 

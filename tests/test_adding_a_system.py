@@ -19,7 +19,17 @@ from specjax.eval import registry
 from specjax.eval.errors import EvalError
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "recent_window.py"
-(PLUGIN,) = registry.load_plugins(str(EXAMPLE))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin():
+    """The example loaded for this module's tests, its registrations taken back after them (other tests see the
+    engine's systems only)."""
+    (name,) = registry.load_plugins(str(EXAMPLE))
+    yield sys.modules[name]
+    identify.POLICIES.pop("recent", None)
+    systems.SYSTEMS.pop("recent_window", None)
+    sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +43,10 @@ def _request(model, m=100, n=6):
     return specjax.Request(tokens[:m], tokens[m:], [tokens[m:m + 2]])
 
 
-def test_the_file_registers_a_policy_and_a_system_once():
+def test_the_file_registers_a_policy_and_a_system_once(plugin):
     assert identify.POLICIES["recent"].__name__ == "RecentWindow"
     assert systems.SYSTEMS["recent_window"].identify == "recent" and systems.SYSTEMS["recent_window"].prunes
-    assert registry.load_plugins(str(EXAMPLE)) == [PLUGIN]  # loading it again registers nothing twice
+    assert registry.load_plugins(str(EXAMPLE)) == [plugin.__name__]  # loading it again registers nothing twice
     with pytest.raises(SpecjaxError, match="taken"):
         identify.register("recent")(identify.POLICIES["recent"])
     with pytest.raises(SpecjaxError, match="registered already"):
@@ -47,11 +57,11 @@ def test_the_file_registers_a_policy_and_a_system_once():
         registry.load_plugins("examples/not_there.py")
 
 
-def test_it_reads_its_window_only_and_equals_recompute_when_it_keeps_everything(model, tmp_path):
+def test_it_reads_its_window_only_and_equals_recompute_when_it_keeps_everything(model, plugin, tmp_path):
     request = _request(model)
     m, c = len(request.prefix), 16
     recent = systems.SYSTEMS["recent_window"]
-    window = __import__(PLUGIN).window
+    window = plugin.window
     store = specjax.open_store(model, tmp_path / "kv", chunk_tokens=c)
     try:
         kept = {}
