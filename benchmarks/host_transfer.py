@@ -33,20 +33,15 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _common import device_name  # noqa: E402
+from _common import device_name, wall_seconds  # noqa: E402
 from specjax.stores.kvarray import Layout  # noqa: E402
 from specjax.stores.landing import LandingBuffers  # noqa: E402
-from specjax.stores.pool import DevicePool, HostPages, copy_rows  # noqa: E402
+from specjax.stores.pool import DevicePool, HostPages, copy_rows, staging  # noqa: E402
 
 
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # untimed: sets up the path (and compiles the gather)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_seconds(fn) for _ in range(repeats))
 
 
 def buffer_rates(nbytes: int, repeats: int) -> dict:
@@ -106,9 +101,8 @@ def host_tier_take(tokens: int, retention: float, repeats: int, seed: int = 0) -
             out[name] = None
             continue
 
-        def take():
-            staged = buffers.empty((layout.heads(kind), size, layout.head_dim), layout.np_dtype)
-            staged[:, len(rows):] = 0
+        def take():  # as `Prefetcher._gather_parts` moves host rows
+            staged = staging((layout.heads(kind), size, layout.head_dim), layout.np_dtype, len(rows), buffers)
             copy_rows(staged, np.arange(len(rows)), pages.array(kind), index, offsets)
             slots = np.full(size, -1, np.int64)
             return pool.gather(kind, slots, np.pad(offsets, (0, size - len(rows))), staged).block_until_ready()

@@ -78,13 +78,13 @@ def staged_size(size: int, rows: int) -> int:
     return min(size, -(-max(rows, 1) // part) * part)
 
 
-def staging(shape: tuple, dtype, n: int) -> np.ndarray:
-    """The host rows `[heads, size, d]` of a take of `n` tokens: a landing buffer (page-aligned and faulted in once,
-    `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take fills from the
+def staging(shape: tuple, dtype, n: int, buffers=BUFFERS) -> np.ndarray:
+    """The host rows `[heads, size, d]` of a take of `n` tokens: a landing buffer of `buffers` (page-aligned and
+    faulted in once, `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take fills from the
     device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` faults its pages in as
     it is written, and crossed as one more copy: 1.0-1.3 ms a take of 4,096 rows of Qwen2.5-7B's KV heads against
     0.67-0.75 ms, `benchmarks/results/cpu/host-exposed`.)"""
-    staged = BUFFERS.empty(shape, dtype)
+    staged = buffers.empty(shape, dtype)
     staged[:, n:] = 0
     return staged
 

@@ -31,67 +31,63 @@ def _prompt(model, n, seed=0):
     return np.random.default_rng(seed).integers(0, model.config.vocab_size, n).tolist()
 
 
-def test_a_stored_prompt_is_reused_layer_by_layer_with_the_plain_forwards_logits(model, tmp_path):
+@pytest.fixture
+def store(model, tmp_path):
+    """An empty store for `model` in tmp_path/kv, of 16-token chunks, closed after the test."""
+    with specjax.open_store(model, tmp_path / "kv", chunk_tokens=16) as opened:
+        yield opened
+
+
+def test_a_stored_prompt_is_reused_layer_by_layer_with_the_plain_forwards_logits(model, store):
     prefix = _prompt(model, 40)
     prompt = prefix + _prompt(model, 7, seed=1)
-    store = specjax.open_store(model, tmp_path / "kv", chunk_tokens=16)
-    try:
-        conn = specjax.Connector(store)
-        _, _, reused = decode_loop.prefill(model, conn, prefix, 128, save=True)
-        with store.match(prefix) as match:
-            assert reused == 0 and match.length == len(prefix)  # stored by the loop's saves
-        before = store.metrics.snapshot()["disk_bytes"]
-        logits, cache, reused = decode_loop.prefill(model, conn, prompt, 128, save=False)
-        assert reused == len(prefix) and store.metrics.snapshot()["disk_bytes"] > before
-        plain = model.logits(prompt)[-1]
-        # the probe keys it saves are the leading KV heads: those the engine stores (probe_kv_heads)
-        assert probe_kv_heads(model.config) == tuple(range(store.layout.probe_heads))
-        np.testing.assert_allclose(logits, plain, atol=2e-5, rtol=1e-5)
-        # the cache holds the prompt's KV: decoding from it is decoding from a cache prefilled without the store
-        reference = inference.empty_cache(model.config, 128, model.params["embed"].dtype)
-        inference.extend(model.config, model.params, reference, prompt)
-        for mine, theirs in zip(cache.k + cache.v, reference.k + reference.v):
-            np.testing.assert_allclose(np.asarray(mine)[:, :len(prompt)], np.asarray(theirs)[:, :len(prompt)],
-                                       atol=2e-5, rtol=1e-5)
-    finally:
-        store.close()
+    conn = specjax.Connector(store)
+    _, _, reused = decode_loop.prefill(model, conn, prefix, 128, save=True)
+    with store.match(prefix) as match:
+        assert reused == 0 and match.length == len(prefix)  # stored by the loop's saves
+    before = store.metrics.snapshot()["disk_bytes"]
+    logits, cache, reused = decode_loop.prefill(model, conn, prompt, 128, save=False)
+    assert reused == len(prefix) and store.metrics.snapshot()["disk_bytes"] > before
+    plain = model.logits(prompt)[-1]
+    # the probe keys it saves are the leading KV heads: those the engine stores (probe_kv_heads)
+    assert probe_kv_heads(model.config) == tuple(range(store.layout.probe_heads))
+    np.testing.assert_allclose(logits, plain, atol=2e-5, rtol=1e-5)
+    # the cache holds the prompt's KV: decoding from it is decoding from a cache prefilled without the store
+    reference = inference.empty_cache(model.config, 128, model.params["embed"].dtype)
+    inference.extend(model.config, model.params, reference, prompt)
+    for mine, theirs in zip(cache.k + cache.v, reference.k + reference.v):
+        np.testing.assert_allclose(np.asarray(mine)[:, :len(prompt)], np.asarray(theirs)[:, :len(prompt)],
+                                   atol=2e-5, rtol=1e-5)
 
 
-def test_what_a_layer_waits_for_is_the_stored_kv_of_the_reused_tokens(model, tmp_path):
+def test_what_a_layer_waits_for_is_the_stored_kv_of_the_reused_tokens(model, store):
     prompt = _prompt(model, 37)
-    store = specjax.open_store(model, tmp_path / "kv", chunk_tokens=16)
-    try:
-        cfg = model.config
-        _, cache, _ = decode_loop.prefill(model, specjax.Connector(store), prompt, 64, save=True)
-        conn = specjax.Connector(store)
-        assert conn.begin(prompt) == len(prompt) - 1  # the last token is always left to compute
-        conn.start_load()
-        for layer in range(cfg.num_layers):
-            k, v = conn.wait_for_layer(layer)
-            assert k.shape == v.shape == (cfg.num_kv_heads, len(prompt) - 1, cfg.head_dim)
-            np.testing.assert_array_equal(np.asarray(k), np.asarray(cache.k[layer])[:, :len(prompt) - 1])
-            np.testing.assert_array_equal(np.asarray(v), np.asarray(cache.v[layer])[:, :len(prompt) - 1])
-        own = jnp.zeros((cfg.num_kv_heads, 1, cfg.head_dim))
-        conn.save_layer(0, own, own)
-        assert conn.finish() is None  # the whole prompt was stored already: nothing to save
-    finally:
-        store.close()
+    cfg = model.config
+    _, cache, _ = decode_loop.prefill(model, specjax.Connector(store), prompt, 64, save=True)
+    conn = specjax.Connector(store)
+    assert conn.begin(prompt) == len(prompt) - 1  # the last token is always left to compute
+    conn.start_load()
+    for layer in range(cfg.num_layers):
+        k, v = conn.wait_for_layer(layer)
+        assert k.shape == v.shape == (cfg.num_kv_heads, len(prompt) - 1, cfg.head_dim)
+        np.testing.assert_array_equal(np.asarray(k), np.asarray(cache.k[layer])[:, :len(prompt) - 1])
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(cache.v[layer])[:, :len(prompt) - 1])
+    own = jnp.zeros((cfg.num_kv_heads, 1, cfg.head_dim))
+    conn.save_layer(0, own, own)
+    assert conn.finish() is None  # the whole prompt was stored already: nothing to save
 
 
-def test_a_partial_save_stores_nothing_and_leaves_a_store_fsck_passes(model, tmp_path):
+def test_a_partial_save_stores_nothing_and_leaves_a_store_fsck_passes(model, store, tmp_path):
     prompt = _prompt(model, 30)
-    store = specjax.open_store(model, tmp_path / "kv", chunk_tokens=16)
-    try:
-        conn = specjax.Connector(store)
-        assert conn.begin(prompt) == 0
-        cfg = model.config
-        kv = jnp.ones((cfg.num_kv_heads, len(prompt), cfg.head_dim), model.params["embed"].dtype)
-        conn.save_layer(0, kv, kv)  # one layer of two
-        assert conn.finish() is None
-        with store.match(prompt) as match:
-            assert match.length == 0
-    finally:
-        store.close()
+    conn = specjax.Connector(store)
+    assert conn.begin(prompt) == 0
+    cfg = model.config
+    kv = jnp.ones((cfg.num_kv_heads, len(prompt), cfg.head_dim), model.params["embed"].dtype)
+    conn.save_layer(0, kv, kv)  # one layer of two
+    assert conn.finish() is None
+    with store.match(prompt) as match:
+        assert match.length == 0
+    store.close()
     assert fsck(tmp_path / "kv").ok
 
 
