@@ -3,6 +3,7 @@ gathered attention over selected prefix KV, plus SPEC's ITF helpers."""
 
 from specjax.kernels.common import IMPL_ENV_VAR, kernel_impl, online_softmax_step, resolve_impl
 from specjax.kernels.gathered_attention import (
+    attention_over_logits,
     gathered_attention,
     gathered_attention_pallas,
     gathered_attention_reference,
@@ -18,7 +19,7 @@ from specjax.kernels.selections import BlockTable, PerHeadIndices, Selection, Sh
 __all__ = [
     "IMPL_ENV_VAR", "kernel_impl", "resolve_impl", "online_softmax_step",
     "probe_scores", "probe_scores_pallas", "probe_scores_reference",
-    "gathered_attention", "gathered_attention_pallas", "gathered_attention_reference",
+    "gathered_attention", "gathered_attention_pallas", "gathered_attention_reference", "attention_over_logits",
     "SharedIndices", "PerHeadIndices", "BlockTable", "Selection",
     "Identification", "identify", "mean_pairwise_jaccard", "itf_threshold",
 ]

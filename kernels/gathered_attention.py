@@ -228,6 +228,56 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
     return out.reshape(num_heads, n_q, head_dim).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
+def attention_over_logits(logits, columns: Selection, prefix_v, own_v, selection: Selection, *, q_len=None,
+                          scale=None):
+    """gathered_attention_reference's attention with its logits taken, not computed: `logits` f32 [H, n_q, M' + n_q]
+    are every query head's unscaled logits over M' scored prefix rows and then the n_q computed tokens (the scoring
+    pass's, `probe_scores_reference(..., with_logits=True)`), and `columns` (a selection shaped like `selection`,
+    entry for entry) names the column of each selected row. Only the selected values are gathered and weighed: the
+    attention costs its rows' values, the keys' products having been paid once by the scoring. Returns f32
+    [H, n_q, d], bit for bit the reference's on the 2-core CPU (tests/test_kernels_gathered_attention.py).
+
+    It pays where each query head has a set of its own (per-head H2O: the reference then multiplies each head's
+    queries by keys gathered for it alone); a shared set's keys are one product per KV head, which costs less
+    than picking its columns out of the logits.
+
+    prefix_v [H_kv, M, d] (the rows `selection` indexes), own_v [H_kv, n_q, d]; as gathered_attention_reference."""
+    num_heads, n_q, width = logits.shape
+    num_kv, num_tokens, head_dim = prefix_v.shape
+    group = num_heads // num_kv
+    scale = c.default_scale(head_dim, scale)
+    q_len = c.length_or_full(q_len, n_q)
+    idx, count = selection.token_indices(num_heads)
+    cols, _ = columns.token_indices(num_heads)
+    shared = idx.shape[0] == 1
+    capacity = idx.shape[1]
+    scored = width - n_q
+    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [R, K]
+    cols = jnp.clip(cols, 0, scored - 1)
+    if shared:  # [H, n_q, K]: every head's logits at the one set's columns
+        picked = logits[:, :, cols[0]]
+    else:  # each head's own columns
+        picked = jnp.take_along_axis(logits, cols[:, None, :], axis=2)
+    rows = jnp.arange(n_q)
+    selected_valid = jnp.broadcast_to(counted[:, None, :], (num_heads, 1, capacity)) & (rows < q_len)[None, :, None]
+    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (num_heads, n_q, n_q))
+    valid = jnp.concatenate([selected_valid, own_valid], axis=-1)
+    scores = jnp.concatenate([picked, logits[:, :, scored:]], -1) * scale
+    weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
+    weights = jnp.where(valid, weights, 0.0)
+    tokens = jnp.clip(idx, 0, num_tokens - 1)
+    if shared:  # a KV head's rows once, for its group of query heads
+        values = jnp.concatenate([prefix_v[:, tokens[0]], own_v], axis=1).astype(jnp.float32)
+        out = jnp.einsum("ugqk,ukd->ugqd", weights.reshape(num_kv, group, n_q, -1), values,
+                         precision=lax.Precision.HIGHEST)
+    else:
+        kv_of_head = jnp.arange(num_heads) // group
+        values = jnp.concatenate([prefix_v[kv_of_head[:, None], tokens], own_v[kv_of_head]], axis=1)
+        out = jnp.einsum("hqk,hkd->hqd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return out.reshape(num_heads, n_q, head_dim)
+
+
 # ----------------------------------------------------------------------------- public
 
 

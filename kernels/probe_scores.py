@@ -134,10 +134,13 @@ def probe_scores_pallas(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_pro
 # ----------------------------------------------------------------------------- reference
 
 
-@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "scale"))
+@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "scale", "with_logits"))
 def probe_scores_reference(q, prefix_k, own_k, *, kv_head_of_probe, prefix_len=None,
-                           q_len=None, scale=None):
-    """Plain jnp: materialises the full [P, n_q, m + n_q] softmax. For tests and CPU.
+                           q_len=None, scale=None, with_logits=False):
+    """Plain jnp: materialises the full [P, n_q, m + n_q] softmax. For tests and CPU. With `with_logits`, returns
+    (scores, logits): the logits too, f32 [P, n_q, m + n_q] over the prefix keys and then the computed ones,
+    unmasked and not yet scaled (the products the scoring made anyway, so keeping them writes nothing more; what
+    `gathered_attention.attention_over_logits` weighs a selection's values by).
 
     Probe heads that come in equal runs per KV head (every query head of a grouped-query model, or a few probes of
     one KV head) score as one product per KV head, its query heads' rows stacked: no KV head's keys are copied per
@@ -151,19 +154,20 @@ def probe_scores_reference(q, prefix_k, own_k, *, kv_head_of_probe, prefix_len=N
     groups = _equal_runs(heads)
     if groups is None:  # each probe head against its own copy of its KV head's keys
         keys = jnp.concatenate([prefix_k[heads], own_k[heads]], axis=1).astype(jnp.float32)
-        scores = jnp.einsum("pqd,pkd->pqk", q.astype(jnp.float32), keys,
-                            precision=lax.Precision.HIGHEST) * scale
+        products = jnp.einsum("pqd,pkd->pqk", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
     else:
         keys = jnp.concatenate([prefix_k[groups], own_k[groups]], axis=1).astype(jnp.float32)
         stacked = q.astype(jnp.float32).reshape(len(groups), -1, head_dim)  # [G, heads of G x n_q, d]
-        scores = jnp.einsum("gqd,gkd->gqk", stacked, keys,
-                            precision=lax.Precision.HIGHEST).reshape(num_probes, n_q, -1) * scale
+        products = jnp.einsum("gqd,gkd->gqk", stacked, keys,
+                              precision=lax.Precision.HIGHEST).reshape(num_probes, n_q, -1)
+    scores = products * scale
     rows = jnp.arange(n_q)
     prefix_valid = (jnp.arange(m) < prefix_len)[None, :] & (rows < q_len)[:, None]
     valid = jnp.concatenate([prefix_valid, c.causal_valid(rows, rows, q_len)], axis=1)
     weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
     weights = jnp.where(valid, weights, 0.0)
-    return weights[:, :, :m].sum(axis=1)
+    importance = weights[:, :, :m].sum(axis=1)
+    return (importance, products) if with_logits else importance
 
 
 def _equal_runs(heads: np.ndarray) -> np.ndarray | None:
@@ -182,7 +186,7 @@ def _equal_runs(heads: np.ndarray) -> np.ndarray | None:
 def probe_scores(q, prefix_k, own_k, *, kv_head_of_probe: Sequence[int], prefix_len=None,
                  q_len=None, scale: float | None = None, impl: str = "auto",
                  block_q: int | None = None, block_k: int | None = None,
-                 k_splits: int | None = None) -> jax.Array:
+                 k_splits: int | None = None, with_logits: bool = False):
     """H2O importance of each prefix token for each probe head, f32[P, m].
 
     Args:
@@ -195,6 +199,8 @@ def probe_scores(q, prefix_k, own_k, *, kv_head_of_probe: Sequence[int], prefix_
       scale: softmax scale, default d ** -0.5.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" or "reference".
       block_q, block_k, k_splits: Pallas tiling (powers of two; None picks defaults).
+      with_logits: return (importance, logits), the logits f32 [P, n_q, m + n_q] as probe_scores_reference gives
+        them where the reference runs, None where Pallas does (it never holds them).
 
     importance[p, j] = sum over valid rows i of softmax_i(j), the softmax of row i running
     over the valid prefix keys and the computed keys 0..i; fp32 accumulation.
@@ -205,19 +211,21 @@ def probe_scores(q, prefix_k, own_k, *, kv_head_of_probe: Sequence[int], prefix_
     c.check_length("prefix_len", prefix_len, m)
     c.check_length("q_len", q_len, n_q)
     if m == 0 or n_q == 0:
-        return jnp.zeros((num_probes, m), jnp.float32)
+        empty = jnp.zeros((num_probes, m), jnp.float32)
+        return (empty, None) if with_logits else empty
     dispatch = c.resolve_impl(impl)
     scale = c.default_scale(head_dim, scale)
     if not dispatch.use_pallas:
         return probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe,
-                                      prefix_len=prefix_len, q_len=q_len, scale=scale)
+                                      prefix_len=prefix_len, q_len=q_len, scale=scale, with_logits=with_logits)
     interpret = dispatch.interpret
     block_q, block_k, k_splits = c.pallas_tiling(n_q, m, num_probes, head_dim, block_q, block_k, k_splits,
                                                  interpret=interpret)
-    return probe_scores_pallas(
+    importance = probe_scores_pallas(
         q, prefix_k, own_k, c.length_or_full(prefix_len, m), c.length_or_full(q_len, n_q),
         kv_head_of_probe=kv_head_of_probe, scale=scale, block_q=block_q, block_k=block_k,
         k_splits=k_splits, interpret=interpret)
+    return (importance, None) if with_logits else importance
 
 
 def _check_probe_args(q, prefix_k, own_k, kv_head_of_probe) -> tuple[int, ...]:

@@ -56,10 +56,13 @@ class Memory:
                 rows = np.asarray(step.rows)[: step.count]
                 return tuple(self.carry_out(layer, P.Take(kind, layer.positions[rows], step.pad_to))
                              for kind in step.kinds)
-            case P.Score():
-                computed = self.computed[step.role] = step.fn(*step.args, **step.kwargs)
+            case P.Score():  # as LayerIO: a trace stands in for the scores, never for the logits
+                got = step.fn(*step.args, **step.kwargs)
+                computed, logits = got if step.logits else (got, None)
+                self.computed[step.role] = computed
                 given = self.scores.get(step.role)
-                return computed if given is None else jnp.asarray(given, computed.dtype)
+                scores = computed if given is None else jnp.asarray(given, computed.dtype)
+                return (scores, logits) if step.logits else scores
             case P.Decide():
                 return step.fn(*step.args, **step.kwargs)
             case P.Credit() | P.PlanPeriod():

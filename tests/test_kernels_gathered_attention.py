@@ -323,3 +323,62 @@ def test_gpu_compiled_with_qwen_groups_packed_matches_reference(n_q, kind, layou
     expected_out = gathered_attention(q, *kv, selection, impl="reference", q_len=valid)
     out = gathered_attention(q, *kv, selection, impl="pallas", q_len=valid)
     assert rel_err(out[:, :valid], expected_out[:, :valid]) <= TOLERANCE[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 3), (4, 4)])
+def test_attention_over_the_scorings_logits_equals_the_gathered_attention(heads, kv_heads, dtype):
+    """Every head's logits from the scoring pass (probe_scores_reference with_logits), a selection's values weighed
+    by them: the reference's attention, for shared and per-head sets, over rows as they lie or gathered beforehand
+    (spec_gqa's shared set: its rows taken, its columns the scored positions), with padded query rows."""
+    from specjax.kernels import attention_over_logits, probe_scores_reference
+    n_q, q_len, tokens, prefix_len, capacity, count = 12, 9, 96, 80, 32, 27
+    q, prefix_k, prefix_v, own_k, own_v = make_inputs(7, n_q, tokens, heads, kv_heads, dtype=dtype)
+    scores, logits = probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=tuple(h // (heads // kv_heads)
+                                            for h in range(heads)), prefix_len=prefix_len, q_len=q_len,
+                                            with_logits=True)
+    assert logits.shape == (heads, n_q, tokens + n_q) and logits.dtype == jnp.float32
+    np.testing.assert_array_equal(scores, probe_scores_reference(
+        q, prefix_k, own_k, kv_head_of_probe=tuple(h // (heads // kv_heads) for h in range(heads)),
+        prefix_len=prefix_len, q_len=q_len))
+    rng = np.random.default_rng(3)
+    shared = SharedIndices(jnp.asarray(rng.permutation(prefix_len)[:capacity], jnp.int32), count)
+    per_head = PerHeadIndices(jnp.asarray(np.stack([rng.permutation(prefix_len)[:capacity] for _ in range(heads)]),
+                                          jnp.int32), count)
+    for selection in (shared, per_head):
+        expected = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, q_len=q_len, impl="reference")
+        got = attention_over_logits(logits, selection, prefix_v, own_v, selection, q_len=q_len)
+        assert got.shape == (heads, n_q, HEAD_DIM) and got.dtype == jnp.float32
+        assert rel_err(got.astype(dtype)[:, :q_len], expected[:, :q_len]) <= TOLERANCE[dtype]
+        oracle = numpy_attention(q, prefix_k, prefix_v, own_k, own_v,
+                                 np.broadcast_to(np.asarray(selection.idx)[..., :count], (heads, count)), q_len)
+        assert rel_err(got[:, :q_len], oracle) <= TOLERANCE[dtype]
+    # the set's rows taken beforehand (row i holds position shared.idx[i]); the columns still name the positions
+    rows = SharedIndices(jnp.arange(capacity, dtype=jnp.int32), count)
+    taken_v = jnp.take(prefix_v, shared.idx, axis=1)
+    got = attention_over_logits(logits, shared, taken_v, own_v, rows, q_len=q_len)
+    expected = gathered_attention(q, prefix_k, prefix_v, own_k, own_v, shared, q_len=q_len, impl="reference")
+    assert rel_err(got.astype(dtype)[:, :q_len], expected[:, :q_len]) <= TOLERANCE[dtype]
+
+
+def test_the_scorings_logits_are_kept_only_where_the_reference_makes_them_and_they_fit(monkeypatch):
+    """Pallas never holds a [heads, n_q, m + n_q] array: it gives no logits; the engine's scoring step keeps them
+    only up to LOGITS_KEPT_BYTES, and gives the same scores either way."""
+    from specjax.engine import steps as S
+    from specjax.kernels import probe_scores
+    q, prefix_k, _, own_k, _ = make_inputs(1, 16, 64)
+    kv_of = (0, 0, 1, 1)
+    scores, logits = probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_of, impl="pallas", with_logits=True)
+    assert logits is None and scores.shape == (HEADS, 64)
+    np.testing.assert_allclose(scores, probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_of, impl="reference"),
+                               rtol=1e-5, atol=1e-6)
+    kept, logits = S.scores(q, prefix_k, own_k, 60, 14, kv_head_of_probe=kv_of, impl="reference", with_logits=True)
+    assert logits is not None and logits.shape == (HEADS, 16, 64 + 16)
+    np.testing.assert_array_equal(kept, S.scores(q, prefix_k, own_k, 60, 14, kv_head_of_probe=kv_of,
+                                                 impl="reference"))
+    narrower = prefix_k[:, :48]  # a shape not traced yet, over the limit
+    monkeypatch.setattr(S, "LOGITS_KEPT_BYTES", 4 * HEADS * 16 * (48 + 16) - 1)
+    scores, none = S.scores(q, narrower, own_k, 40, 14, kv_head_of_probe=kv_of, impl="reference", with_logits=True)
+    assert none is None
+    np.testing.assert_array_equal(scores, S.scores(q, narrower, own_k, 40, 14, kv_head_of_probe=kv_of,
+                                                   impl="reference"))

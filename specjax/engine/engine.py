@@ -404,15 +404,16 @@ class Engine:
                 if head:
                     h_head, head_k, head_v = T.self_attention_layer(cfg, lp, h_head, head_positions,
                                                                     head_positions < head, head_rotary)
-                state, prefix_k, prefix_v, selection, imp, chosen = io.select(
+                state, prefix_k, prefix_v, selection, imp, chosen, logits = io.select(
                     self.identification, state, layer, q, own_k, n, k, k_cap)
-                if head:
+                if head:  # rows in front of the selection that no scoring saw
                     prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
+                    logits = None
                 importance.append(imp)
                 traced.append(chosen)
                 dispatched = time.monotonic()
                 h = S.finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, n,
-                            impl=self.config.kernel_impl)
+                             impl=self.config.kernel_impl, logits=logits)
             io.clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
             if m:
                 # Dispatched: the next layer's reads are issued while the device computes this one.

@@ -45,13 +45,21 @@ def iota(size: int) -> jax.Array:
     return jnp.arange(size, dtype=jnp.int32)
 
 
-def _every_head_scores(f: Facts, layer: Layer, keys, columns=None) -> Score:
+def _every_head_scores(f: Facts, layer: Layer, keys, columns=None, logits: bool = False) -> Score:
     """H2O importance [H, m_pad] of the prefix for every query head, from all of the layer's keys; or of the
-    positions `columns` when `keys`' first rows are theirs (a part of the prefix)."""
+    positions `columns` when `keys`' first rows are theirs (a part of the prefix). `logits`: (importance, the
+    logits or None), which the layer's attention over rows of `keys` weighs its values by (`_scored`)."""
     count = layer.m if columns is None else len(columns)
     return Score(S.scores, (layer.q, keys, layer.own_k, count, layer.n),
-                 dict(kv_head_of_probe=f.kv_of_head, impl=f.kernel_impl), heads=tuple(range(f.cfg.num_heads)),
-                 role="heads", columns=columns)
+                 dict(kv_head_of_probe=f.kv_of_head, impl=f.kernel_impl, with_logits=logits),
+                 heads=tuple(range(f.cfg.num_heads)), role="heads", columns=columns, logits=logits)
+
+
+def _scored(logits, columns: PerHeadIndices) -> S.ScoredLogits | None:
+    """`Selected.logits` of a layer whose query heads keep sets of their own: every head's scoring logits over the
+    rows of the keys it scored, with `columns` (the selection's rows as those rows), or None where the scoring kept
+    none. A shared set's attention multiplies its few keys once per KV head instead (`attention_over_logits`)."""
+    return None if logits is None else S.ScoredLogits(logits, columns)
 
 
 # -- the policies ------------------------------------------------------------------------------------------------
@@ -88,11 +96,12 @@ class H2O:
         """`keys`: the layer's K [kv_heads, m_pad, d] when the caller holds them already (else they are read)."""
         m, k = layer.m, layer.k
         keys = (yield Take(K)) if keys is None else keys
-        scores = yield _every_head_scores(f, layer, keys)
+        scores, logits = yield _every_head_scores(f, layer, keys, logits=True)
         state, per_head = yield decide(st.per_head_select, state, layer.index, scores, k, m, k_cap=layer.k_cap)
         chosen = np.asarray(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(chosen), lambda slots: slots)
-        return Selected(state, keys, values, PerHeadIndices(per_head, k), _importance(scores, m), chosen)
+        selection = PerHeadIndices(per_head, k)
+        return Selected(state, keys, values, selection, _importance(scores, m), chosen, _scored(logits, selection))
 
 
 class ITF(H2O):
@@ -239,8 +248,8 @@ class GroupedITF:
         heads = tuple(h for g in probe_kv for h in range(g * group, (g + 1) * group))  # the probes' query heads
         stored_probe = self.probe_source(f) == PROBE
         probe_k = yield Take(PROBE if stored_probe else K, cand, c_pad, phase="probe_io")
-        keys = every = per_head = None  # every KV head's keys of the candidates, every query head's scores and
-        # own top-k, once known
+        keys = every = per_head = logits = None  # every KV head's keys of the candidates, every query head's scores,
+        # their logits and own top-k, once known
         guarded = group > 1 and f.system.min_head_share is not None
         if stored_probe and not f.probe_is_k:
             scores = yield Score(S.scores, (layer.q, probe_k, layer.own_k, c, layer.n),
@@ -252,13 +261,13 @@ class GroupedITF:
                                                      k_cap=k_cap, kept_of=m)
             if guarded or not bool(use_shared):  # the guard and the fallback score every head
                 keys = yield Take(K, cand, c_pad)
-                every = yield _every_head_scores(f, layer, keys, columns=cand)
+                every, logits = yield _every_head_scores(f, layer, keys, columns=cand, logits=True)
             if guarded:
                 state, use_shared = yield decide(st.guard_shared, state, layer.index, every, shared, k, c,
                                                  use_shared, f.system.min_head_share, k_cap=k_cap)
         else:  # the probe keys are every KV head's: every head's scores, and the whole decision from them in one step
             keys = probe_k
-            every = yield _every_head_scores(f, layer, keys, columns=cand)
+            every, logits = yield _every_head_scores(f, layer, keys, columns=cand, logits=True)
             state, probes, shared, per_head, use_shared = yield decide(
                 st.gqa_select, state, layer.index, every, k, c, f.system.alpha, f.system.min_head_share or 0.0,
                 groups=len(probe_kv), probe_rows=len(heads), k_cap=k_cap, guarded=guarded, kept_of=m)
@@ -281,8 +290,9 @@ class GroupedITF:
             state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = np.asarray(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(per_head_np), lambda slots: cand[slots])
-        return Selected(state, keys, values, PerHeadIndices(per_head, k), _importance(every, c, cand, m),
-                        cand[per_head_np])
+        selection = PerHeadIndices(per_head, k)
+        return Selected(state, keys, values, selection, _importance(every, c, cand, m), cand[per_head_np],
+                        _scored(logits, selection))
 
 
 @jax.jit

@@ -383,12 +383,13 @@ class LayerIO:
             case P.TakeChosen():
                 return self.take_chosen(layer, step)
             case P.Score():
-                scores = self.identify(step.fn, *step.args, **step.kwargs)
+                got = self.identify(step.fn, *step.args, **step.kwargs)
+                scores, logits = got if step.logits else (got, None)
                 hook = self.path.selections
-                if hook is None:
-                    return scores
-                columns = self.all_positions if step.columns is None else step.columns
-                return hook.scores(layer, step.heads, step.role, columns, self.m, scores)
+                if hook is not None:
+                    columns = self.all_positions if step.columns is None else step.columns
+                    scores = hook.scores(layer, step.heads, step.role, columns, self.m, scores)
+                return (scores, logits) if step.logits else scores
             case P.Decide():
                 return self.identify(step.fn, *step.args, **step.kwargs)
             case P.Locate():

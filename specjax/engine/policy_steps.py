@@ -95,6 +95,9 @@ class Selected(NamedTuple):
     # nothing before it needs it (its scores' transfer and normalisation stay off that path)
     importance: Callable[[], np.ndarray]
     chosen: np.ndarray  # [1 or H, k] the chosen positions
+    # the layer's scoring logits, where every query head scored the rows the selection indexes and the logits were
+    # kept (`steps.ScoredLogits`): the attention then weighs the values by them and computes no key products
+    logits: Any = None
 
 
 # -- the steps a policy yields ---------------------------------------------------------------------------------
@@ -142,11 +145,14 @@ class Decide:
 class Score(Decide):
     """A scoring step whose rows [len(heads), >= len(columns)] a selection trace records or stands in for
     (`specjax.engine.replay`). `role`: "probes" (a policy's probe heads) or "heads" (every head); `columns`: the
-    positions of the reused prefix the first columns score (None: every position)."""
+    positions of the reused prefix the first columns score (None: every position). `logits`: fn returns (scores,
+    logits or None) (`steps.scores(..., with_logits=True)`), and so does the step, the trace standing in for the
+    scores alone."""
 
     heads: tuple = ()
     role: str = "heads"
     columns: np.ndarray | None = None
+    logits: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,6 +8,7 @@ own for the same job.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec
 from specjax import sharding as sh
 from specjax.engine import state as st
 from specjax.engine.types import LayerKV
-from specjax.kernels import PerHeadIndices, SharedIndices, gathered_attention, probe_scores
+from specjax.kernels import PerHeadIndices, SharedIndices, attention_over_logits, gathered_attention, probe_scores
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
 
@@ -33,18 +34,36 @@ def _project(cfg, lp, h, positions, rotary_table, *, fused):
     return T.project(cfg, lp, h, positions, fused=fused, rotary_table=rotary_table)
 
 
-def finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *, impl):
+class ScoredLogits(NamedTuple):
+    """A scoring pass's unscaled logits f32 [H, n_q, M' + n_q] (`scores(..., with_logits=True)`) and, entry for entry
+    with a layer's selection, the column of each selected row in them (a SharedIndices or PerHeadIndices)."""
+
+    logits: jax.Array
+    columns: Any
+
+
+def finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *, impl, logits=None):
     """A layer's tail over the selected prefix KV: gathered attention, output projection, MLP.
+
+    `logits`: (every query head's logits from the layer's scoring, the columns of the selection's rows in them:
+    `ScoredLogits`), or None. Given, and the prefix arrays whole and on one device, the attention weighs the
+    selected values by those logits (`attention_over_logits`) and computes no key products again.
 
     With the prefix K/V split by KV head over a mesh (tensor parallel: specjax.sharding), each device attends
     with its own query heads over its own KV heads (the kernel runs per device, in a shard_map); the output
     projection's sum over heads is then the one collective."""
-    return _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, impl=impl,
-                   mesh=sh.head_mesh(prefix_k))
+    mesh = sh.head_mesh(prefix_k)
+    if logits is not None and (mesh is not None or prefix_v.ndim != 3):
+        logits = None
+    return _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, logits, impl=impl, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("impl", "mesh"))
-def _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, *, impl, mesh):
+def _finish(cfg, lp, h, q, own_k, own_v, prefix_k, prefix_v, selection, q_len, logits, *, impl, mesh):
+    if logits is not None:
+        attn = attention_over_logits(logits.logits, logits.columns, prefix_v, own_v, selection, q_len=q_len)
+        return T.output_and_mlp(cfg, lp, h, attn.astype(q.dtype))
+
     def attend(q, prefix_k, prefix_v, own_k, own_v, selection, q_len):
         return gathered_attention(q, prefix_k, prefix_v, own_k, own_v, selection, q_len=q_len, impl=impl,
                                   check_indices=False)
@@ -67,17 +86,30 @@ def finish_plain(cfg, lp, h, q, keys, values, positions, visible, *, self_causal
     return T.attend_and_mlp(cfg, lp, h, q, keys, values, positions, slots, slots < visible, self_causal=self_causal)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl", "q_heads", "kv_heads"))
-def scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl, q_heads=None, kv_heads=None):
+# the most a scoring pass's logits may hold to be kept for the layer's attention (`scores(..., with_logits=True)`):
+# the reference scoring makes them anyway; kept, they live until the layer's attention has used them
+LOGITS_KEPT_BYTES = 256 << 20
+
+
+@functools.partial(jax.jit, static_argnames=("kv_head_of_probe", "impl", "q_heads", "kv_heads", "with_logits"))
+def scores(q, prefix_k, own_k, prefix_len, q_len, *, kv_head_of_probe, impl, q_heads=None, kv_heads=None,
+           with_logits=False):
     """Scores of the prefix keys from query heads `q_heads` of q (None: all), each against KV head
     kv_head_of_probe[i] of prefix_k and of own_k's heads `kv_heads` (None: all); the heads are taken inside the
-    jitted step, so a probe layer dispatches no gather of its own."""
+    jitted step, so a probe layer dispatches no gather of its own.
+
+    `with_logits`: (scores, logits), the logits f32 [heads, n_q, M + n_q] where the reference scoring made them and
+    they fit LOGITS_KEPT_BYTES, else None (Pallas never holds them)."""
     if q_heads is not None:
         q = q[np.asarray(q_heads)]
     if kv_heads is not None:
         own_k = own_k[np.asarray(kv_heads)]
-    return probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe, prefix_len=prefix_len,
-                        q_len=q_len, impl=impl)
+    keep = with_logits and 4 * q.shape[0] * q.shape[1] * (prefix_k.shape[1] + q.shape[1]) <= LOGITS_KEPT_BYTES
+    got = probe_scores(q, prefix_k, own_k, kv_head_of_probe=kv_head_of_probe, prefix_len=prefix_len,
+                       q_len=q_len, impl=impl, with_logits=keep)
+    if not with_logits:
+        return got
+    return got if keep else (got, None)
 
 
 def put(buf, rows, start):
