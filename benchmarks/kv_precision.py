@@ -1,0 +1,198 @@
+"""What loading a stored prefix's KV at fewer bits costs in accuracy (issue 70), before any store holds low-bit KV.
+
+For each request of the eval's workload (its few-shot prefixes, lengthened to `--prefix_tokens`), the prefix's KV
+comes from the model's own prefill. It is then quantised (`specjax.kernels.quant`: keys per channel over
+`--key_group` tokens, values per token over `--value_group` channels, as KIVI groups them) and dequantised, and the
+query and each choice run over it as they would over a loaded prefix; the query and choices themselves stay at the
+model's precision. At `full` the prefix KV is used as computed: as_full's answers. Reported per task and pooled over
+tasks: accuracy (acc, as lm-eval), the paired difference from `full` on the same requests with its stderr, the mean
+|change| of the choices' log-probabilities, and the bytes a stored token would take (codes plus a bf16 scale and
+zero point per group) against the model's KV dtype.
+
+    python benchmarks/kv_precision.py --tasks piqa,rte --limit 150 --prefix_tokens 1024 --data_dir DATA --out DIR
+
+Writes DIR/kv_precision.json and DIR/kv_precision.md. Nothing here is timed: the bytes are what the store would
+read, the accuracy is what the model answers over KV of that precision.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import specjax
+from specjax.eval import metrics, tasks as tasks_lib, workload as workload_lib
+from specjax.eval.fallback_tokenizer import tokenizer_for
+from specjax.eval.observe_measure import ordered_by_prefix
+from specjax.kernels import quant
+from specjax.models import inference
+from specjax.shapes import bucket
+
+flags.DEFINE_string("model", "smollm2-135m", "Model.")
+flags.DEFINE_list("tasks", ["piqa"], "Tasks (docs/data.md).")
+flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default $SPECJAX_DATA.")
+flags.DEFINE_integer("limit", 150, "Requests per task (the task's first items, as the eval).")
+flags.DEFINE_integer("prefix_tokens", 1024, "Lengthen every few-shot prefix to at least this many tokens.")
+flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions to load the prefix KV at, besides full.")
+flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); the store's chunk is 64.")
+flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
+                     "divisors.")
+flags.DEFINE_string("out", None, "Folder for kv_precision.json and kv_precision.md (printed either way).")
+FLAGS = flags.FLAGS
+
+
+def round_trip(x, bits: int, per_channel: bool, group: int):
+    """x [H, m, d] through `bits`-bit codes and back, in x's dtype. Keys' token groups run from the prefix's start
+    (a stored chunk's); a last partial group is its own group."""
+    whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
+    parts = []
+    for lo, hi in ((0, whole), (whole, x.shape[1])):
+        if hi > lo:
+            part = x[:, lo:hi]
+            q = (quant.quantize_keys(part, bits=bits, group_tokens=min(group, hi - lo)) if per_channel else
+                 quant.quantize_values(part, bits=bits, group_channels=group))
+            parts.append(quant.dequantize(q).astype(x.dtype))
+    return jnp.concatenate(parts, axis=1)
+
+
+def stored_bytes(cfg, m: int, bits: int | None, itemsize: int) -> int:
+    """Bytes of one layer's K and V for m tokens: at the model's dtype (bits None), else codes and bf16 scales."""
+    heads, d = cfg.num_kv_heads, cfg.head_dim
+    if bits is None:
+        return 2 * heads * m * d * itemsize
+    key_groups = -(-m // FLAGS.key_group) * d
+    value_groups = m * d // FLAGS.value_group
+    return 2 * heads * m * d * bits // 8 + heads * (key_groups + value_groups) * 2 * 2
+
+
+def choice_logprobs(cfg, params, cache, query, choices) -> list[float]:
+    """Sum of log p(choice | prefix in `cache`, query) for each choice; `cache` itself is left as it is."""
+    out = []
+    for choice in choices:
+        ids = list(query) + list(choice)[:-1]
+        # the cached layers take their buffers over (donated): each choice extends copies
+        mine = inference.KVCache([jnp.copy(x) for x in cache.k], [jnp.copy(x) for x in cache.v], cache.length)
+        logits = inference.extend(cfg, params, mine, ids)
+        rows = np.arange(len(query) - 1, len(ids))
+        logp = np.asarray(inference.log_softmax(logits[rows]))
+        out.append(float(logp[np.arange(len(choice)), np.asarray(choice)].sum()))
+    return out
+
+
+def run_task(model, name: str, precisions: list) -> dict:
+    cfg, params = model.config, model.params
+    tokenizer, _ = tokenizer_for(model)
+    task = tasks_lib.load_task(name, FLAGS.data_dir)
+    spec = workload_lib.WorkloadSpec(limit=FLAGS.limit, prefix_tokens=FLAGS.prefix_tokens)
+    requests = ordered_by_prefix(workload_lib.build_workload(task, tokenizer, spec).requests)
+    outcomes = {p: [] for p in precisions}
+    logprobs = {p: [] for p in precisions}
+    bytes_per_token = {}
+    itemsize = np.dtype(model.dtype).itemsize
+    started, prefix_id, caches = time.monotonic(), None, None
+    for i, r in enumerate(requests):
+        if r.prefix_id != prefix_id:  # the prefix's KV, then its round trips at each precision
+            prefix_id, m = r.prefix_id, len(r.prefix_ids)
+            jax.clear_caches()  # every prefix length compiles its own round trip: let the last one's go
+            longest = max(len(q.query_ids) + max(len(c) for c in q.choice_ids) for q in requests
+                          if q.prefix_id == prefix_id)
+            full = inference.empty_cache(cfg, bucket(m + longest), model.dtype)
+            inference.extend(cfg, params, full, list(r.prefix_ids))
+            caches = {}
+            for p in precisions:
+                if p == "full":
+                    caches[p] = full
+                    continue
+                k = [layer.at[:, :m].set(round_trip(layer[:, :m], p, True, FLAGS.key_group)) for layer in full.k]
+                v = [layer.at[:, :m].set(round_trip(layer[:, :m], p, False, FLAGS.value_group)) for layer in full.v]
+                caches[p] = inference.KVCache(k, v, m)
+        for p in precisions:
+            lls = choice_logprobs(cfg, params, caches[p], r.query_ids, r.choice_ids)
+            outcomes[p].append((lls, r.choices, r.gold))
+            logprobs[p].append(lls)
+            bytes_per_token.setdefault(p, []).append(
+                stored_bytes(cfg, len(r.prefix_ids), None if p == "full" else p, itemsize) / len(r.prefix_ids))
+        if (i + 1) % 25 == 0 or i + 1 == len(requests):
+            print(f"  {name}: {i + 1}/{len(requests)} requests, {time.monotonic() - started:.0f} s", flush=True)
+    full_correct = metrics.per_request_correct(outcomes["full"])
+    result = {"requests": len(requests), "precisions": {}}
+    for p in precisions:
+        correct = metrics.per_request_correct(outcomes[p])
+        change = [abs(a - b) for x, y in zip(logprobs[p], logprobs["full"]) for a, b in zip(x, y)]
+        result["precisions"][str(p)] = {
+            **metrics.accuracy(outcomes[p]),
+            "paired_vs_full": metrics.paired_difference(correct, full_correct),
+            "mean_abs_logprob_change": float(np.mean(change)),
+            "bytes_per_token_per_layer": float(np.mean(bytes_per_token[p])),
+            "correct": correct.tolist(),
+            "logprobs": logprobs[p],  # per request, per choice
+        }
+    return result
+
+
+def pooled(results: dict, precisions: list) -> dict:
+    out = {}
+    full = np.concatenate([results[t]["precisions"]["full"]["correct"] for t in results])
+    for p in precisions:
+        correct = np.concatenate([results[t]["precisions"][str(p)]["correct"] for t in results])
+        out[str(p)] = {"acc": float(correct.mean()), "paired_vs_full": metrics.paired_difference(correct, full),
+                       "bytes_vs_full": float(np.mean([results[t]["precisions"][str(p)]["bytes_per_token_per_layer"] /
+                                                        results[t]["precisions"]["full"]["bytes_per_token_per_layer"]
+                                                        for t in results]))}
+    return out
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# {out['model']}: the prefix's KV loaded at fewer bits", "",
+             f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} channels, "
+             f"bf16 scales and zero points; {out['prefix_tokens']}-token prefixes; acc as lm-eval; the paired "
+             "difference from full precision on the same requests (pp, +- stderr).", "",
+             f"| task | precision | acc % | vs full (pp) | only this right / only full right | mean abs log-prob change "
+             f"| bytes / {out['kv_dtype']}'s |", "|---|---|---|---|---|---|---|"]
+    for task, r in out["tasks"].items():
+        full_bytes = r["precisions"]["full"]["bytes_per_token_per_layer"]
+        for p, s in r["precisions"].items():
+            d = s["paired_vs_full"]
+            lines.append(f"| {task} ({r['requests']}) | {p} | {s['acc'] * 100:.1f} | {d['acc_diff'] * 100:+.1f} +- "
+                         f"{d['stderr'] * 100:.1f} | {d['only_system']} / {d['only_reference']} | "
+                         f"{s['mean_abs_logprob_change']:.3f} | {s['bytes_per_token_per_layer'] / full_bytes:.3f} |")
+    lines += ["", f"| pooled | acc % | vs full (pp) | bytes / {out['kv_dtype']}'s | bytes / bf16's |",
+              "|---|---|---|---|---|"]
+    for p, s in out["pooled"].items():
+        d = s["paired_vs_full"]
+        lines.append(f"| {p} | {s['acc'] * 100:.1f} | {d['acc_diff'] * 100:+.2f} +- {d['stderr'] * 100:.2f} (n "
+                     f"{d['n']}) | {s['bytes_vs_full']:.3f} | {s['bytes_vs_full'] * out['kv_itemsize'] / 2:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    precisions = ["full"] + [int(b) for b in FLAGS.bits]
+    model = specjax.load_model(FLAGS.model)
+    if model.config.head_dim % FLAGS.value_group:
+        raise SystemExit(f"--value_group {FLAGS.value_group} does not divide the head dim {model.config.head_dim}")
+    results = {}
+    for name in FLAGS.tasks:
+        print(f"{name}: precisions {precisions}", flush=True)
+        results[name] = run_task(model, name, precisions)
+    out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
+           "key_group": FLAGS.key_group, "value_group": FLAGS.value_group, "kv_dtype": str(np.dtype(model.dtype)),
+           "kv_itemsize": np.dtype(model.dtype).itemsize,
+           "tasks": results, "pooled": pooled(results, precisions)}
+    text = markdown(out)
+    print(text)
+    if FLAGS.out:
+        folder = pathlib.Path(FLAGS.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kv_precision.json").write_text(json.dumps(out, indent=1))
+        (folder / "kv_precision.md").write_text(text)
+
+
+if __name__ == "__main__":
+    app.run(main)

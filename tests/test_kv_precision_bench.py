@@ -1,0 +1,44 @@
+"""benchmarks/kv_precision.py on two PIQA requests of the real smollm2-135m: at full precision its cached path gives
+the plain forward's log-probabilities, fewer bits move them more, and the bytes are the format's."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.eval import tasks as tasks_lib, workload as workload_lib
+from specjax.eval.observe_measure import ordered_by_prefix
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.mark.skipif(not (DATA / "piqa").exists(), reason="needs the PIQA files of docs/data.md")
+def test_full_precision_is_the_plain_forward_and_fewer_bits_move_the_answers_more(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--tasks", "piqa", "--limit", "2",
+                    "--prefix_tokens", "256", "--bits", "8,2", "--key_group", "16", "--value_group", "32",
+                    "--data_dir", str(DATA), "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+    out = json.loads((tmp_path / "kv_precision.json").read_text())
+    assert (tmp_path / "kv_precision.md").read_text().startswith("# smollm2-135m")
+    piqa = out["tasks"]["piqa"]["precisions"]
+    model = specjax.load_model("smollm2-135m")
+    task = tasks_lib.load_task("piqa", str(DATA))
+    spec = workload_lib.WorkloadSpec(limit=2, prefix_tokens=256)
+    requests = ordered_by_prefix(workload_lib.build_workload(task, model.tokenizer, spec).requests)
+    for r, got in zip(requests, piqa["full"]["logprobs"]):
+        want = [model.loglikelihood(list(r.prefix_ids + r.query_ids), list(c))[0] for c in r.choice_ids]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    assert piqa["full"]["mean_abs_logprob_change"] == 0.0
+    assert 0.0 < piqa["8"]["mean_abs_logprob_change"] < piqa["2"]["mean_abs_logprob_change"]
+    cfg, m = model.config, np.mean([len(r.prefix_ids) for r in requests])
+    d = cfg.head_dim
+    scales = (d / 16 + d / 32) * 2 * 2  # a token's share of its key groups' and value groups' bf16 scale and zero
+    per_token = {bits: 2 * d * bits / 8 + scales for bits in (8, 2)}  # one KV head's K and V
+    full = 2 * d * np.dtype(model.dtype).itemsize
+    for bits, expected in per_token.items():  # up to the last partial key group's scales
+        ratio = piqa[str(bits)]["bytes_per_token_per_layer"] / piqa["full"]["bytes_per_token_per_layer"]
+        assert ratio == pytest.approx(expected / full, rel=0.02), (bits, m)
