@@ -44,6 +44,8 @@ flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); 
 flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
                      "divisors.")
 flags.DEFINE_string("out", None, "Folder for kv_precision.json and kv_precision.md (printed either way).")
+flags.DEFINE_list("pool", None, "Instead of measuring: the folders of earlier runs (same model, groups and bits, other "
+                  "tasks), their tasks pooled into --out.")
 FLAGS = flags.FLAGS
 
 
@@ -171,8 +173,36 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pooled_runs(folders: list[str]) -> dict:
+    """The runs in `folders` as one: their tasks side by side, pooled anew. Runs of another model, grouping or set of
+    precisions are refused."""
+    runs = [json.loads((pathlib.Path(f) / "kv_precision.json").read_text()) for f in folders]
+    same = ("model", "prefix_tokens", "key_group", "value_group", "kv_dtype")
+    for run, folder in zip(runs[1:], folders[1:]):
+        differs = [k for k in same if run[k] != runs[0][k]]
+        if differs or run["pooled"].keys() != runs[0]["pooled"].keys():
+            raise SystemExit(f"{folder} was measured with other settings ({', '.join(differs) or 'precisions'}) than "
+                             f"{folders[0]}")
+    out = {k: v for k, v in runs[0].items() if k not in ("tasks", "pooled")}
+    out["tasks"] = {task: r for run in runs for task, r in run["tasks"].items()}
+    out["pooled"] = pooled(out["tasks"], list(runs[0]["pooled"]))
+    return out
+
+
+def write(out: dict) -> None:
+    text = markdown(out)
+    print(text)
+    if FLAGS.out:
+        folder = pathlib.Path(FLAGS.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kv_precision.json").write_text(json.dumps(out, indent=1))
+        (folder / "kv_precision.md").write_text(text)
+
+
 def main(argv):
     del argv
+    if FLAGS.pool:
+        return write(pooled_runs(FLAGS.pool))
     precisions = ["full"] + [int(b) for b in FLAGS.bits]
     model = specjax.load_model(FLAGS.model)
     if model.config.head_dim % FLAGS.value_group:
@@ -185,13 +215,7 @@ def main(argv):
            "key_group": FLAGS.key_group, "value_group": FLAGS.value_group, "kv_dtype": str(np.dtype(model.dtype)),
            "kv_itemsize": np.dtype(model.dtype).itemsize,
            "tasks": results, "pooled": pooled(results, precisions)}
-    text = markdown(out)
-    print(text)
-    if FLAGS.out:
-        folder = pathlib.Path(FLAGS.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "kv_precision.json").write_text(json.dumps(out, indent=1))
-        (folder / "kv_precision.md").write_text(text)
+    write(out)
 
 
 if __name__ == "__main__":

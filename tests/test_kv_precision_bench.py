@@ -42,3 +42,20 @@ def test_full_precision_is_the_plain_forward_and_fewer_bits_move_the_answers_mor
     for bits, expected in per_token.items():  # up to the last partial key group's scales
         ratio = piqa[str(bits)]["bytes_per_token_per_layer"] / piqa["full"]["bytes_per_token_per_layer"]
         assert ratio == pytest.approx(expected / full, rel=0.02), (bits, m)
+    # --pool: two runs' tasks side by side, pooled anew; a run of other settings is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    renamed = dict(out, tasks={"piqa_again": out["tasks"]["piqa"]})
+    (other / "kv_precision.json").write_text(json.dumps(renamed))
+    both = tmp_path / "both"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--pool", f"{tmp_path},{other}",
+                    "--out", str(both)], check=True, cwd=ROOT, timeout=300)
+    pooled = json.loads((both / "kv_precision.json").read_text())
+    assert set(pooled["tasks"]) == {"piqa", "piqa_again"}
+    for p in ("full", "8", "2"):
+        assert pooled["pooled"][p]["paired_vs_full"]["n"] == 2 * len(requests)
+        assert pooled["pooled"][p]["acc"] == pytest.approx(np.mean(piqa[p]["correct"]))
+    (other / "kv_precision.json").write_text(json.dumps(dict(renamed, key_group=64)))
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--pool",
+                              f"{tmp_path},{other}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "key_group" in refused.stderr + refused.stdout
