@@ -50,27 +50,18 @@ FLAGS = flags.FLAGS
 
 
 def round_trip(x, bits: int, per_channel: bool, group: int):
-    """x [H, m, d] through `bits`-bit codes and back, in x's dtype. Keys' token groups run from the prefix's start
-    (a stored chunk's); a last partial group is its own group."""
+    """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
+    take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group."""
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
-    parts = []
+    parts, nbytes = [], 0
     for lo, hi in ((0, whole), (whole, x.shape[1])):
         if hi > lo:
             part = x[:, lo:hi]
             q = (quant.quantize_keys(part, bits=bits, group_tokens=min(group, hi - lo)) if per_channel else
                  quant.quantize_values(part, bits=bits, group_channels=group))
             parts.append(quant.dequantize(q).astype(x.dtype))
-    return jnp.concatenate(parts, axis=1)
-
-
-def stored_bytes(cfg, m: int, bits: int | None, itemsize: int) -> int:
-    """Bytes of one layer's K and V for m tokens: at the model's dtype (bits None), else codes and bf16 scales."""
-    heads, d = cfg.num_kv_heads, cfg.head_dim
-    if bits is None:
-        return 2 * heads * m * d * itemsize
-    key_groups = -(-m // FLAGS.key_group) * d
-    value_groups = m * d // FLAGS.value_group
-    return 2 * heads * m * d * bits // 8 + heads * (key_groups + value_groups) * 2 * 2
+            nbytes += q.nbytes()
+    return jnp.concatenate(parts, axis=1), nbytes
 
 
 def choice_logprobs(cfg, params, cache, query, choices) -> list[float]:
@@ -106,20 +97,18 @@ def run_task(model, name: str, precisions: list) -> dict:
                           if q.prefix_id == prefix_id)
             full = inference.empty_cache(cfg, bucket(m + longest), model.dtype)
             inference.extend(cfg, params, full, list(r.prefix_ids))
-            caches = {}
-            for p in precisions:
-                if p == "full":
-                    caches[p] = full
-                    continue
-                k = [layer.at[:, :m].set(round_trip(layer[:, :m], p, True, FLAGS.key_group)) for layer in full.k]
-                v = [layer.at[:, :m].set(round_trip(layer[:, :m], p, False, FLAGS.value_group)) for layer in full.v]
-                caches[p] = inference.KVCache(k, v, m)
+            caches, layer_bytes = {"full": full}, {"full": 2 * cfg.num_kv_heads * m * cfg.head_dim * itemsize}
+            for p in precisions[1:]:
+                k = [round_trip(layer[:, :m], p, True, FLAGS.key_group) for layer in full.k]
+                v = [round_trip(layer[:, :m], p, False, FLAGS.value_group) for layer in full.v]
+                caches[p] = inference.KVCache([layer.at[:, :m].set(x) for layer, (x, _) in zip(full.k, k)],
+                                              [layer.at[:, :m].set(x) for layer, (x, _) in zip(full.v, v)], m)
+                layer_bytes[p] = k[0][1] + v[0][1]  # every layer's are the same
         for p in precisions:
             lls = choice_logprobs(cfg, params, caches[p], r.query_ids, r.choice_ids)
             outcomes[p].append((lls, r.choices, r.gold))
             logprobs[p].append(lls)
-            bytes_per_token.setdefault(p, []).append(
-                stored_bytes(cfg, len(r.prefix_ids), None if p == "full" else p, itemsize) / len(r.prefix_ids))
+            bytes_per_token.setdefault(p, []).append(layer_bytes[p] / m)
         if (i + 1) % 25 == 0 or i + 1 == len(requests):
             print(f"  {name}: {i + 1}/{len(requests)} requests, {time.monotonic() - started:.0f} s", flush=True)
     full_correct = metrics.per_request_correct(outcomes["full"])

@@ -9,6 +9,7 @@ indices (a BlockTable's blocks are then page numbers).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,52 @@ def _unpacked(out, num_heads: int, pack: int):
 # ----------------------------------------------------------------------------- reference
 
 
+class _Units(NamedTuple):
+    """The reference attention's units: KV heads, each with its group of query heads (a shared selection), or query
+    heads (per-head sets); and each unit's selected tokens."""
+
+    shared: bool
+    units: int
+    per_unit: int
+    kv_of_unit: jax.Array  # [U]
+    tokens: jax.Array  # [R, K] token indices, clipped into the prefix
+    counted: jax.Array  # [U, K] entries within their row's count
+
+
+def _units(selection: Selection, num_heads: int, num_kv: int, num_tokens: int) -> _Units:
+    idx, count = selection.token_indices(num_heads)
+    shared = idx.shape[0] == 1
+    units, per_unit = (num_kv, num_heads // num_kv) if shared else (num_heads, 1)
+    kv_of_unit = jnp.arange(units) if shared else jnp.arange(num_heads) // (num_heads // num_kv)
+    counted = jnp.arange(idx.shape[1])[None, :] < count[:, None]
+    return _Units(shared, units, per_unit, kv_of_unit, jnp.clip(idx, 0, num_tokens - 1),
+                  jnp.broadcast_to(counted, (units, idx.shape[1])))
+
+
+def _with_own(prefix, own, u: _Units, pages, masked=False):
+    """[U, K + n_q, d] float32: each unit's selected rows of `prefix` ([H_kv, M, d], or pages [P, H_kv, C, d]), then
+    its KV head's rows of `own`."""
+    if pages is not None:  # token t at page t // C, row t % C: the pages' rows in token order, per KV head
+        prefix = jnp.swapaxes(prefix, 0, 1).reshape(pages[0], -1, prefix.shape[-1])
+    rows = prefix[:, u.tokens[0]] if u.shared else prefix[u.kv_of_unit[:, None], u.tokens]
+    if masked:  # pages past the count may hold anything: a value there times its weight 0 must not give NaN
+        rows = jnp.where(u.counted[..., None], rows, jnp.zeros((), prefix.dtype))
+    return jnp.concatenate([rows, own[u.kv_of_unit]], axis=1).astype(jnp.float32)
+
+
+def _weigh(scores, values, u: _Units, q_len):
+    """Scaled scores [U, per_unit, n_q, K + n_q] (the selected rows', then the computed tokens') masked, softmaxed and
+    applied to values [U, K + n_q, d] -> [U, per_unit, n_q, d]."""
+    n_q, capacity = scores.shape[2], u.counted.shape[1]
+    rows = jnp.arange(n_q)
+    selected_valid = u.counted[:, None, None, :] & (rows < q_len)[None, None, :, None]
+    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (u.units, 1, n_q, n_q))
+    valid = jnp.concatenate([jnp.broadcast_to(selected_valid, (u.units, 1, n_q, capacity)), own_valid], axis=-1)
+    weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
+    weights = jnp.where(valid, weights, 0.0)
+    return jnp.einsum("ugqk,ukd->ugqd", weights, values, precision=lax.Precision.HIGHEST)
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
 def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection: Selection, *,
                                  q_len=None, scale=None):
@@ -191,40 +238,13 @@ def gathered_attention_reference(q, prefix_k, prefix_v, own_k, own_v, selection:
     heads together ([H_kv, group, n_q, ...]); per-head sets gather each query head's own rows ([H, 1, n_q, ...])."""
     num_heads, n_q, head_dim = q.shape
     num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
-    group = num_heads // num_kv
     scale = c.default_scale(head_dim, scale)
-    q_len = c.length_or_full(q_len, n_q)
-    idx, count = selection.token_indices(num_heads)
-    shared = idx.shape[0] == 1
-    capacity = idx.shape[1]
-    tokens = jnp.clip(idx, 0, num_tokens - 1)  # [R, K]
-    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [R, K]: entries within each row's count
-    # the attention's units: KV heads, each with its group of query heads (shared rows), or query heads (per head)
-    units, per_unit = (num_kv, group) if shared else (num_heads, 1)
-    kv_of_unit = jnp.arange(units) if shared else jnp.arange(num_heads) // group
-    counted = jnp.broadcast_to(counted, (units, capacity))
-
-    def rows_of(prefix, masked):  # [U, K, d]: each unit's selected rows
-        if pages is not None:  # token t at page t // C, row t % C: the pages' rows in token order, per KV head
-            prefix = jnp.swapaxes(prefix, 0, 1).reshape(num_kv, num_tokens, head_dim)
-        rows = prefix[:, tokens[0]] if shared else prefix[kv_of_unit[:, None], tokens]
-        # pages past the count may hold anything: a value there times its weight 0 must not give NaN (a key's
-        # score there is masked anyway)
-        return jnp.where(counted[..., None], rows, jnp.zeros((), prefix.dtype)) if masked else rows
-
-    def keys_of(prefix, own, masked=False):
-        return jnp.concatenate([rows_of(prefix, masked), own[kv_of_unit]], axis=1).astype(jnp.float32)
-
-    keys, values = keys_of(prefix_k, own_k), keys_of(prefix_v, own_v, masked=pages is not None)
-    queries = q.astype(jnp.float32).reshape(units, per_unit, n_q, head_dim)
+    u = _units(selection, num_heads, num_kv, num_tokens)
+    keys = _with_own(prefix_k, own_k, u, pages)  # a key past the count is masked out of the scores
+    values = _with_own(prefix_v, own_v, u, pages, masked=pages is not None)
+    queries = q.astype(jnp.float32).reshape(u.units, u.per_unit, n_q, head_dim)
     scores = jnp.einsum("ugqd,ukd->ugqk", queries, keys, precision=lax.Precision.HIGHEST) * scale
-    rows = jnp.arange(n_q)
-    selected_valid = counted[:, None, None, :] & (rows < q_len)[None, None, :, None]
-    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (units, 1, n_q, n_q))
-    valid = jnp.concatenate([jnp.broadcast_to(selected_valid, (units, 1, n_q, capacity)), own_valid], axis=-1)
-    weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
-    weights = jnp.where(valid, weights, 0.0)
-    out = jnp.einsum("ugqk,ukd->ugqd", weights, values, precision=lax.Precision.HIGHEST)
+    out = _weigh(scores, values, u, c.length_or_full(q_len, n_q))
     return out.reshape(num_heads, n_q, head_dim).astype(q.dtype)
 
 
@@ -245,36 +265,13 @@ def attention_over_logits(logits, columns: Selection, prefix_v, own_v, selection
     prefix_v [H_kv, M, d] (the rows `selection` indexes), own_v [H_kv, n_q, d]; as gathered_attention_reference."""
     num_heads, n_q, width = logits.shape
     num_kv, num_tokens, head_dim = prefix_v.shape
-    group = num_heads // num_kv
     scale = c.default_scale(head_dim, scale)
-    q_len = c.length_or_full(q_len, n_q)
-    idx, count = selection.token_indices(num_heads)
-    cols, _ = columns.token_indices(num_heads)
-    shared = idx.shape[0] == 1
-    capacity = idx.shape[1]
-    scored = width - n_q
-    counted = jnp.arange(capacity)[None, :] < count[:, None]  # [R, K]
-    cols = jnp.clip(cols, 0, scored - 1)
-    if shared:  # [H, n_q, K]: every head's logits at the one set's columns
-        picked = logits[:, :, cols[0]]
-    else:  # each head's own columns
-        picked = jnp.take_along_axis(logits, cols[:, None, :], axis=2)
-    rows = jnp.arange(n_q)
-    selected_valid = jnp.broadcast_to(counted[:, None, :], (num_heads, 1, capacity)) & (rows < q_len)[None, :, None]
-    own_valid = jnp.broadcast_to(c.causal_valid(rows, rows, q_len), (num_heads, n_q, n_q))
-    valid = jnp.concatenate([selected_valid, own_valid], axis=-1)
-    scores = jnp.concatenate([picked, logits[:, :, scored:]], -1) * scale
-    weights = jax.nn.softmax(jnp.where(valid, scores, c.MASK_VALUE), axis=-1)
-    weights = jnp.where(valid, weights, 0.0)
-    tokens = jnp.clip(idx, 0, num_tokens - 1)
-    if shared:  # a KV head's rows once, for its group of query heads
-        values = jnp.concatenate([prefix_v[:, tokens[0]], own_v], axis=1).astype(jnp.float32)
-        out = jnp.einsum("ugqk,ukd->ugqd", weights.reshape(num_kv, group, n_q, -1), values,
-                         precision=lax.Precision.HIGHEST)
-    else:
-        kv_of_head = jnp.arange(num_heads) // group
-        values = jnp.concatenate([prefix_v[kv_of_head[:, None], tokens], own_v[kv_of_head]], axis=1)
-        out = jnp.einsum("hqk,hkd->hqd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    u = _units(selection, num_heads, num_kv, num_tokens)
+    cols = jnp.clip(columns.token_indices(num_heads)[0], 0, width - n_q - 1)
+    # [H, n_q, K]: every head's logits at the one set's columns, or at its own
+    picked = logits[:, :, cols[0]] if u.shared else jnp.take_along_axis(logits, cols[:, None, :], axis=2)
+    scores = jnp.concatenate([picked, logits[:, :, width - n_q:]], -1).reshape(u.units, u.per_unit, n_q, -1) * scale
+    out = _weigh(scores, _with_own(prefix_v, own_v, u, None), u, c.length_or_full(q_len, n_q))
     return out.reshape(num_heads, n_q, head_dim)
 
 

@@ -334,13 +334,12 @@ def test_attention_over_the_scorings_logits_equals_the_gathered_attention(heads,
     from specjax.kernels import attention_over_logits, probe_scores_reference
     n_q, q_len, tokens, prefix_len, capacity, count = 12, 9, 96, 80, 32, 27
     q, prefix_k, prefix_v, own_k, own_v = make_inputs(7, n_q, tokens, heads, kv_heads, dtype=dtype)
-    scores, logits = probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=tuple(h // (heads // kv_heads)
-                                            for h in range(heads)), prefix_len=prefix_len, q_len=q_len,
-                                            with_logits=True)
+    kv_of = tuple(h // (heads // kv_heads) for h in range(heads))
+    scores, logits = probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=kv_of, prefix_len=prefix_len,
+                                            q_len=q_len, with_logits=True)
     assert logits.shape == (heads, n_q, tokens + n_q) and logits.dtype == jnp.float32
-    np.testing.assert_array_equal(scores, probe_scores_reference(
-        q, prefix_k, own_k, kv_head_of_probe=tuple(h // (heads // kv_heads) for h in range(heads)),
-        prefix_len=prefix_len, q_len=q_len))
+    np.testing.assert_array_equal(scores, probe_scores_reference(q, prefix_k, own_k, kv_head_of_probe=kv_of,
+                                                                 prefix_len=prefix_len, q_len=q_len))
     rng = np.random.default_rng(3)
     shared = SharedIndices(jnp.asarray(rng.permutation(prefix_len)[:capacity], jnp.int32), count)
     per_head = PerHeadIndices(jnp.asarray(np.stack([rng.permutation(prefix_len)[:capacity] for _ in range(heads)]),

@@ -52,7 +52,7 @@ def _every_head_scores(f: Facts, layer: Layer, keys, columns=None, logits: bool 
     count = layer.m if columns is None else len(columns)
     return Score(S.scores, (layer.q, keys, layer.own_k, count, layer.n),
                  dict(kv_head_of_probe=f.kv_of_head, impl=f.kernel_impl, with_logits=logits),
-                 heads=tuple(range(f.cfg.num_heads)), role="heads", columns=columns, logits=logits)
+                 heads=tuple(range(f.cfg.num_heads)), role="heads", columns=columns)
 
 
 def _scored(logits, columns: PerHeadIndices) -> S.ScoredLogits | None:

@@ -145,14 +145,17 @@ class Decide:
 class Score(Decide):
     """A scoring step whose rows [len(heads), >= len(columns)] a selection trace records or stands in for
     (`specjax.engine.replay`). `role`: "probes" (a policy's probe heads) or "heads" (every head); `columns`: the
-    positions of the reused prefix the first columns score (None: every position). `logits`: fn returns (scores,
-    logits or None) (`steps.scores(..., with_logits=True)`), and so does the step, the trace standing in for the
-    scores alone."""
+    positions of the reused prefix the first columns score (None: every position)."""
 
     heads: tuple = ()
     role: str = "heads"
     columns: np.ndarray | None = None
-    logits: bool = False
+
+    @property
+    def logits(self) -> bool:
+        """fn is asked for its logits too (`steps.scores(..., with_logits=True)`): it returns (scores, logits or
+        None), and so does the step, a trace standing in for the scores alone."""
+        return bool(self.kwargs.get("with_logits"))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
