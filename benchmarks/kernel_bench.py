@@ -28,7 +28,9 @@ from specjax.kernels import (
     SharedIndices,
     gathered_attention,
     probe_scores,
+    quant,
 )
+from specjax.kernels.low_bit_attention import low_bit_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +45,13 @@ class BenchConfig:
     selections: tuple[str, ...] = ("shared",)
     chunk_tokens: int = 64
     dtype: str = "bfloat16"
+    bits: tuple[int, ...] = (8, 4, 2)  # low-bit prefix rows (low_bit_attention), beside the full-precision kernel
     warmup: int = 3
     reps: int = 20
 
 
 QUICK = BenchConfig(heads=4, kv_heads=2, head_dim=32, probe_heads=2, prefix_tokens=(256,),
-                    query_tokens=(16,), retention=(0.25, 1.0), chunk_tokens=16, dtype="float32",
+                    query_tokens=(16,), retention=(0.25, 1.0), chunk_tokens=16, dtype="float32", bits=(4,),
                     warmup=1, reps=2)
 
 
@@ -132,7 +135,24 @@ def bench_shape(config: BenchConfig, m: int, n_q: int, rng) -> list[dict]:
                              retention=retention, pallas_ms=times["pallas"],
                              pallas_per_head_tiles_ms=times.get("pallas_per_head_tiles"),
                              reference_ms=times["reference"], dense_full_ms=dense_ms))
+            for bits in config.bits:
+                rows.append(_low_bit_row(config, bits, kind, m, n_q, retention, selection, dense_ms,
+                                         (q, prefix_k, prefix_v, own_k, own_v)))
     return rows
+
+
+def _low_bit_row(config: BenchConfig, bits: int, kind: str, m: int, n_q: int, retention: float, selection,
+                 dense_ms: float, inputs) -> dict:
+    """The gathered attention over the prefix stored at `bits` (its rows decoded inside the kernel)."""
+    q, prefix_k, prefix_v, own_k, own_v = inputs
+    group = min(32, config.head_dim)
+    k_rows, v_rows = (jnp.asarray(quant.encode_rows(np.asarray(x, np.float32), bits=bits, group=group))
+                      for x in (prefix_k, prefix_v))
+    times = {impl: time_ms(lambda impl=impl: low_bit_attention(
+        q, k_rows, v_rows, own_k, own_v, selection, bits=bits, group=group, impl=impl),
+        warmup=config.warmup, reps=config.reps) for impl in ("pallas", "reference")}
+    return dict(kernel=f"low_bit_attention {bits}-bit", selection=kind, m=m, n_q=n_q, retention=retention,
+                pallas_ms=times["pallas"], reference_ms=times["reference"], dense_full_ms=dense_ms)
 
 
 def run(config: BenchConfig) -> list[dict]:
@@ -214,6 +234,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, pathlib.Path | None]:
     parser.add_argument("--query_tokens", help="comma list of n_q, default 16,128,512")
     parser.add_argument("--retention", help="comma list, default 0.05,0.25,0.5,1.0")
     parser.add_argument("--selections", help="comma list of shared,per_head,block_table")
+    parser.add_argument("--bits", help="comma list of low-bit prefixes also timed (8,4,2; default all); 0: none")
     parser.add_argument("--output_dir", type=pathlib.Path,
                         help="write kernels_<device>.json and .md here")
     args = parser.parse_args(argv)
@@ -221,10 +242,11 @@ def parse_args(argv=None) -> tuple[BenchConfig, pathlib.Path | None]:
     changes = {name: getattr(args, name) for name in (
         "heads", "kv_heads", "head_dim", "probe_heads", "chunk_tokens", "warmup", "reps",
         "dtype") if getattr(args, name) is not None}
-    lists = {"prefix_tokens": int, "query_tokens": int, "retention": float, "selections": str}
+    lists = {"prefix_tokens": int, "query_tokens": int, "retention": float, "selections": str, "bits": int}
     for name, kind in lists.items():
         if getattr(args, name):
             changes[name] = tuple(kind(item) for item in getattr(args, name).split(","))
+    changes["bits"] = tuple(b for b in changes.get("bits", config.bits) if b)
     config = dataclasses.replace(config, **changes)
     if config.heads % config.kv_heads or config.probe_heads > config.heads:
         parser.error("--heads must be a multiple of --kv_heads and >= --probe_heads")

@@ -40,6 +40,9 @@ flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default 
 flags.DEFINE_integer("limit", 150, "Requests per task (the task's first items, as the eval).")
 flags.DEFINE_integer("prefix_tokens", 1024, "Lengthen every few-shot prefix to at least this many tokens.")
 flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions to load the prefix KV at, besides full.")
+flags.DEFINE_enum("grouping", "kivi", ["kivi", "rows"], "kivi: keys per channel over --key_group tokens, values "
+                  "per token (KIVI's); rows: keys and values per token over --value_group channels with float16 "
+                  "scales, as a store holds them (`kernels.quant.encode_rows`).")
 flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); the store's chunk is 64.")
 flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
                      "divisors.")
@@ -51,7 +54,12 @@ FLAGS = flags.FLAGS
 
 def round_trip(x, bits: int, per_channel: bool, group: int):
     """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
-    take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group."""
+    take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group.
+    With --grouping rows, every row on its own as a store encodes it (`per_channel` and `group` unused)."""
+    if FLAGS.grouping == "rows":
+        rows = quant.encode_rows(np.asarray(x), bits=bits, group=FLAGS.value_group)
+        back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1])
+        return back.astype(x.dtype), rows.size
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
     parts, nbytes = [], 0
     for lo, hi in ((0, whole), (whole, x.shape[1])):
@@ -140,9 +148,12 @@ def pooled(results: dict, precisions: list) -> dict:
 
 
 def markdown(out: dict) -> str:
+    grouping = (f"Keys and values per token over {out['value_group']} channels, float16 scales and zero points (a "
+                "store's rows)" if out.get("grouping") == "rows" else
+                f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} "
+                "channels, bf16 scales and zero points")
     lines = [f"# {out['model']}: the prefix's KV loaded at fewer bits", "",
-             f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} channels, "
-             f"bf16 scales and zero points; {out['prefix_tokens']}-token prefixes; acc as lm-eval; the paired "
+             f"{grouping}; {out['prefix_tokens']}-token prefixes; acc as lm-eval; the paired "
              "difference from full precision on the same requests (pp, +- stderr).", "",
              f"| task | precision | acc % | vs full (pp) | only this right / only full right | mean abs log-prob change "
              f"| bytes / {out['kv_dtype']}'s |", "|---|---|---|---|---|---|---|"]
@@ -166,9 +177,9 @@ def pooled_runs(folders: list[str]) -> dict:
     """The runs in `folders` as one: their tasks side by side, pooled anew. Runs of another model, grouping or set of
     precisions are refused."""
     runs = [json.loads((pathlib.Path(f) / "kv_precision.json").read_text()) for f in folders]
-    same = ("model", "prefix_tokens", "key_group", "value_group", "kv_dtype")
+    same = ("model", "prefix_tokens", "grouping", "key_group", "value_group", "kv_dtype")
     for run, folder in zip(runs[1:], folders[1:]):
-        differs = [k for k in same if run[k] != runs[0][k]]
+        differs = [k for k in same if run.get(k, "kivi") != runs[0].get(k, "kivi")]  # before rows: kivi
         if differs or run["pooled"].keys() != runs[0]["pooled"].keys():
             raise SystemExit(f"{folder} was measured with other settings ({', '.join(differs) or 'precisions'}) than "
                              f"{folders[0]}")
@@ -201,7 +212,8 @@ def main(argv):
         print(f"{name}: precisions {precisions}", flush=True)
         results[name] = run_task(model, name, precisions)
     out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
-           "key_group": FLAGS.key_group, "value_group": FLAGS.value_group, "kv_dtype": str(np.dtype(model.dtype)),
+           "grouping": FLAGS.grouping, "key_group": FLAGS.key_group, "value_group": FLAGS.value_group,
+           "kv_dtype": str(np.dtype(model.dtype)),
            "kv_itemsize": np.dtype(model.dtype).itemsize,
            "tasks": results, "pooled": pooled(results, precisions)}
     write(out)

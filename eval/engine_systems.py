@@ -43,7 +43,10 @@ class EngineSystem:
             return replay.Recorder(replay.source_of(self.model, self.name, s.retention, trace.task,
                                                     trace.prefix_tokens))
         # the planner's loaded part identifies as SPEC: its recording may have computed every prefix (no scores)
-        stand_ins = ["spec"] if self.system.schedule == "planner" else []
+        # spec_mixed selects as SPEC does; a system at another precision (NAME-kvB) as NAME does
+        stand_ins = ["spec"] if self.system.schedule == "planner" or self.system.rest_bits is not None else []
+        if self.system.kv_bits is not None:
+            stand_ins.append(self.name.replace(f"-kv{self.system.kv_bits}", "", 1))
         found = replay.Replay.find(trace.folder, [self.name, *stand_ins], s.retention)
         found.check(self.model, trace.task)
         return found.bind(self.model.config)
@@ -53,14 +56,19 @@ class EngineSystem:
         """Systems with the same key share one base store (the runner writes it once); the weights' short
         digest and the KV dtype keep the stores of other weights, or of the same weights cast, under one --store
         folder apart."""
-        return f"prefixes-chunk{self.chunk_tokens}-{self._kv_of()}"
+        return f"prefixes-chunk{self.chunk_tokens}{self._bits()}-{self._kv_of()}"
+
+    def _bits(self) -> str:
+        """The low precisions the store holds K and V at besides the model's dtype (`System.store_bits`), if any."""
+        bits = self.system.store_bits
+        return f"-kv{'+'.join(map(str, bits))}" if bits else ""
 
     def _kv_of(self) -> str:
         """The store key's end: whose KV a store holds, `weights-<12 hex digits of the weights digest>-<KV dtype>`."""
         return f"weights-{self.model.weights_digest[:12]}-{np.dtype(self.model.dtype).name}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
-        return KVStore.open(path, fingerprint(self.model, self.chunk_tokens), **kwargs)
+        return KVStore.open(path, fingerprint(self.model, self.chunk_tokens, self.system.store_bits), **kwargs)
 
     def populate(self, store_path: str, prefixes) -> dict:
         """Store every prefix not stored yet; {"written": n, "reused": n} (a store kept from an earlier run
@@ -112,6 +120,15 @@ class EngineSystem:
         plans on them there, `PlannerEngine.calibrate`)."""
         warm_up(self.engine, [r.engine_request() for r in requests])
 
+    @property
+    def precision(self) -> dict | None:
+        """The bits of a loaded prefix token's K and V elements: the selected tokens' (or every loaded token's) and
+        the rest's (None: not loaded); None for a system that loads none."""
+        if not self.system.reuse:
+            return None
+        full = 8 * np.dtype(self.model.dtype).itemsize
+        return {"selected_bits": self.system.kv_bits or full, "rest_bits": self.system.rest_bits}
+
     def summary(self) -> dict | None:
         """What the run's system measured beyond its requests: the planner's cost model (None for the others)."""
         return self.engine.model_summary() if hasattr(self.engine, "model_summary") else None
@@ -134,10 +151,11 @@ class BlendSystem(EngineSystem):
 
     @property
     def store_key(self) -> str:
-        return f"text_chunks-sink-chunk{self.chunk_tokens}-{self._kv_of()}"
+        return f"text_chunks-sink-chunk{self.chunk_tokens}{self._bits()}-{self._kv_of()}"
 
     def _open_store(self, path: str, **kwargs) -> KVStore:
-        return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens), **kwargs)
+        return KVStore.open(path, blend.blend_fingerprint(self.model, self.chunk_tokens, self.system.store_bits),
+                            **kwargs)
 
     def stored_sequences(self, requests) -> list[tuple[int, ...]]:
         """What the base store holds: the store key of every distinct chunk of the requests (the first segment

@@ -3,6 +3,7 @@ adds (`PLUGINS`); `resolve` checks a --systems list, `make_system` builds one.""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -72,16 +73,35 @@ def resolve(spec: str) -> list[str]:
     if names == ["all"]:
         return [n for n in KNOWN_SYSTEMS if n in built]
     for n in names:
-        if n not in built:
-            raise EvalError(f"unknown system '{n}'; known systems: {', '.join(KNOWN_SYSTEMS)}")
+        if n not in built and precision_variant(n) is None:
+            raise EvalError(f"unknown system '{n}'; known systems: {', '.join(KNOWN_SYSTEMS)} (and any that reuses "
+                            f"KV at 8, 4 or 2 bits: NAME-kv8, NAME-kv4, NAME-kv2; spec_mixed's rest: spec_mixed-rest2)")
     if len(set(names)) != len(names):
         raise EvalError(f"--systems lists a system twice: {spec}")
     return names
 
 
+def precision_variant(name: str) -> tuple[str, dict] | None:
+    """(system, options) of a name `SYSTEM-kvB` (a system that reuses prefix KV, loading its K and V at B bits: 8, 4
+    or 2), `SYSTEM-restB` (a system that loads the tokens it does not select, at B bits: spec_mixed) or
+    `SYSTEM-kvB-restC`, so that one run compares precisions of one system (`SystemOptions.kv_bits`, `rest_bits`);
+    None for any other name."""
+    options, base = {}, name
+    for option, tag in (("rest_bits", "-rest"), ("kv_bits", "-kv")):  # the order `SystemOptions.apply` names them
+        head, sep, bits = base.rpartition(tag)
+        if sep and bits in ("8", "4", "2"):
+            base, options[option] = head, int(bits)
+    system = KNOWN_SYSTEMS.get(base)
+    if not options or base not in available() or (system is not None and not system.reuse) or (
+            "rest_bits" in options and system is not None and system.rest_bits is None):
+        return None
+    return base, options
+
+
 def uses_retention(name: str) -> bool:
     """Whether the system keeps a share of the prefix (`--retention`); a plugin's is assumed to."""
-    system = KNOWN_SYSTEMS.get(name)
+    variant = precision_variant(name)
+    system = KNOWN_SYSTEMS.get(variant[0] if variant else name)
     return True if system is None else system.prunes
 
 
@@ -89,10 +109,12 @@ def make_system(name: str, model, settings: SystemSettings) -> System:
     """The system registered as `name`, built with `settings`. Its own `name` labels its results: the registered
     name, extended by the options it was built with ("spec-no_prefetch"); any other is refused, so that no run is
     filed under another system."""
-    built = available()
-    if name not in built:
+    built, variant = available(), precision_variant(name)
+    if variant is not None:
+        settings = dataclasses.replace(settings, options=dataclasses.replace(settings.options, **variant[1]))
+    elif name not in built:
         resolve(name)  # raises the right one-line error
-    system = built[name](model, settings)
+    system = built[variant[0] if variant else name](model, settings)
     if system.name != name and not system.name.startswith(name + "-"):
         raise EvalError(f"system {name!r} was built as {system.name!r}: a system's name must be the name it is "
                         f"registered under, with any options after a '-' ({name}-...)")

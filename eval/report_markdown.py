@@ -190,12 +190,14 @@ def io_section(results: dict) -> list[str]:
         io, c = s["io"], s["cache"]
         itf = s["itf"]
         pf = s["prefetch"]
-        rows.append([k, _disk_read_cell(io), fmt_bytes(io["host_to_device_bytes"]), str(io["chunks_read"]),
+        rows.append([k, _bits_cell(s.get("precision")), _disk_read_cell(io), fmt_bytes(io["host_to_device_bytes"]),
+                     str(io["chunks_read"]),
                      f"{io['read_amplification']:.2f}", f"{c['device_hit_ratio']:.2f}", f"{c['host_hit_ratio']:.2f}",
                      f"{itf['fallback_ratio']:.2f} / {itf['mean_jaccard']:.2f}" if itf else "-",
                      _prefetch_cell(pf, s.get("speculation"))])
-    out.append(_table(["system", "disk read", "host->device", "chunks read", "read ampl.", "device hit", "host hit",
-                       "ITF fallback / Jaccard", "prefetch precision / recall / guess recall"], rows))
+    out.append(_table(["system", "bits selected / rest", "disk read", "host->device", "chunks read", "read ampl.",
+                       "device hit", "host hit", "ITF fallback / Jaccard", "prefetch precision / recall / guess recall"],
+                      rows))
     if any(s["io"].get("repair_disk_bytes") for s in systems.values()):
         out += ["", "`repair`: what stored KV failing its checksum made the timed requests read beside the system's "
                     "own reads (`disk read`): the attempt given up at a bad chunk and the repair's checks of the "
@@ -205,6 +207,14 @@ def io_section(results: dict) -> list[str]:
                     "at its measured rate, longer than a guess costs the host (measured too); the next layer then "
                     "reads its set on demand (`Speculator.pays`)."]
     return out
+
+
+def _bits_cell(precision: dict | None) -> str:
+    """A loaded token's bits per K/V element, the selected tokens' / the rest's ("-": the rest is not loaded)."""
+    if not precision:
+        return "-"
+    rest = precision.get("rest_bits")
+    return f"{precision['selected_bits']} / {rest if rest is not None else '-'}"
 
 
 def reads_section(results: dict) -> list[str]:

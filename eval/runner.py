@@ -53,6 +53,8 @@ class Run:
     store: dict | None = None
     # what the system measured beyond its requests (the planner's cost model: rates, compute per plan, crossover)
     model: dict | None = None
+    # the bits a loaded prefix token's K and V have: {"selected_bits", "rest_bits"} (rest None: not loaded)
+    precision: dict | None = None
 
     @property
     def key(self) -> str:
@@ -232,7 +234,8 @@ class _Opened:
         # named as built: a system with options of its own carries them in its name ("spec-no_prefetch",
         # "spec_gqa-candidates2"), so a result never passes for the system's default form
         return Run(self.system.name, self.retention, self.outcomes, self.warm_s, self.run_s, sweep,
-                   _with_repair_io(folder.record(self.base, len(repaired)), self.system), summary)
+                   _with_repair_io(folder.record(self.base, len(repaired)), self.system), summary,
+                   getattr(self.system, "precision", None))
 
 
 def _with_repair_io(store: dict | None, system) -> dict | None:

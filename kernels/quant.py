@@ -124,3 +124,64 @@ def _dequantize(packed, scale, zero, *, bits, per_channel):
     axis = 1 if per_channel else 2
     group = codes.shape[axis] // scale.shape[axis]
     return codes * jnp.repeat(scale, group, axis=axis) + jnp.repeat(zero, group, axis=axis)
+
+
+# -- rows: a token's codes with its own scales, as a store holds K and V at low precision ---------------------------
+#
+# A row is one head's token: its d codes packed (d * bits / 8 bytes), then, per group of `group` channels, the
+# group's float16 scale, then each group's float16 zero point, then zero bytes up to `row_bytes`. Keys and values are
+# both grouped per token here (a store's unit of selection is the token: any set of rows decodes without the others);
+# `benchmarks/kv_precision.py --grouping rows` measures what that costs keys against KIVI's per-channel grouping.
+
+def row_nbytes(head_dim: int, bits: int, group: int) -> int:
+    """Bytes of one encoded row, before padding."""
+    return head_dim * bits // 8 + 4 * (head_dim // group)
+
+
+def encode_rows(x, *, bits: int, group: int, row_bytes: int | None = None):
+    """Rows of `x` [..., d] (numpy, any float dtype) -> uint8 [..., row_bytes] (numpy; host side, no compilation):
+    asymmetric codes over each run of `group` channels, with the group's float16 scale and zero point, which the
+    codes are computed against (so an element is off by at most half its group's float16 scale)."""
+    import numpy as np
+
+    x = np.asarray(x, np.float32)
+    d = x.shape[-1]
+    if bits not in BITS or group < 1 or d % group or group * bits % 8:
+        raise ValueError(f"cannot encode {d} channels at {bits} bits in groups of {group}")
+    need = row_nbytes(d, bits, group)
+    row_bytes = need if row_bytes is None else row_bytes
+    if row_bytes < need:
+        raise ValueError(f"a row of {d} channels at {bits} bits needs {need} bytes, got {row_bytes}")
+    levels = (1 << bits) - 1
+    g = x.reshape(x.shape[:-1] + (d // group, group))
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    with np.errstate(over="ignore"):
+        scale = ((hi - lo) / levels).astype(np.float16)
+        zero = lo.astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(zero).all()):
+        raise ValueError("KV values beyond float16's range (or not finite) cannot be stored at low precision")
+    s, z = scale.astype(np.float32), zero.astype(np.float32)
+    codes = np.clip(np.rint((g - z[..., None]) / np.where(s > 0, s, 1)[..., None]), 0, levels).astype(np.uint8)
+    codes = codes.reshape(x.shape[:-1] + (d // (8 // bits), 8 // bits)).astype(np.uint32)
+    packed = (codes << (np.arange(8 // bits, dtype=np.uint32) * bits)).sum(axis=-1).astype(np.uint8)
+    out = np.zeros(x.shape[:-1] + (row_bytes,), np.uint8)
+    cb, ng = d * bits // 8, d // group
+    out[..., :cb] = packed
+    out[..., cb:cb + 2 * ng] = scale.view(np.uint8)
+    out[..., cb + 2 * ng:cb + 4 * ng] = zero.view(np.uint8)
+    return out
+
+
+def decode_rows(rows, *, bits: int, group: int, head_dim: int, dtype=jnp.float32):
+    """The inverse of `encode_rows` on the device: rows [..., w] of any element type whose bytes are encoded rows
+    (a store's low-bit kind as a take gives it) -> `dtype` [..., head_dim]. Jittable."""
+    if rows.dtype != jnp.uint8:
+        rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
+        rows = rows.reshape(rows.shape[:-2] + (rows.shape[-2] * rows.shape[-1],))
+    cb, ng = head_dim * bits // 8, head_dim // group
+    codes = unpack(rows[..., :cb], bits).astype(jnp.float32)
+    halves = rows[..., cb:cb + 4 * ng].reshape(rows.shape[:-1] + (2 * ng, 2))
+    scale_zero = jax.lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
+    scale, zero = scale_zero[..., :ng], scale_zero[..., ng:]
+    x = codes.reshape(codes.shape[:-1] + (ng, group)) * scale[..., None] + zero[..., None]
+    return x.reshape(codes.shape).astype(dtype)

@@ -27,14 +27,17 @@ def chunk_tokens_of(system: str | None = None, chunk_tokens: int | None = None) 
     return (system is not None and make_system(system).chunk_tokens) or Layout.chunk_tokens
 
 
-def open_store(model, location, *, system: str | None = None, chunk_tokens: int | None = None,
+def open_store(model, location, *, system: str | None = None, chunk_tokens: int | None = None, kv_bits=(),
                **options) -> KVStore:
     """The KV store at `location` (a folder, or a TensorStore kvstore spec or URL) for `model`'s KV, created if it
     does not exist. It records whose KV it holds (the model's fingerprint: weights, tokenizer, shapes, dtype, chunk
     size) and a store made for another model, dtype or chunk size is refused with a message that says which.
-    `system` picks the chunk size that system needs (`chunk_tokens_of`); `options`: `KVStore`'s (direct_io,
+    `system` picks the chunk size that system needs (`chunk_tokens_of`); `kv_bits`: the low precisions (8, 4, 2) the
+    store holds K and V at too, for systems that load at them (default: what `system` loads at, its `store_bits`;
+    `prefill_engine(..., options={"kv_bits": 4})` needs kv_bits=(4,)); `options`: `KVStore`'s (direct_io,
     read_only, disk_bandwidth, ...)."""
-    return KVStore.open(location, fingerprint(model, chunk_tokens_of(system, chunk_tokens)), **options)
+    bits = kv_bits or (make_system(system).store_bits if system is not None else ())
+    return KVStore.open(location, fingerprint(model, chunk_tokens_of(system, chunk_tokens), bits), **options)
 
 
 def prefill_engine(model, system: str, store: KVStore | None = None, *, options: dict | None = None, **config):

@@ -67,7 +67,7 @@ def _check_structure(index: StoreIndex, report: FsckReport) -> None:
     for s in segments.values():
         if s.n_chunks * lay.chunk_tokens < s.n_tokens:
             report.problems.append(f"segment {s.seg_id}: {s.n_tokens} tokens do not fit {s.n_chunks} chunks")
-        if s.checksums.shape != (lay.num_layers, len(lay.kinds()), s.n_chunks, lay.max_heads):
+        if s.checksums.shape != (lay.num_layers, lay.kind_slots, s.n_chunks, lay.max_heads):
             report.problems.append(f"segment {s.seg_id}: checksum table has shape {s.checksums.shape}")
         if s.mapping is not None and s.mapping.ndim == 2 and len(s.mapping) != lay.num_layers:
             report.problems.append(f"segment {s.seg_id}: {len(s.mapping)} per-layer mapping lists for "

@@ -315,7 +315,7 @@ class StoreIndex:
                                             f"{self.disk_capacity_bytes} bytes and every prefix is in use")
             first = self.catalog.take_chunks(n_chunks)
             seg = Segment(first + 1, first, n_chunks, n_tokens,
-                          np.zeros((lay.num_layers, len(lay.kinds()), n_chunks, lay.max_heads), np.uint32))
+                          np.zeros((lay.num_layers, lay.kind_slots, n_chunks, lay.max_heads), np.uint32))
             self.catalog.add(seg)
         return seg
 

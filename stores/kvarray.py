@@ -24,21 +24,55 @@ from specjax.stores.landing import BUFFERS, LocalFiles
 from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
-KIND_NAMES = ("k", "v", "probe")
+LOW_BITS = (8, 4, 2)  # the low precisions a store may hold K and V at, besides the model's dtype
+KIND_NAMES = ("k", "v", "probe") + tuple(f"{name}{bits}" for bits in LOW_BITS for name in ("k", "v"))
+
+
+def low_bit(kind: int, bits: int) -> int:
+    """The kind holding `kind`'s (K or V) rows at `bits` bits (`kernels.quant.encode_rows`)."""
+    if kind not in (K, V) or bits not in LOW_BITS:
+        raise ValueError(f"only K and V are stored at low precision, at {LOW_BITS} bits; got "
+                         f"{KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else kind} at {bits}")
+    return 3 + 2 * LOW_BITS.index(bits) + kind
+
+
+def bits_of(kind: int) -> int | None:
+    """The bits of a low-bit kind (`low_bit`); None for K, V and probe keys, held in the store's dtype."""
+    return None if kind < 3 else LOW_BITS[(kind - 3) // 2]
+
+
+def base_of(kind: int) -> int:
+    """K, V or PROBE: what a kind holds, at whatever precision."""
+    return kind if kind < 3 else (kind - 3) % 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """What a store's chunks hold: `num_layers` layers of `kv_heads` K and V heads (and `probe_heads` probe keys) of
+    `head_dim` channels, `chunk_tokens` tokens a chunk, in `dtype`; and the same K and V again at each of `bits`
+    (`low_bit` kinds: per token, `group_channels` channels a scale and zero point, `kernels.quant.encode_rows`)."""
+
     num_layers: int
     kv_heads: int
     head_dim: int
     probe_heads: int
     chunk_tokens: int = 64
     dtype: str = "float32"
+    bits: tuple[int, ...] = ()
+    group_channels: int = 32
 
     def __post_init__(self):
+        object.__setattr__(self, "bits", tuple(sorted({int(b) for b in self.bits}, reverse=True)))
         if self.chunk_tokens <= 0 or self.num_layers <= 0 or self.kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"layout sizes must be positive, got {self}")
         if self.probe_heads < 0:
             raise ValueError(f"probe_heads must be >= 0, got {self.probe_heads}")
+        if any(b not in LOW_BITS for b in self.bits):
+            raise ValueError(f"a store holds K and V at {LOW_BITS} bits, got bits={self.bits}")
+        if self.bits and (self.group_channels <= 0 or self.head_dim % self.group_channels
+                          or self.group_channels * min(self.bits) % 8):
+            raise ValueError(f"group_channels={self.group_channels} must divide head_dim={self.head_dim} and fill "
+                             f"whole bytes at {min(self.bits)} bits")
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -47,22 +81,49 @@ class Layout:
     def heads(self, kind: int) -> int:
         return self.probe_heads if kind == PROBE else self.kv_heads
 
+    def dtype_of(self, kind: int) -> np.dtype:
+        """The element type of a kind's rows: the store's dtype, or bytes for a low-bit kind (which no float type
+        carries intact: XLA:CPU moves bfloat16 through float32, flushing subnormal bit patterns)."""
+        return self.np_dtype if bits_of(kind) is None else np.dtype(np.uint8)
+
+    def width(self, kind: int) -> int:
+        """A token row's elements (`dtype_of`): head_dim, or a low-bit row's bytes (its codes, then each channel
+        group's float16 scale, then each group's float16 zero point)."""
+        bits = bits_of(kind)
+        if bits is None:
+            return self.head_dim
+        return self.head_dim * bits // 8 + 4 * (self.head_dim // self.group_channels)
+
+    def page_key(self, kind: int) -> tuple[int, int, str]:
+        """(heads, width, element type): kinds with equal keys share the cache tiers' page arrays (stores.pool)."""
+        return self.heads(kind), self.width(kind), self.dtype_of(kind).str
+
     @property
     def max_heads(self) -> int:
         return max(self.kv_heads, self.probe_heads)
 
-    def head_chunk_nbytes(self) -> int:
-        """Bytes of one head in a chunk file: a chunk holds its heads one after another."""
-        return self.chunk_tokens * self.head_dim * self.np_dtype.itemsize
-
     def chunk_nbytes(self, kind: int) -> int:
-        return self.heads(kind) * self.chunk_tokens * self.head_dim * self.np_dtype.itemsize
+        return self.heads(kind) * self.chunk_tokens * self.token_row_nbytes(kind)
 
     def token_nbytes(self, kind: int) -> int:
-        return self.heads(kind) * self.head_dim * self.np_dtype.itemsize
+        return self.heads(kind) * self.token_row_nbytes(kind)
+
+    def token_row_nbytes(self, kind: int) -> int:
+        """Bytes of one head's row of one token."""
+        return self.width(kind) * self.dtype_of(kind).itemsize
+
+    def chunk_shape(self, kind: int) -> tuple[int, int, int]:
+        """[heads, chunk_tokens, width] of one chunk of `kind`."""
+        return self.heads(kind), self.chunk_tokens, self.width(kind)
 
     def kinds(self) -> tuple[int, ...]:
-        return (K, V, PROBE) if self.probe_heads else (K, V)
+        base = (K, V, PROBE) if self.probe_heads else (K, V)
+        return base + tuple(low_bit(kind, bits) for bits in self.bits for kind in (K, V))
+
+    @property
+    def kind_slots(self) -> int:
+        """The kind axis of a segment's checksums: indexed by kind."""
+        return max(self.kinds()) + 1
 
 
 def _bfloat16():
@@ -162,14 +223,13 @@ class KVArrays:
                 part = chunk_bytes // head_parts
                 ranges = [slice(offset + j * chunk_bytes + p * part, offset + j * chunk_bytes + (p + 1) * part)
                           for j in range(n_chunks) for p in range(head_parts)]
-            reads.append((key, ranges, (n_chunks, lay.heads(kind), lay.chunk_tokens, lay.head_dim), into))
+            reads.append((key, ranges, (n_chunks, *lay.chunk_shape(kind)), into, lay.dtype_of(kind)))
 
         def issue() -> concurrent.futures.Future:
             if self._files is not None:
-                return self._files.read_many([(key, ranges, into if into is not None else
-                                               BUFFERS.empty(shape, lay.np_dtype))
-                                              for key, ranges, shape, into in reads])
-            futures = [[self._kvs.read(key.encode(), byte_range=r) for r in ranges] for key, ranges, _, _ in reads]
+                return self._files.read_many([(key, ranges, into if into is not None else BUFFERS.empty(shape, dtype))
+                                              for key, ranges, shape, into, dtype in reads])
+            futures = [[self._kvs.read(key.encode(), byte_range=r) for r in ranges] for key, ranges, *_ in reads]
             return when_all([f for fs in futures for f in fs], functools.partial(self._decode_all, reads))
 
         nbytes = sum(run[3] for run in runs) * chunk_bytes
@@ -178,15 +238,15 @@ class KVArrays:
     def _decode_all(self, reads: list[tuple], results: list) -> list:
         """Per run of `read_runs`, its array decoded from its ranges' kvstore reads, or the exception that raised."""
         out, at = [], 0
-        for key, ranges, shape, into in reads:
+        for key, ranges, shape, into, dtype in reads:
             try:
-                out.append(self._decode(key, shape, results[at:at + len(ranges)], ranges, into))
+                out.append(self._decode(key, shape, dtype, results[at:at + len(ranges)], ranges, into))
             except Exception as e:  # noqa: BLE001 -- this run's failure, delivered with the others' data
                 out.append(e)
             at += len(ranges)
         return out
 
-    def _decode(self, key: str, shape: tuple, results: list, ranges: list,
+    def _decode(self, key: str, shape: tuple, dtype: np.dtype, results: list, ranges: list,
                 into: np.ndarray | None = None) -> np.ndarray:
         """`[n_chunks, heads, chunk_tokens, head_dim]` from the reads of the extent's byte `ranges` (copied into
         `into` if given)."""
@@ -200,7 +260,7 @@ class KVArrays:
             into.reshape(-1).view(np.uint8)[:] = np.frombuffer(results[0].value, np.uint8)
             return into
         data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
-        return np.frombuffer(data, self.layout.np_dtype).reshape(shape)
+        return np.frombuffer(data, dtype).reshape(shape)
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write a whole segment's `[heads, n_chunks * chunk_tokens, head_dim]` of one layer and kind as its extent;

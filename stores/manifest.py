@@ -87,13 +87,15 @@ def layout_from_fingerprint(fingerprint: dict) -> Layout:
     missing = [k for k in ("num_layers", "kv_heads", "head_dim") if k not in fingerprint]
     if missing:
         raise ValueError(f"model fingerprint lacks {missing}; it needs num_layers, kv_heads, head_dim "
-                         f"(and optionally dtype, chunk_tokens, probe_heads)")
+                         f"(and optionally dtype, chunk_tokens, probe_heads, kv_bits, kv_group)")
     probe = fingerprint.get("probe_heads", 0)
+    head_dim = int(fingerprint["head_dim"])
     return Layout(num_layers=int(fingerprint["num_layers"]), kv_heads=int(fingerprint["kv_heads"]),
                   head_dim=int(fingerprint["head_dim"]),
                   probe_heads=len(probe) if isinstance(probe, (list, tuple)) else int(probe),
                   chunk_tokens=int(fingerprint.get("chunk_tokens", Layout.chunk_tokens)),
-                  dtype=str(fingerprint.get("dtype", "float32")))
+                  dtype=str(fingerprint.get("dtype", "float32")), bits=tuple(fingerprint.get("kv_bits", ())),
+                  group_channels=int(fingerprint.get("kv_group", min(Layout.group_channels, head_dim))))
 
 
 def full_fingerprint(fingerprint: dict, layout: Layout | None = None) -> dict:
@@ -114,11 +116,21 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
         return
     if stored.get("weights") != given.get("weights"):
         raise StoreMismatchError(_other_weights(described, asked, where))
+    if {**stored, "kv_bits": None} == {**given, "kv_bits": None}:
+        raise StoreMismatchError(f"the KV store at {where} holds K and V at {_precisions(stored)}, not at "
+                                 f"{_precisions(given)} as asked; a store's precisions are fixed when it is made: "
+                                 f"use another store directory")
     keys = sorted(set(stored) | set(given))
     diffs = [f"{k}: store={stored.get(k)!r} model={given.get(k)!r}" for k in keys if stored.get(k) != given.get(k)]
     raise StoreMismatchError(
         f"the KV store at {where} was written for another model or layout ({'; '.join(diffs)}); "
         f"use a different store directory or delete this one")
+
+
+def _precisions(fingerprint: dict) -> str:
+    bits = fingerprint.get("kv_bits")
+    dtype = fingerprint.get("dtype", "float32")
+    return f"{dtype} and {', '.join(map(str, bits))} bits" if bits else f"{dtype} only"
 
 
 def _other_weights(stored: dict, given: dict, where: str) -> str:

@@ -1,16 +1,17 @@
-"""The cache tiers' memory: store chunks as pages of one fixed-shape array per tier and head count, as paged
+"""The cache tiers' memory: store chunks as pages of one fixed-shape array per tier and page key, as paged
 attention keeps its KV blocks, and takes that read tokens out of them through a block table. The device tier's pages
 are a device array (`DevicePool`); the host tier's a host array (`HostPages`), which a device that reads host memory
 (a CPU device) reads in place.
 
-One page array per head count (K/V pages, and probe pages where the probe heads are fewer): `[slots, heads,
-chunk_tokens, head_dim]` holding the store dtype's bits as unsigned integers of its width (XLA:CPU scatters bfloat16
-by converting the whole operand: a 64-page write into a 92 MB pool took 83.7 ms as bfloat16, 0.82 ms as uint16,
-`benchmarks/pool_write.py`; a take's gather turns the rows it reads back), allocated once with as many slots as the
-device tier's budget holds chunks of that head count (so with two head counts the device holds up to twice the
-budget). `TieredCache` decides what the tier keeps and tells the pool (`placed` / `removed`); the pool gives each kept
-chunk a slot and writes it there, with every other page placed since, in one batched copy: when the request that
-placed it ends (`flush`, after its first token), or at the next take that reads the array if that comes first.
+One page array per page key (`Layout.page_key`: a head count, a row width and an element type; K/V pages, probe pages
+where the probe heads are fewer, pages of each low precision the store holds): `[slots, heads, chunk_tokens, width]`
+holding the kind's bits as unsigned integers of its width (XLA:CPU scatters bfloat16 by converting the whole operand:
+a 64-page write into a 92 MB pool took 83.7 ms as bfloat16, 0.82 ms as uint16, `benchmarks/pool_write.py`; a take's
+gather turns the rows it reads back), allocated once with as many slots as the device tier's budget holds chunks of
+that key (so with two page keys the device holds up to twice the budget). `TieredCache` decides what the tier keeps
+and tells the pool (`placed` / `removed`); the pool gives each kept chunk a slot and writes it there, with every other
+page placed since, in one batched copy: when the request that placed it ends (`flush`, after its first token), or at
+the next take that reads the array if that comes first.
 
 A take is then at most three device steps however many chunks it touches: that write, one copy of the rows no
 page array of the device holds (read from disk, and host-cache hits where the device does not read host memory; only
@@ -43,9 +44,11 @@ MAX_WRITE_PAGES = 64  # pages one write step moves (more go in further steps of 
 WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES + 1)})  # <= 25% padding crosses
 
 
-def pages_in(layout: Layout, heads: int, budget_bytes: int) -> int:
-    """How many whole chunks of `heads` heads `budget_bytes` hold: a page array's slots."""
-    return int(budget_bytes) // (heads * layout.chunk_tokens * layout.head_dim * layout.np_dtype.itemsize)
+def pages_in(layout: Layout, key: tuple, budget_bytes: int) -> int:
+    """How many whole chunks of page key `key` (heads, width, element type: `Layout.page_key`) `budget_bytes` hold: a
+    page array's slots."""
+    heads, width, dtype = key
+    return int(budget_bytes) // (heads * layout.chunk_tokens * width * np.dtype(dtype).itemsize)
 
 
 def page_dtype(dtype) -> np.dtype:
@@ -138,7 +141,7 @@ def _gather_rows(pages, host, table, rows, count, when, dtype=None):
 
 @dataclasses.dataclass(eq=False)
 class _Pages:
-    """The page array of one head count, and which chunk each slot holds."""
+    """The page array of one page key, and which chunk each slot holds."""
     array: jax.Array
     free: list
     slot_of: dict = dataclasses.field(default_factory=dict)       # key -> slot
@@ -164,18 +167,18 @@ class DevicePool:
         BUFFERS.enable_dma()  # the device is up: host buffers made from now on cross it in one DMA where they can
         self._lock = threading.Lock()  # the slots' bookkeeping (the tier decides from any thread)
         self._device_lock = threading.Lock()  # the page arrays (a take's writes and gather, from Cake's loader too)
-        self._pages: dict[int, _Pages] = {}
-        c, d = layout.chunk_tokens, layout.head_dim
-        for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
-            slots = pages_in(layout, heads, device_bytes)
+        self._pages: dict[tuple, _Pages] = {}
+        c = layout.chunk_tokens
+        for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
+            slots = pages_in(layout, key, device_bytes)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
-            array = jax.device_put(np.zeros((slots + 1, heads, c, d), page_dtype(layout.np_dtype)), device)
-            self._pages[heads] = _Pages(array, list(range(slots - 1, -1, -1)))
+            array = jax.device_put(np.zeros((slots + 1, key[0], c, key[1]), page_dtype(key[2])), device)
+            self._pages[key] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
         self.host_pages: HostPages | None = None  # the host tier's pages, which takes may read in place
 
     def _of(self, key) -> _Pages:
-        return self._pages[self.layout.heads(key[1])]
+        return self._pages[self.layout.page_key(key[1])]
 
     # -- the device tier's decisions (any thread) --------------------------------------------------------------
 
@@ -220,7 +223,7 @@ class DevicePool:
         return None if slot < 0 else slot
 
     def pin_many(self, keys) -> np.ndarray:
-        """The slots holding chunks of one head count for a take, under one lock: int64, -1 where a chunk is not on
+        """The slots holding chunks of one page key for a take, under one lock: int64, -1 where a chunk is not on
         the device. Each stays its chunk's until the take `unpin`s it, whatever the tier decides meanwhile."""
         if not keys:
             return np.full(0, -1, np.int64)
@@ -233,7 +236,7 @@ class DevicePool:
     def unpin(self, kind: int, slots) -> None:
         """A take has read `slots` (as returned by `pin`)."""
         with self._lock:
-            pages = self._pages[self.layout.heads(kind)]
+            pages = self._pages[self.layout.page_key(kind)]
             for slot in slots:
                 pages.pinned[slot] -= 1
                 if pages.pinned[slot] == 0:
@@ -252,7 +255,7 @@ class DevicePool:
         placed since the last gather from this page array are written first; a take with no row in a slot is its
         host rows' one copy. Host-page rows count as crossing (`host_to_device_bytes`): they are read in place on
         a device that shares host memory, and would cross on any other."""
-        pages = self._pages[self.layout.heads(kind)]
+        pages = self._pages[self.layout.page_key(kind)]
         size = len(slots)
         if (kind, size) not in self._compiled:
             self.compile(kind, size)
@@ -268,7 +271,7 @@ class DevicePool:
                           np.full(size, -1) if host_slots is None else host_slots]).astype(np.int32)
         with self._device_lock:
             self._write_pending(pages)
-            return _gather(pages.array, table, staged, host, dtype=self.layout.np_dtype)
+            return _gather(pages.array, table, staged, host, dtype=self.layout.dtype_of(kind))
 
     def gather_rows(self, kind: int, table: np.ndarray, rows: jax.Array, count, when) -> tuple[jax.Array, jax.Array]:
         """(`[heads, len(rows), d]`, `when` and whether every row was in a page) on the device: row i is the row that
@@ -276,11 +279,11 @@ class DevicePool:
         position is in no page the device reads) gives position rows[i], for i < `count` (device scalars or host
         ints), zeros after. `rows` may still be being computed: nothing here waits for it. Pages placed since the last
         gather from this page array are written first; the caller pins the slots the table names until it is done."""
-        pages = self._pages[self.layout.heads(kind)]
+        pages = self._pages[self.layout.page_key(kind)]
         with self._device_lock:
             self._write_pending(pages)
             return _gather_rows(pages.array, self._host_array(kind), table, rows, count, when,
-                                dtype=self.layout.np_dtype)
+                                dtype=self.layout.dtype_of(kind))
 
     def count_host_rows(self, kind: int, rows: int) -> None:
         """A take's `rows` from the host tier's pages, read in place by the device: they count as crossing (one
@@ -291,7 +294,7 @@ class DevicePool:
     def readable(self, kind: int) -> bool:
         """Can a take of `kind` find rows in a page the device reads (a device tier with slots, or host pages read
         in place)?"""
-        return self._pages[self.layout.heads(kind)].array.shape[0] > 1 or self._host_array(kind) is not None
+        return self._pages[self.layout.page_key(kind)].array.shape[0] > 1 or self._host_array(kind) is not None
 
     def _host_array(self, kind: int) -> jax.Array | None:
         """The host tier's page array of `kind` as the device reads it, or None (`HostPages.on_device`)."""
@@ -339,17 +342,18 @@ class DevicePool:
     def compile(self, kind: int, size: int) -> None:
         """Compile a take of `size` rows of `kind` (its gather, and every write step's size), so that a later take
         of that size compiles nothing whatever the tier then holds."""
-        pages = self._pages[self.layout.heads(kind)]
-        heads, d = self.layout.heads(kind), self.layout.head_dim
+        pages = self._pages[self.layout.page_key(kind)]
+        heads, d = self.layout.heads(kind), self.layout.width(kind)
+        dtype = self.layout.dtype_of(kind)  # as a take's gather names it (a static argument)
         table = np.zeros((4, size), np.int32)
         part = max(1, size // STAGED_PARTS)
         staged_sizes = sorted({staged_size(size, rows) for rows in range(part, size + part, part)})
         host = self._host_array(kind)
         with self._device_lock:
             self._compile_writes(pages)
-            for staged in (None, *(jax.device_put(np.zeros((heads, rows, d), self.layout.np_dtype), self.device)
+            for staged in (None, *(jax.device_put(np.zeros((heads, rows, d), dtype), self.device)
                                    for rows in staged_sizes)):
-                jax.block_until_ready(_gather(pages.array, table, staged, host, dtype=self.layout.np_dtype))
+                jax.block_until_ready(_gather(pages.array, table, staged, host, dtype=dtype))
         self._compiled.add((kind, size))
 
     def _compile_writes(self, pages: _Pages) -> None:
@@ -363,39 +367,39 @@ class DevicePool:
 
 
 class HostPages:
-    """The host cache tier's memory: its chunks as pages of one host array per head count (`[slots, heads,
-    chunk_tokens, head_dim]`, page-aligned and faulted in only as slots are first written), so that a take copies the
+    """The host cache tier's memory: its chunks as pages of one host array per page key (`[slots, heads,
+    chunk_tokens, width]`, page-aligned and faulted in only as slots are first written), so that a take copies the
     rows of all its host hits in one indexing step (`Prefetcher.take`), not a copy of each whole chunk first.
 
     `TieredCache` tells it what the host tier keeps (`placed` copies the chunk into a slot and the tier keeps that
     slot's view; `removed` frees the slot; what leaves the tier is handed on as a copy, since the slot may be written
-    again at once). Each array has as many slots as the tier's budget holds chunks of its head count."""
+    again at once). Each array has as many slots as the tier's budget holds chunks of its page key."""
 
     copies_out = True
 
     def __init__(self, layout: Layout, host_bytes: int, device: jax.Device | None = None):
         self.layout = layout
         self._lock = threading.Lock()
-        self._arrays: dict[int, np.ndarray] = {}  # heads -> [slots, heads, c, d] of the store dtype
-        self._on_device: dict[int, jax.Array] = {}  # heads -> the same memory as the device reads it
-        self._free: dict[int, list] = {}
-        self.slot_of: dict = {}  # key -> slot (in its head count's array)
-        c, d, dtype = layout.chunk_tokens, layout.head_dim, layout.np_dtype
-        for heads in sorted({layout.heads(kind) for kind in layout.kinds()}):
-            slots = pages_in(layout, heads, host_bytes)
-            shape = (max(slots, 1), heads, c, d)
+        self._arrays: dict[tuple, np.ndarray] = {}  # page key -> [slots, heads, c, width] of its element type
+        self._on_device: dict[tuple, jax.Array] = {}  # page key -> the same memory as the device reads it
+        self._free: dict[tuple, list] = {}
+        self.slot_of: dict = {}  # key -> slot (in its page key's array)
+        c = layout.chunk_tokens
+        for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
+            slots = pages_in(layout, key, host_bytes)
+            shape, dtype = (max(slots, 1), key[0], c, key[1]), np.dtype(key[2])
             buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)  # anonymous: zero pages until written
             bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)
-            self._arrays[heads] = bits.view(dtype)
-            self._free[heads] = list(range(slots - 1, -1, -1))
+            self._arrays[key] = bits.view(dtype)
+            self._free[key] = list(range(slots - 1, -1, -1))
             if (device or jax.devices()[0]).platform == "cpu":  # elsewhere this would copy the whole tier over
                 shared = jax.device_put(bits, device)
                 if shared.unsafe_buffer_pointer() == bits.ctypes.data:  # the device reads this very memory
-                    self._on_device[heads] = shared
+                    self._on_device[key] = shared
 
     def array(self, kind: int) -> np.ndarray:
         """The page array holding `kind`'s chunks."""
-        return self._arrays[self.layout.heads(kind)]
+        return self._arrays[self.layout.page_key(kind)]
 
     def on_device(self, kind: int) -> jax.Array | None:
         """`kind`'s page array as a device array over the same memory, where the device reads host memory (a CPU
@@ -403,12 +407,12 @@ class HostPages:
         are copied into the take's host rows, which cross in one copy). Its slots are written only when the
         request that placed their chunks is over (`TieredCache.settle`, after the first token, which waited for
         every take's gather), so no gather reads a slot while it is written."""
-        return self._on_device.get(self.layout.heads(kind))
+        return self._on_device.get(self.layout.page_key(kind))
 
     def placed(self, key, chunk: np.ndarray) -> np.ndarray | None:
         """The tier keeps `key` (layer, kind, chunk id): its copy in a free slot, as a view (None: no slot free, the
         tier keeps `chunk` itself)."""
-        heads = self.layout.heads(key[1])
+        heads = self.layout.page_key(key[1])
         with self._lock:
             free = self._free[heads]
             if not free:
@@ -423,9 +427,9 @@ class HostPages:
         with self._lock:
             slot = self.slot_of.pop(key, None)
             if slot is not None:
-                self._free[self.layout.heads(key[1])].append(slot)
+                self._free[self.layout.page_key(key[1])].append(slot)
 
     def slots(self, keys) -> np.ndarray:
-        """The slot of each of `keys` (one head count), -1 where the tier keeps a chunk outside the pages."""
+        """The slot of each of `keys` (one page key), -1 where the tier keeps a chunk outside the pages."""
         with self._lock:
             return np.fromiter(map(self.slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))

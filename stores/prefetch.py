@@ -398,7 +398,7 @@ class Prefetcher:
         `staged_size`), crossing in one copy, then gathered with the pages' rows; a bad chunk's rows are zeros."""
         lay = self.store.layout
         n = len(ok)
-        staged, shape, staged_at, count = None, (lay.heads(kind), size, lay.head_dim), None, n
+        staged, shape, staged_at, count = None, (lay.heads(kind), size, lay.width(kind)), None, n
         if in_page.any():  # only the rows not in a page cross, in an array of their own
             host_rows = np.flatnonzero(~in_page)
             staged_at = np.full(size, -1, np.int64)  # each take row's row of that array
@@ -408,7 +408,7 @@ class Prefetcher:
         for arrays, rows, index in parts:
             if len(rows):
                 if staged is None:
-                    staged = staging(shape, lay.np_dtype, count)
+                    staged = staging(shape, lay.dtype_of(kind), count)
                 copy_rows(staged, rows if staged_at is None else staged_at[rows], arrays, index, offsets[rows])
         dispatched_at = time.monotonic()
         if not ok.all():  # a bad chunk's rows: zeros

@@ -247,7 +247,7 @@ class ChunkReader:
             spans[seg.seg_id] = (seg, min(lo, first), max(hi, first + n))
 
         def new(lo: int, hi: int) -> Extent:
-            return Extent(BUFFERS.empty((hi - lo, lay.heads(kind), lay.chunk_tokens, lay.head_dim), lay.np_dtype), lo)
+            return Extent(BUFFERS.empty((hi - lo, *lay.chunk_shape(kind)), lay.dtype_of(kind)), lo)
 
         out = {}
         for seg_id, (seg, lo, hi) in spans.items():
@@ -342,7 +342,7 @@ class ChunkReader:
         self.metrics.add(used_token_bytes=len(loc.chunks) * lay.token_nbytes(kind))
 
         def assemble(results):
-            out = np.zeros((lay.heads(kind), len(loc.chunks), lay.head_dim), lay.np_dtype)
+            out = np.zeros((lay.heads(kind), len(loc.chunks), lay.width(kind)), lay.dtype_of(kind))
             ok = np.ones(len(loc.chunks), bool)
             for run, (arrays, good) in zip(runs, results):
                 rows, index = run.rows(loc.chunks, good, ok)

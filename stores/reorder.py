@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from specjax.stores.kvarray import bits_of
 from specjax.stores.store import KVStore, Locations
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ def _already_in_order(store: KVStore, loc: Locations) -> bool:
 
 
 def _copy(store: KVStore, locations: list[Locations], writer) -> bool:
-    """Copy every layer's K, V (and probe keys) in its new order; False if a source chunk is bad."""
-    kinds = store.layout.kinds()
+    """Copy every layer's K, V (and probe keys) in its new order; False if a source chunk is bad. Their low-bit rows
+    are encoded anew from them by the writer: a row's encoding depends on that row alone, so they equal the source's."""
+    kinds = tuple(kind for kind in store.layout.kinds() if bits_of(kind) is None)
     for layer, loc in enumerate(locations):
         futures = [store.read_locations(layer, kind, loc) for kind in kinds]
         gathered = [f.result() for f in futures]

@@ -9,6 +9,7 @@ import typing
 
 import numpy as np
 
+from specjax.kernels import quant
 from specjax.stores import kvarray
 from specjax.stores.catalog import Segment
 from specjax.stores.errors import DiskFullError, StoreError, disk_full_message, is_disk_full
@@ -102,10 +103,8 @@ class SegmentWriter:
         padded_tokens = seg.n_chunks * lay.chunk_tokens
         pending = []
         try:
-            for kind, a in arrays.items():
-                data = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
-                data[:, :seg.n_tokens] = np.asarray(a)
-                chunks = data.reshape(lay.heads(kind), seg.n_chunks, lay.chunk_tokens, lay.head_dim).swapaxes(0, 1)
+            for kind, data in _padded_kinds(lay, arrays, padded_tokens):
+                chunks = data.reshape(lay.heads(kind), seg.n_chunks, *lay.chunk_shape(kind)[1:]).swapaxes(0, 1)
                 checksums = chunk_checksums(chunks)
                 seg.checksums[layer, kind, :, :lay.heads(kind)] = checksums
                 if kind == K:  # the chunks' key summaries, while their keys are at hand
@@ -120,7 +119,7 @@ class SegmentWriter:
                 raise DiskFullError(disk_full_message(f"writing the KV store at {where}", where, "free space or set "
                                                       "a smaller disk capacity (reads still work)")) from None
             raise StoreError(f"writing layer {layer} to the KV store at {self.owner.where} failed: {e}") from e
-        self.owner.metrics.add(disk_bytes_written=sum(a.nbytes for a in arrays.values()))
+        self.owner.metrics.add(disk_bytes_written=seg.n_tokens * sum(lay.token_nbytes(kind) for kind in lay.kinds()))
 
     def wait_durable(self) -> None:
         missing = sorted(set(range(self.owner.layout.num_layers)) - set(self._layers))
@@ -136,6 +135,24 @@ class SegmentWriter:
                 f.cancel()
             concurrent.futures.wait(list(self._layers.values()))
             self.owner.index.discard(self.seg)
+
+
+def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
+    """(kind, `[heads, padded_tokens, width]` of the store dtype) for every kind of the layout: the given K, V (and
+    probe keys) with zero rows after their tokens, and K and V at each of the layout's low precisions, encoded from
+    those (`kernels.quant.encode_rows`)."""
+    full = {}
+    for kind, a in arrays.items():
+        data = full[kind] = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
+        a = np.asarray(a)
+        data[:, :a.shape[1]] = a
+        yield kind, data
+    for bits in lay.bits:
+        for kind in (K, V):
+            low = kvarray.low_bit(kind, bits)
+            rows = quant.encode_rows(full[kind], bits=bits, group=lay.group_channels,
+                                     row_bytes=lay.token_row_nbytes(low))
+            yield low, rows
 
 
 class PrefixWriter(SegmentWriter):

@@ -123,7 +123,7 @@ def test_layers_whose_guess_did_not_pay_are_reported(tmp_path, monkeypatch, gues
     report.write_all(results, tmp_path / "out")
     md = (tmp_path / "out" / "results.md").read_text()
     lines = md.splitlines()
-    row = lines[lines.index(next(line for line in lines if line.startswith("| system | disk read"))) + 2]
+    row = lines[lines.index(next(line for line in lines if line.startswith("| system | bits selected"))) + 2]
     assert row.startswith("| fake_unguessed")
     cell = row.strip(" |").split(" | ")[-1]  # the I/O table's prefetch column
     assert cell == ("0.80 / 0.89 / 1.00 (2.0 layers a request unguessed: did not pay)" if guessing

@@ -9,7 +9,7 @@ def test_quick_bench_writes_labelled_results(tmp_path):
     bench = bench_scripts.load("kernel_bench.py", "kernels_bench")
     rows = bench.main(["--quick", "--retention", "0.5", "--selections", "shared,block_table",
                        "--reps", "1", "--output_dir", str(tmp_path)])
-    assert {r["kernel"] for r in rows} == {"probe_scores", "gathered_attention"}
+    assert {r["kernel"] for r in rows} == {"probe_scores", "gathered_attention", "low_bit_attention 4-bit"}
     assert all(r["pallas_ms"] > 0 and r["dense_full_ms"] > 0 for r in rows)
     # QUICK's 4 heads over 2 KV heads: the shared selections also time a tile per query head, side by side
     attention = [r for r in rows if r["kernel"] == "gathered_attention"]
@@ -20,3 +20,4 @@ def test_quick_bench_writes_labelled_results(tmp_path):
     if payload["device"]["platform"] != "gpu":
         assert "CPU smoke run" in md_path.read_text()
     assert len(payload["rows"]) == len(rows)
+    assert [r for r in rows if r["kernel"].startswith("low_bit")][0]["selection"] == "shared"

@@ -59,3 +59,21 @@ def test_full_precision_is_the_plain_forward_and_fewer_bits_move_the_answers_mor
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--pool",
                               f"{tmp_path},{other}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "key_group" in refused.stderr + refused.stdout
+
+
+@pytest.mark.skipif(not (DATA / "piqa").exists(), reason="needs the PIQA files of docs/data.md")
+def test_rows_grouping_measures_the_stores_own_rows(tmp_path):
+    """--grouping rows round-trips keys and values as a store encodes them: its bytes are the store's rows'."""
+    from specjax.kernels import quant
+
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--tasks", "piqa", "--limit", "1",
+                    "--prefix_tokens", "256", "--bits", "4", "--grouping", "rows", "--value_group", "32",
+                    "--data_dir", str(DATA), "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+    out = json.loads((tmp_path / "kv_precision.json").read_text())
+    assert out["grouping"] == "rows" and "per token over 32 channels, float16" in (
+        tmp_path / "kv_precision.md").read_text()
+    piqa = out["tasks"]["piqa"]["precisions"]
+    d = specjax.load_model("smollm2-135m").config.head_dim
+    ratio = piqa["4"]["bytes_per_token_per_layer"] / piqa["full"]["bytes_per_token_per_layer"]
+    assert ratio == pytest.approx(quant.row_nbytes(d, 4, 32) / (d * 4))  # float32 KV on the CPU
+    assert piqa["4"]["mean_abs_logprob_change"] > 0.0

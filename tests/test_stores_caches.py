@@ -653,7 +653,7 @@ def test_pages_hold_the_stored_bits_and_a_gather_gives_them_back_exactly(dtype):
 
     lay = Layout(num_layers=1, kv_heads=2, head_dim=4, probe_heads=0, chunk_tokens=2, dtype=dtype)
     pool = DevicePool(lay, 3 * lay.chunk_nbytes(K))
-    assert pool._pages[2].array.dtype == np.dtype(f"uint{lay.np_dtype.itemsize * 8}")
+    assert pool._pages[lay.page_key(K)].array.dtype == np.dtype(f"uint{lay.np_dtype.itemsize * 8}")
     rng = np.random.default_rng(5)
     chunks = {i: rng.standard_normal((2, 2, 4)).astype(lay.np_dtype) for i in range(3)}
     chunks[1].reshape(-1)[:4] = np.array([-0.0, np.inf, -np.inf, np.nan], np.float32).astype(lay.np_dtype)

@@ -19,7 +19,7 @@ import pytest
 
 import toy_kv
 from toy_kv import insert, kv_for
-FP = toy_kv.fingerprint("shared-toy")
+FP = toy_kv.fingerprint("shared-toy", kv_bits=(4, 2))  # commits of every kind, low-bit ones too
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
@@ -41,16 +41,14 @@ def shared_prefix(i: int) -> list:
 
 def check(store, tokens, full: bool = True) -> int:
     """Reads of whatever prefix of `tokens` is matched are bit-exact; returns the matched length."""
-    from specjax.stores import K, PROBE, V
-
     with store.match(tokens) as m:
         assert not full or m.length == len(tokens), f"prefix of {len(tokens)} tokens matches only {m.length}"
         want = kv_for(tokens[:m.length])
         for layer in range(FP["num_layers"]):
-            for kind in (K, V, PROBE):
+            for kind in store.layout.kinds():
                 got = toy_kv.read(store, m, layer, kind).result()
                 assert got.ok.all(), "a chunk fails its checksum or was deleted"
-                np.testing.assert_array_equal(got.array, want[layer][kind])
+                np.testing.assert_array_equal(got.array, toy_kv.expected(store.layout, want[layer], kind))
         return m.length
 
 

@@ -10,9 +10,23 @@ import numpy as np
 LAYOUT = {"num_layers": 2, "kv_heads": 2, "head_dim": 8, "probe_heads": 1, "chunk_tokens": 16}
 
 
-def fingerprint(arch: str) -> dict:
-    """A store fingerprint of the toy layout; `arch` keeps each test's stores apart."""
-    return {"arch": arch, **LAYOUT}
+def fingerprint(arch: str, kv_bits=()) -> dict:
+    """A store fingerprint of the toy layout; `arch` keeps each test's stores apart; `kv_bits`: the low precisions it
+    holds K and V at too."""
+    return {"arch": arch, **LAYOUT, **({"kv_bits": list(kv_bits)} if kv_bits else {})}
+
+
+def expected(layout, layer_kv, kind):
+    """What a read of `kind` gives of one layer's (K, V, probe keys): the array, or its low-bit rows' bytes as the
+    store encodes them."""
+    from specjax.kernels import quant
+    from specjax.stores.kvarray import base_of, bits_of
+
+    bits = bits_of(kind)
+    x = layer_kv[base_of(kind)]
+    if bits is None:
+        return x
+    return quant.encode_rows(x, bits=bits, group=layout.group_channels)
 
 
 def kv_for(tokens) -> list:

@@ -100,9 +100,10 @@ def chunk_keys(chunks, sink) -> list[list[int]]:
             for i, c in enumerate(chunks)]
 
 
-def blend_fingerprint(model, chunk_tokens: int) -> dict:
-    """The fingerprint of a cacheblend / full_reuse store: the model's, plus the chunk sink it was written with."""
-    return {**fingerprint(model, chunk_tokens), "chunk_sink": list(chunk_sink(model.config))}
+def blend_fingerprint(model, chunk_tokens: int, kv_bits=()) -> dict:
+    """The fingerprint of a cacheblend / full_reuse store: the model's (`kv_bits`: the low precisions it holds K and V
+    at too), plus the chunk sink it was written with."""
+    return {**fingerprint(model, chunk_tokens, kv_bits), "chunk_sink": list(chunk_sink(model.config))}
 
 
 def reposition_keys(cfg, keys, shift):

@@ -136,11 +136,13 @@ class _Loader(threading.Thread):
         positions = np.arange(j * c, min((j + 1) * c, self.m))
         num_layers = engine.cfg.num_layers
         tickets: dict[int, tuple] = {}
+        precision = engine.precision  # K and V at the system's precision, decoded on the device
+        k_kind, v_kind = precision.kind(K), precision.kind(V)
 
         def ask(layer: int) -> None:
             if layer < num_layers:
-                tickets[layer] = (pf.request(self.match, layer, K, positions),
-                                  pf.request(self.match, layer, V, positions))
+                tickets[layer] = (pf.request(self.match, layer, k_kind, positions),
+                                  pf.request(self.match, layer, v_kind, positions))
 
         for layer in range(LOADER_WINDOW_LAYERS):
             ask(layer)
@@ -153,14 +155,14 @@ class _Loader(threading.Thread):
             if meeting.unneeded(j):
                 return self._give_up()
             ask(layer + LOADER_WINDOW_LAYERS)
-            k = pf.take(self.match, layer, K, positions, pad_to=c)
-            v = pf.take(self.match, layer, V, positions, pad_to=c)
+            k = pf.take(self.match, layer, k_kind, positions, pad_to=c)
+            v = pf.take(self.match, layer, v_kind, positions, pad_to=c)
             if not (k.ok.all() and v.ok.all()):
                 meeting.fail(bad_chunk=True)  # never served: the device computes this chunk and those before it
                 pf.close()
                 return False
-            keys.append(k.array)
-            values.append(v.array)
+            keys.append(precision.decode(k_kind, k.array))
+            values.append(precision.decode(v_kind, v.array))
         return meeting.publish(j, keys, values) or self._give_up()
 
     def _give_up(self) -> bool:
@@ -336,7 +338,11 @@ class CakeEngine(Engine):
         reach an index no warm-up request reached), and the loader's assembly of whole and partial store chunks
         (compiled on the loader thread mid-request, it would hold up the device side)."""
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
-        self.prefetcher.compile_assembly(K, c)
+        kind = self.precision.kind(K)
+        self.prefetcher.compile_assembly(kind, c)
+        lay = self.store.layout  # the loader's decoding of a chunk's low-bit rows, if it reads them
+        rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
+        jax.block_until_ready(self.precision.decode(kind, rows))
         positions = jnp.asarray(np.arange(c, dtype=np.int32))
         rotary = T.rotary_step(cfg, positions)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)

@@ -25,6 +25,7 @@ from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.identify import policy
 from specjax.engine.policy_steps import Facts, probe_kv_heads
+from specjax.engine.precision import Precision, WithRest, check_store
 from specjax.engine.clock import Clock
 from specjax.engine.layer_io import BadChunk, LayerIO, ReadPath
 from specjax.engine.replay import Recorder, Replay
@@ -68,12 +69,14 @@ REPAIR_COUNTS = {"disk_bytes": "disk_bytes", "disk_bytes_written": "disk_bytes_w
                  "damaged_chunks": "bad_chunks"}
 
 
-def fingerprint(model, chunk_tokens: int) -> dict:
+def fingerprint(model, chunk_tokens: int, kv_bits=()) -> dict:
     """What a store must agree on with the model that reads it: the weights and tokenizer (their digests,
-    `specjax.api.Model`), the shapes, dtype and layout. `weights_source` only says where the weights came from
+    `specjax.api.Model`), the shapes, dtype and layout, and the low precisions it holds K and V at besides the
+    model's dtype (`kv_bits`, a system's `store_bits`). `weights_source` only says where the weights came from
     (stores do not compare it), so that a refusal or fsck can name them."""
     c = model.config
-    return {"arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+    bits = {"kv_bits": sorted(map(int, kv_bits), reverse=True)} if kv_bits else {}
+    return {**bits, "arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": jnp.dtype(model.dtype).name,
             "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c)),
             "weights": model.weights_digest, "tokenizer": getattr(model, "tokenizer_digest", None),
@@ -116,8 +119,15 @@ class Engine:
                                "processes yet: a model split over several processes runs `recompute` only")
         # how a layer chooses its tokens, and what it knows deciding (`LayerIO.select` carries its steps out)
         self.identification = policy(system.identify)
+        if system.rest_bits is not None:  # what it does not select, loaded at low precision (spec_mixed)
+            self.identification = WithRest(self.identification, system.rest_bits)
         self.facts = Facts.of(self.cfg, system, store.layout.chunk_tokens if store is not None else None,
                               config.kernel_impl)
+        if store is not None:
+            check_store(system, store.layout)
+        # which store kind a take of K or V reads, decoded on the device where it is low-bit
+        self.precision = (Precision(store.layout, system.kv_bits, model.dtype, self.facts.probe_is_k)
+                          if store is not None else None)
         self.probe_kv = np.asarray(self.facts.probe_kv)  # the KV heads whose keys the store's probe kind holds
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self._host_cache_bytes = config.cpu_cache_bytes
@@ -179,7 +189,7 @@ class Engine:
     def read_path(self) -> ReadPath:
         """What a request's reads go through now (a `LayerIO`'s: it sees these parts, not the engine)."""
         return ReadPath(self.store, self.prefetcher, self.cache, self.speculator, self.io_worker, self.identification,
-                        self.facts, self.system, self.selections, self.place_kv)
+                        self.facts, self.system, self.selections, self.place_kv, self.precision)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe

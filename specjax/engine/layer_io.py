@@ -28,7 +28,8 @@ class ReadPath:
     the store and the prefetcher over it with its caches, the speculator and the I/O worker (None where the system
     has none), the identification and what it knows (`identify.Facts`), the system the request runs (the planner's
     load-all plan runs another than `facts.system`), the selection trace being recorded or replayed, and `place_kv`,
-    which puts a take's array where the layer attends to it (the engine's mesh)."""
+    which puts a take's array where the layer attends to it (the engine's mesh), and `precision`, which store kind a
+    take of K or V reads and how its rows are decoded (`specjax.engine.precision.Precision`)."""
 
     store: KVStore
     prefetcher: Prefetcher | None
@@ -40,6 +41,7 @@ class ReadPath:
     system: System
     selections: Any  # a `replay.Recorder` or `replay.Replay`, or None
     place_kv: Callable[[Any], Any]
+    precision: Any  # a `specjax.engine.precision.Precision`
 
     @property
     def num_layers(self) -> int:
@@ -73,8 +75,8 @@ class LayerIO:
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
-        self._selection_kinds = (path.identification.selection_reads(path.facts) if path.speculator is not None
-                                 else ())
+        self._selection_kinds = (tuple(map(path.precision.kind, path.identification.selection_reads(path.facts)))
+                                 if path.speculator is not None else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
         self._chosen_takes: list = []  # (Residents, rows, count) taken on the device, not yet accounted for
 
@@ -97,9 +99,11 @@ class LayerIO:
         return loc
 
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
-        """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate`."""
+        """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate` (kind
+        as a policy names it: K and V are read at the request's precision, `ReadPath.precision`)."""
         chunks = self.locate(layer, positions).unique_chunks()
-        return self.path.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
+        return self.path.prefetcher.request(self.match, layer, self.path.precision.kind(kind), chunks=chunks,
+                                            speculative=speculative)
 
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
@@ -179,6 +183,7 @@ class LayerIO:
         if cache is None:
             return
         chunks = self.locate(layer, positions).chunks
+        kind = self.path.precision.kind(kind)
         for chunk in np.unique(chunks):
             cache.feedback((layer, kind, int(chunk)), importance=float(importance[chunks == chunk].sum()))
 
@@ -257,9 +262,11 @@ class LayerIO:
 
     def take(self, layer: int, kind: int, positions, pad_to: int, phase: str = "kv_io_stall", importance=None):
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
-        `importance` (per position) feeds the attention-score cache."""
+        `importance` (per position) feeds the attention-score cache. K and V are read at the request's precision
+        and a low-bit kind's rows decoded on the device (`ReadPath.precision`)."""
+        probe, kind = kind == PROBE, self.path.precision.kind(kind)
         self._wait_planned(layer)
-        if kind != PROBE:
+        if not probe:
             self._kv_taken(layer, (kind,))
         taken = self.clock.timed(phase, self.path.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
@@ -270,7 +277,7 @@ class LayerIO:
         if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
             self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
                                                  * self.path.store.layout.chunk_nbytes(kind))
-        return self.path.place_kv(taken.array)
+        return self.path.place_kv(self.path.precision.decode(kind, taken.array))
 
     def take_chosen(self, layer: int, step: P.TakeChosen):
         """`step`'s kinds' rows gathered on the device from the caches' pages by the block table of every position of
@@ -283,9 +290,10 @@ class LayerIO:
         if pf is None:
             return None
         every = self.locate(layer, self.all_positions)
+        kinds = tuple(map(self.path.precision.kind, step.kinds))
         residents = []
         try:
-            for kind in step.kinds:
+            for kind in kinds:
                 resident = pf.resident(layer, kind, every, self.m_pad)
                 if resident is None:
                     return None
@@ -300,8 +308,9 @@ class LayerIO:
                 return None
             self._chosen_takes.append((residents, step.rows, step.count))
             residents = []
-            self._kv_taken(layer, step.kinds)
-            return tuple(map(self.path.place_kv, arrays))
+            self._kv_taken(layer, kinds)
+            return tuple(self.path.place_kv(self.path.precision.decode(kind, array))
+                         for kind, array in zip(kinds, arrays))
         finally:
             for resident in residents:
                 pf.discard(resident)

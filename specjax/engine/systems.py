@@ -11,6 +11,7 @@ import dataclasses
 from specjax.engine.identify import POLICIES as IDENTIFY
 from specjax.errors import SpecjaxError
 from specjax.stores.caches import POLICIES
+from specjax.stores.kvarray import LOW_BITS
 
 # How a layer chooses its tokens (`IDENTIFY`, specjax.engine.identify's policies by name): load all | per-head H2O |
 # SPEC's ITF | ContiguousKV's chunks | spec_gqa's ITF over KV-head probes | any a new file registers
@@ -54,6 +55,11 @@ class System:
     # "speculative" prefetch: guess every layer's next set, as the SPEC paper does (False: only where a guess pays for
     # its host time, `speculation.Speculator.pays`)
     speculate_always: bool = False
+    # prefix K and V loaded at these bits, from a store that holds them so (None: the store's dtype; specjax.engine.
+    # precision)
+    kv_bits: int | None = None
+    # the prefix tokens the identification does not select load at these bits instead of being dropped (spec_mixed)
+    rest_bits: int | None = None
     description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
@@ -70,6 +76,12 @@ class System:
                                f"{self.candidates}")
         if self.min_head_share is not None and not 0.0 < self.min_head_share <= 1.0:
             raise SpecjaxError(f"system {self.name!r}: min_head_share must be in (0, 1], got {self.min_head_share}")
+        for field, bits in (("kv_bits", self.kv_bits), ("rest_bits", self.rest_bits)):
+            if bits is not None and bits not in LOW_BITS:
+                raise SpecjaxError(f"system {self.name!r}: {field} must be one of {LOW_BITS}, got {bits}")
+        if self.rest_bits is not None and not self.prunes:
+            raise SpecjaxError(f"system {self.name!r}: rest_bits loads the tokens an identification leaves out; "
+                               f"this system identifies none")
         if (self.prefetch == "periods") != (self.identify == "chunks"):
             raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
 
@@ -77,6 +89,11 @@ class System:
     def prunes(self) -> bool:
         """It keeps a share of the stored prefix (`--retention`): accuracy and TTFT depend on the retention."""
         return self.identify != "none"
+
+    @property
+    def store_bits(self) -> tuple[int, ...]:
+        """The low precisions its store must hold K and V at (`kv_bits`, `rest_bits`)."""
+        return tuple(sorted({b for b in (self.kv_bits, self.rest_bits) if b is not None}, reverse=True))
 
 
 SYSTEMS: dict[str, System] = {
@@ -94,6 +111,10 @@ SYSTEMS: dict[str, System] = {
                description="IMPRESS: probe-head keys, important KV, score cache"),
         System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
                description="SPEC: IMPRESS + layer-aware speculative prefetch"),
+        # SPEC whose unselected tokens are loaded at 4 bits instead of dropped (specjax.engine.precision)
+        System("spec_mixed", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+               rest_bits=4,
+               description="SPEC loading the tokens it does not select at low precision (--rest_bits)"),
         # grouped-query-aware identification: probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
@@ -190,6 +211,11 @@ class SystemOptions:
                                            "least 1), are read and scored; results name the system "
                                            "spec_gqa-candidatesB. 0 or unset: none (every position is a "
                                            "candidate).")
+    kv_bits: int | None = _option(None, "Every system that reuses prefix KV: load K and V at 8, 4 or 2 bits (from a "
+                                  "store holding them so, made for it) instead of the model's dtype; results name "
+                                  "the system NAME-kvB.")
+    rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens load at (default "
+                                    "4); results name the system spec_mixed-restB.")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -209,8 +235,21 @@ class SystemOptions:
         if self.gqa_candidates and not self.gqa_candidates >= 1:
             raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
                                f"got {self.gqa_candidates}")
+        for name in ("kv_bits", "rest_bits"):
+            if getattr(self, name) is not None and getattr(self, name) not in LOW_BITS:
+                raise SpecjaxError(f"{name} must be one of {LOW_BITS}, got {getattr(self, name)}")
 
     def apply(self, system: System) -> System:
+        """`system` with these options (`_apply`), then at the precisions asked for (`kv_bits`, `rest_bits`)."""
+        system = self._apply(system)
+        if self.kv_bits is not None and system.reuse:
+            system = dataclasses.replace(system, kv_bits=int(self.kv_bits), name=f"{system.name}-kv{self.kv_bits}")
+        if self.rest_bits is not None and system.rest_bits is not None:
+            system = dataclasses.replace(system, rest_bits=int(self.rest_bits),
+                                         name=f"{system.name}-rest{self.rest_bits}")
+        return system
+
+    def _apply(self, system: System) -> System:
         """`system` with these options: SPEC's ablations (paper Fig. 18, named in the result), ITF's alpha,
         ContiguousKV's chunk, period and sub-period sizes (c, p, sp), CacheBlend's recompute ratio, deviation and
         filtering, speculation on every layer (`always_speculate`, named `NAME-always_speculate`), and spec_gqa's

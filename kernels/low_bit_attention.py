@@ -1,0 +1,253 @@
+"""Gathered attention over low-bit prefix KV: the selected rows are read as a store holds them (each row its codes,
+then its channel groups' float16 scale and zero point, `quant.encode_rows`) and dequantised inside the attention.
+
+The Pallas kernel never widens a row: a byte of codes holds `8 / bits` channels, read as that many planes (plane s:
+the s-th code of every byte, channels s, s + 8 / bits, ...), and the queries and the computed tokens' K/V are put in
+plane order before it runs. A key's score is then, per channel group g, scale_g * (q_g . codes_g) + zero_g * sum(q_g);
+the values' planes are weighed by p * scale_g, and their zero points by sum(p * zero_g), which are added back per
+channel once the softmax is done. The reference gathers the selected rows, decodes them and runs
+`gathered_attention_reference` over them.
+
+    out = low_bit_attention(q, k_rows, v_rows, own_k, own_v, selection, bits=4, group=32)
+    # k_rows, v_rows [H_kv, M, w] of any dtype whose bytes are encoded rows (w * itemsize >= row_nbytes)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specjax.kernels import common as c
+from specjax.kernels import quant
+from specjax.kernels.common import SQUEEZED
+from specjax.kernels.gathered_attention import gathered_attention_reference
+from specjax.kernels.selections import PerHeadIndices, Selection, SharedIndices
+
+
+def as_bytes(rows):
+    """Rows [..., w] of any dtype as their bytes, uint8 [..., w * itemsize]."""
+    if rows.dtype == jnp.uint8:
+        return rows
+    b = lax.bitcast_convert_type(rows, jnp.uint8)
+    return b.reshape(rows.shape[:-1] + (rows.shape[-1] * b.shape[-1],))
+
+
+def split_rows(rows, *, bits: int, group: int, head_dim: int):
+    """Encoded rows [H, M, w] -> (codes uint8 [H, M, head_dim * bits / 8], scales f32 [H, M, 2 * groups]: each
+    group's scale, then each group's zero point)."""
+    rows = as_bytes(rows)
+    cb, ng = head_dim * bits // 8, head_dim // group
+    halves = rows[..., cb:cb + 4 * ng].reshape(rows.shape[:-1] + (2 * ng, 2))
+    return rows[..., :cb], lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
+
+
+def plane_order(head_dim: int, bits: int) -> np.ndarray:
+    """Channel permutation into plane order: position s * (head_dim * bits / 8) + j holds channel j * (8 / bits) + s."""
+    planes = 8 // bits
+    return np.concatenate([np.arange(s, head_dim, planes) for s in range(planes)])
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "scale"))
+def low_bit_attention_reference(q, k_rows, v_rows, own_k, own_v, selection: Selection, *, bits, group, q_len=None,
+                                scale=None):
+    """The selected rows gathered, decoded (`quant.decode_rows`, float32) and attended by
+    `gathered_attention_reference`; a per-head selection attends over each query head's own gathered rows."""
+    num_heads, n_q, head_dim = q.shape
+    num_kv, num_tokens = k_rows.shape[:2]
+    idx, count = selection.token_indices(num_heads)
+    idx = jnp.clip(idx, 0, num_tokens - 1)
+    decode = functools.partial(quant.decode_rows, bits=bits, group=group, head_dim=head_dim)
+    if idx.shape[0] == 1:  # one set: each KV head's rows gathered once
+        keys, values = (decode(jnp.take(x, idx[0], axis=1)) for x in (k_rows, v_rows))
+        gathered = SharedIndices(jnp.arange(idx.shape[1], dtype=jnp.int32), count[0])
+        return gathered_attention_reference(q, keys, values, own_k, own_v, gathered, q_len=q_len, scale=scale)
+    kv_of_head = jnp.arange(num_heads) // (num_heads // num_kv)  # each query head its own rows, as a KV head of its own
+    keys, values = (decode(x[kv_of_head[:, None], idx]) for x in (k_rows, v_rows))
+    gathered = PerHeadIndices(jnp.broadcast_to(jnp.arange(idx.shape[1], dtype=jnp.int32), idx.shape), count)
+    return gathered_attention_reference(q, keys, values, own_k[kv_of_head], own_v[kv_of_head], gathered,
+                                        q_len=q_len, scale=scale)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(q_ref, idx_ref, count_ref, kc_ref, ks_ref, vc_ref, vs_ref, own_k_ref, own_v_ref, q_len_ref,
+            o_ref, z_ref, m_ref, l_ref, *, scale, block_q, block_k, blocks_per_split, num_tokens, bits, groups):
+    """One query tile of one query head over this split's selected tiles of low-bit rows (+ causal own keys), every
+    channel in plane order (module docstring)."""
+    q_block, split = pl.program_id(1), pl.program_id(2)
+    count, q_len = count_ref[0], q_len_ref[0]
+    planes, width = 8 // bits, o_ref.shape[-1] // (8 // bits)
+    qp = [q_ref[:, pl.ds(s * width, width)].astype(jnp.float32) for s in range(planes)]
+    group_of = lax.broadcasted_iota(jnp.int32, (1, width), 1) // (width // groups)  # each plane column's group
+    in_group = [(group_of == g).astype(jnp.float32) for g in range(groups)]
+    column = lax.broadcasted_iota(jnp.int32, (1, 2 * groups), 1)
+    rows = q_block * block_q + jnp.arange(block_q)
+
+    def scale_and_zero(scales, g):  # [block_k] each, picked by a reduction (no minor-axis indexing)
+        return ((scales * (column == g)).sum(axis=1), (scales * (column == groups + g)).sum(axis=1))
+
+    def code_planes(codes):
+        codes = codes.astype(jnp.int32)
+        return [((codes >> (s * bits)) & ((1 << bits) - 1)).astype(jnp.float32) for s in range(planes)]
+
+    def selected_tile(j, carry):
+        m, l, acc, zacc = carry
+        tokens = jnp.clip(idx_ref[pl.ds(j * block_k, block_k)], 0, num_tokens - 1)
+        valid = j * block_k + jnp.arange(block_k) < count
+        k_planes, v_planes = code_planes(kc_ref[tokens]), code_planes(vc_ref[tokens])
+        k_scales = jnp.where(valid[:, None], ks_ref[tokens], 0.0)
+        v_scales = jnp.where(valid[:, None], vs_ref[tokens], 0.0)
+        scores = jnp.zeros((block_q, block_k), jnp.float32)
+        for g in range(groups):
+            k_scale, k_zero = scale_and_zero(k_scales, g)
+            mine = [x * in_group[g] for x in qp]
+            dots = sum(c.dot_nt(x, y) for x, y in zip(mine, k_planes))
+            q_sum = sum(x.sum(axis=1) for x in mine)
+            scores += dots * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+        m, l, correction, p = c.online_softmax_step(m, l, scores * scale, valid[None, :])
+        acc = [a * correction[:, None] for a in acc]
+        zacc = [z * correction for z in zacc]
+        for g in range(groups):
+            v_scale, v_zero = scale_and_zero(v_scales, g)
+            weighed = p * v_scale[None, :]
+            acc = [a + c.dot_nn(weighed, y) * in_group[g] for a, y in zip(acc, v_planes)]
+            zacc[g] = zacc[g] + (p * v_zero[None, :]).sum(axis=1)
+        return m, l, acc, zacc
+
+    def own_tile(j, carry):  # the computed tokens' own K/V, full precision, in tiles of block_k tokens
+        m, l, acc, zacc = carry
+        own = pl.ds(j * block_k, block_k)
+        valid = c.causal_valid(rows, j * block_k + jnp.arange(block_k), q_len)
+        scores = sum(c.dot_nt(x, own_k_ref[own, pl.ds(s * width, width)].astype(jnp.float32))
+                     for s, x in enumerate(qp))
+        m, l, correction, p = c.online_softmax_step(m, l, scores * scale, valid)
+        acc = [a * correction[:, None] + c.dot_nn(p, own_v_ref[own, pl.ds(s * width, width)].astype(jnp.float32))
+               for s, a in enumerate(acc)]
+        return m, l, acc, [z * correction for z in zacc]
+
+    carry = (jnp.full((block_q,), c.MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+             [jnp.zeros((block_q, width), jnp.float32) for _ in range(planes)],
+             [jnp.zeros((block_q,), jnp.float32) for _ in range(groups)])
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, pl.cdiv(count, block_k))
+    carry = lax.fori_loop(first, jnp.maximum(first, last), selected_tile, carry)
+    own_blocks = pl.cdiv(jnp.minimum((q_block + 1) * block_q, q_len), block_k)
+    m, l, acc, zacc = lax.fori_loop(0, jnp.where(split == 0, own_blocks, 0), own_tile, carry)
+    safe = jnp.where(l > 0, l, 1.0)
+    for s, a in enumerate(acc):
+        o_ref[:, pl.ds(s * width, width)] = a / safe[:, None]
+    for g, z in enumerate(zacc):
+        z_ref[g] = z / safe
+    m_ref[...], l_ref[...] = m, l
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "scale", "block_q", "block_k", "k_splits", "interpret",
+                                             "num_warps", "num_stages"))
+def low_bit_attention_pallas(q, k_rows, v_rows, own_k, own_v, idx, count, q_len, *, bits, group, scale, block_q,
+                             block_k, k_splits, interpret, num_warps=4, num_stages=2):
+    """Pallas attention over idx[R, K]'s low-bit rows (R = 1 shared, or H), a grid over query heads.
+
+    k_rows, v_rows: encoded rows [H_kv, M, w]; own_k, own_v [H_kv, n_q, d] at full precision; count int32[R];
+    q_len int32 scalar."""
+    num_heads, n_q, head_dim = q.shape
+    num_kv, num_tokens = k_rows.shape[:2]
+    group_heads, groups = num_heads // num_kv, head_dim // group
+    rows_per_head = idx.shape[0] > 1
+    order = plane_order(head_dim, bits)
+    kc, ks = split_rows(k_rows, bits=bits, group=group, head_dim=head_dim)
+    vc, vs = split_rows(v_rows, bits=bits, group=group, head_dim=head_dim)
+    n_q_pad, k_pad = c.round_up(n_q, block_q), c.round_up(idx.shape[1], block_k)
+    q = c.pad_axis(q[..., order], 1, n_q_pad)
+    own_k, own_v = (c.pad_axis(x[..., order], 1, c.round_up(n_q_pad, block_k)) for x in (own_k, own_v))
+    idx = c.pad_axis(idx, 1, k_pad)
+    q_len = jnp.reshape(q_len, (1,)).astype(jnp.int32)
+    q_blocks, k_blocks = n_q_pad // block_q, k_pad // block_k
+    blocks_per_split = pl.cdiv(k_blocks, k_splits)
+
+    def row(h):
+        return h if rows_per_head else h * 0
+
+    def per_kv_head(x):
+        return pl.BlockSpec((SQUEEZED,) + x.shape[1:], lambda h, i, s: (h // group_heads, 0, 0))
+
+    o_parts, z_parts, m_parts, l_parts = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, block_q=block_q, block_k=block_k, blocks_per_split=blocks_per_split,
+                          num_tokens=num_tokens, bits=bits, groups=groups),
+        grid=(num_heads, q_blocks, k_splits),
+        in_specs=[
+            pl.BlockSpec((SQUEEZED, block_q, head_dim), lambda h, i, s: (h, i, 0)),
+            pl.BlockSpec((SQUEEZED, k_pad), lambda h, i, s: (row(h), 0)),
+            pl.BlockSpec((1,), lambda h, i, s: (row(h),)),
+            per_kv_head(kc), per_kv_head(ks), per_kv_head(vc), per_kv_head(vs), per_kv_head(own_k),
+            per_kv_head(own_v),
+            pl.BlockSpec((1,), lambda h, i, s: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q, head_dim), lambda h, i, s: (s, h, i, 0)),
+            pl.BlockSpec((SQUEEZED, SQUEEZED, groups, block_q), lambda h, i, s: (s, h, 0, i)),
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
+            pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, num_heads, groups, n_q_pad), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, num_heads, n_q_pad), jnp.float32),
+        ],
+        interpret=interpret, compiler_params=None if interpret else c.triton_params(num_warps, num_stages),
+        name=f"low_bit_attention_b{bits}_bq{block_q}_bk{block_k}",
+    )(q, idx, count, kc, ks, vc, vs, own_k, own_v, q_len)
+    # the splits' planes and zero-point sums merged alike, then each channel its plane column plus its group's zeros
+    both = jnp.concatenate([o_parts, jnp.swapaxes(z_parts, 2, 3)], axis=-1)
+    _, _, merged = c.merge_splits(m_parts, l_parts, both)
+    planes, zeros = merged[..., :head_dim], merged[..., head_dim:]
+    out = planes[..., np.argsort(order)] + jnp.repeat(zeros, group, axis=-1)
+    return out[:, :n_q].astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def low_bit_attention(q, k_rows, v_rows, own_k, own_v, selection: Selection, *, bits: int, group: int, q_len=None,
+                      scale: float | None = None, impl: str = "auto", block_q: int | None = None,
+                      block_k: int | None = None, k_splits: int | None = None):
+    """`gathered_attention` over low-bit prefix rows: q [H, n_q, d]; k_rows, v_rows [H_kv, M, w] encoded rows
+    (`quant.encode_rows` at `bits` with `group` channels a scale, of any dtype whose bytes they are); own_k, own_v
+    [H_kv, n_q, d]; selection SharedIndices, PerHeadIndices or BlockTable over M (pages are not read at low
+    precision).
+    impl as `gathered_attention`'s: Pallas on a GPU (interpret mode when asked for on a CPU), the reference
+    elsewhere."""
+    if jnp.ndim(k_rows) != 3:
+        raise ValueError(f"low-bit rows are read as [H_kv, M, w] arrays through token indices, got shape "
+                         f"{jnp.shape(k_rows)} (pages are not read at low precision)")
+    num_heads, n_q, head_dim = q.shape
+    num_kv, num_tokens, width = k_rows.shape
+    need = quant.row_nbytes(head_dim, bits, group)
+    if v_rows.shape != k_rows.shape or width * jnp.dtype(k_rows.dtype).itemsize < need:
+        raise ValueError(f"k_rows {k_rows.shape} and v_rows {v_rows.shape} ({k_rows.dtype}) must be equal and hold "
+                         f"{need}-byte rows of {head_dim} channels at {bits} bits")
+    if jnp.shape(own_k) != (num_kv, n_q, head_dim) or jnp.shape(own_v) != jnp.shape(own_k):
+        raise ValueError(f"own_k / own_v must be [{num_kv}, {n_q}, {head_dim}], got {jnp.shape(own_k)}, "
+                         f"{jnp.shape(own_v)}")
+    selection.check(num_heads, num_tokens, True)
+    c.check_length("q_len", q_len, n_q)
+    scale = c.default_scale(head_dim, scale)
+    dispatch = c.resolve_impl(impl)
+    if not dispatch.use_pallas:
+        return low_bit_attention_reference(q, k_rows, v_rows, own_k, own_v, selection, bits=bits, group=group,
+                                           q_len=q_len, scale=scale)
+    idx, count = selection.token_indices(num_heads)
+    block_q, block_k, k_splits = c.pallas_tiling(n_q, idx.shape[1], num_heads, head_dim, block_q, block_k, k_splits,
+                                                 interpret=dispatch.interpret)
+    return low_bit_attention_pallas(q, k_rows, v_rows, own_k, own_v, idx, count, c.length_or_full(q_len, n_q),
+                                    bits=bits, group=group, scale=scale, block_q=block_q, block_k=block_k,
+                                    k_splits=k_splits, interpret=dispatch.interpret)

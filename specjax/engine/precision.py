@@ -1,0 +1,127 @@
+"""Prefix KV loaded at a precision (docs/systems.md, "Low-bit KV").
+
+A store may hold K and V a second time at 8, 4 or 2 bits per element (`stores.Layout.bits`; each token row its codes
+and its groups' scales, `kernels.quant.encode_rows`). `Precision` says which store kind a layer's take of K or V
+reads, `--kv_bits` of any system, and decodes a low-bit take's rows on the device into the model's dtype before the
+attention reads them. `WithRest` wraps an identification so that the prefix tokens it does not select are loaded at
+`rest_bits` instead of dropped (spec_mixed): every layer reads all of the prefix's low-bit K and V (a certain read,
+planned at the request's start), the selection's rows as they were taken replace theirs, and the layer attends to
+every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine.identify import iota
+from specjax.engine.policy_steps import Facts, Layer, Selected, Steps, Take
+from specjax.errors import SpecjaxError
+from specjax.idsets import distinct
+from specjax.kernels import PerHeadIndices, SharedIndices, quant
+from specjax.shapes import bucket, padded
+from specjax.stores import K, PROBE, V
+from specjax.stores.kvarray import Layout, bits_of, low_bit
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How a request's takes of K and V read the store: at `kv_bits` (None: the store's dtype), decoded on the
+    device. Probe keys too where they are every KV head's keys (`probe_is_k`): they are then K."""
+
+    layout: Layout
+    kv_bits: int | None
+    dtype: object
+    probe_is_k: bool = False
+
+    def __post_init__(self):
+        if self.kv_bits is not None and self.kv_bits not in self.layout.bits:
+            raise SpecjaxError(f"loading K and V at {self.kv_bits} bits needs a store that holds them so; this one "
+                               f"holds {_held(self.layout)}")
+
+    def kind(self, kind: int) -> int:
+        """The store kind read for a policy's `kind` (K and V at `kv_bits`, and probe keys that are K; any other
+        kind as it is)."""
+        if self.kv_bits is None:
+            return kind
+        if kind == PROBE and self.probe_is_k:
+            return low_bit(K, self.kv_bits)
+        return low_bit(kind, self.kv_bits) if kind in (K, V) else kind
+
+    def decode(self, kind: int, rows):
+        """A take's rows `[heads, n, width]` of store kind `kind` as `[heads, n, head_dim]`: decoded on the device
+        where `kind` is low-bit (`decoded_dtype`), as they are otherwise."""
+        bits = bits_of(kind)
+        if bits is None:
+            return rows
+        return _decode(rows, bits=bits, group=self.layout.group_channels, head_dim=self.layout.head_dim,
+                       dtype=decoded_dtype(self.dtype))
+
+
+def decoded_dtype(model_dtype) -> jnp.dtype:
+    """What low-bit rows decode to: the model's dtype, but float32 on a CPU, whose attention computes in float32
+    anyway and where XLA converts to bfloat16 in software (decoding 4 KV heads x 4,096 tokens x 128 channels from
+    4 bits took 5.2 ms into bfloat16, 1.6 ms into float32 on the 2-core CPU)."""
+    return jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else jnp.dtype(model_dtype)
+
+
+def _held(layout: Layout) -> str:
+    return f"K and V at {layout.dtype} and {', '.join(map(str, layout.bits))} bits" if layout.bits else \
+        f"K and V at {layout.dtype} only"
+
+
+def check_store(system, layout: Layout) -> None:
+    """Refuse a store that lacks a precision `system` loads (its `store_bits`), naming what it holds."""
+    missing = [b for b in system.store_bits if b not in layout.bits]
+    if missing:
+        raise SpecjaxError(f"system {system.name!r} loads K and V at {', '.join(map(str, missing))} bits, but its "
+                           f"store holds {_held(layout)}; open a store made with kv_bits={list(system.store_bits)}")
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "head_dim", "dtype"))
+def _decode(rows, *, bits, group, head_dim, dtype):
+    return quant.decode_rows(rows, bits=bits, group=group, head_dim=head_dim, dtype=dtype)
+
+
+@jax.jit
+def _overlay(rest, rows, src, dst):
+    """`rest` [heads, M, d] with rows[:, src[i]] at token dst[i] (dst >= M is padding, dropped)."""
+    taken = jnp.take(rows, src, axis=1, mode="fill", fill_value=0).astype(rest.dtype)
+    return rest.at[:, dst].set(taken, mode="drop")
+
+
+class WithRest:
+    """An identification whose unselected prefix tokens load at `bits` (`low_bit` K and V) instead of being
+    dropped. The wrapped policy selects and reads as it does alone; this then takes every position's low-bit K and
+    V and lays the rows the selection took over theirs: a shared set's rows are its chosen positions in order, a
+    per-head layer's keys are every position's (all of them taken), its values the union's. The layer attends to
+    every position."""
+
+    def __init__(self, inner, bits: int):
+        self.inner, self.bits = inner, bits
+
+    def certain_reads(self, f: Facts) -> tuple:
+        return tuple(self.inner.certain_reads(f)) + (low_bit(K, self.bits), low_bit(V, self.bits))
+
+    def selection_reads(self, f: Facts) -> tuple:
+        return self.inner.selection_reads(f)
+
+    def select(self, f: Facts, layer: Layer, state) -> Steps:
+        chosen = yield from self.inner.select(f, layer, state)
+        rest_k = yield Take(low_bit(K, self.bits))
+        rest_v = yield Take(low_bit(V, self.bits))
+        m, m_pad = layer.m, layer.m_pad
+        if isinstance(chosen.selection, PerHeadIndices):
+            union = distinct(np.asarray(chosen.chosen))
+            slots = padded(union, bucket(len(union)), m_pad)
+            keys, values = chosen.keys, _overlay(rest_v, chosen.values, slots, slots)
+        else:
+            count = int(chosen.selection.count)
+            rows = padded(np.asarray(chosen.selection.idx)[:count], bucket(max(count, 1)), chosen.keys.shape[1])
+            dst = padded(np.asarray(chosen.chosen)[0, :count], len(rows), m_pad)
+            keys, values = _overlay(rest_k, chosen.keys, rows, dst), _overlay(rest_v, chosen.values, rows, dst)
+        return Selected(chosen.state, keys, values, SharedIndices(iota(m_pad), m), chosen.importance, chosen.chosen)

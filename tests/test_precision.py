@@ -1,0 +1,318 @@
+"""Prefix KV at low precision: the store's low-bit kinds (written, read, checked, copied by reordering), loading at
+`kv_bits` for a system, and spec_mixed, which loads what SPEC does not select at `rest_bits`, against a plain forward
+over the same KV round-tripped through the codec (`kernels.quant.encode_rows`)."""
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import specjax
+from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine import steps as S
+from specjax.errors import SpecjaxError
+from specjax.kernels import SharedIndices, quant
+from specjax.models import transformer as T
+from specjax.stores import K, PROBE, V, KVStore
+from specjax.stores.errors import StoreMismatchError
+from specjax.stores.kvarray import low_bit
+
+FP = {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "probe_heads": 1, "chunk_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return specjax.load_model("tiny-llama", init="random", seed=1)
+
+
+def _kv(rng, n, layers=2):
+    return [tuple(rng.normal(size=(h, n, 64)).astype(np.float32) * 2 for h in (2, 2, 1)) for _ in range(layers)]
+
+
+def _memory():
+    return {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
+
+
+def test_layout_kinds_and_row_sizes():
+    st = KVStore.open(_memory(), {**FP, "kv_bits": [2, 4]}, context=ts.Context())
+    lay = st.layout
+    assert lay.bits == (4, 2)
+    assert lay.kinds() == (0, 1, 2, low_bit(K, 4), low_bit(V, 4), low_bit(K, 2), low_bit(V, 2))
+    # 64 channels at 4 bits (32 bytes) and two groups' float16 scale and zero (8 bytes): 40 bytes
+    assert lay.width(low_bit(K, 4)) == 40 and lay.width(low_bit(V, 2)) == 24 and lay.width(K) == 64
+    assert lay.dtype_of(low_bit(K, 4)) == np.uint8 and lay.dtype_of(K) == np.float32
+    assert lay.token_nbytes(low_bit(V, 4)) == 2 * 40
+    st.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
+    """What a store reads back of a low-bit kind decodes to the codec's round trip of the K and V written, at the
+    codec's bound (half a group's scale), and its bytes are the codec's bytes."""
+    rng = np.random.default_rng(bits)
+    st = KVStore.open(tmp_path / "s", {**FP, "kv_bits": [bits]})
+    kv = _kv(rng, 40)
+    tokens = np.arange(40)
+    st.insert(tokens, kv)
+    with st.match(tokens) as match:
+        for layer in range(2):
+            loc = st.locate(match, np.arange(40), layer)
+            for kind in (K, V):
+                got = st.read_locations(layer, low_bit(kind, bits), loc).result()
+                assert got.ok.all()
+                want = quant.encode_rows(kv[layer][kind], bits=bits, group=32, row_bytes=st.layout.token_row_nbytes(
+                    low_bit(kind, bits)))
+                np.testing.assert_array_equal(got.array.view(np.uint8), want)
+                decoded = np.asarray(quant.decode_rows(jnp.asarray(got.array), bits=bits, group=32, head_dim=64))
+                x = kv[layer][kind].reshape(2, 40, 2, 32)
+                scale = (x.max(-1) - x.min(-1)) / ((1 << bits) - 1)
+                err = np.abs(decoded - kv[layer][kind]).reshape(2, 40, 2, 32).max(-1)
+                assert (err <= 0.5 * scale * 1.01 + 1e-6).all()
+    st.close()
+
+
+def test_a_store_of_other_precisions_is_refused_by_name(tmp_path):
+    KVStore.open(tmp_path / "s", {**FP, "kv_bits": [4]}).close()
+    with pytest.raises(StoreMismatchError, match="holds K and V at float32 and 4 bits, not at float32 and 2 bits"):
+        KVStore.open(tmp_path / "s", {**FP, "kv_bits": [2]})
+    with pytest.raises(StoreMismatchError, match="not at float32 only"):
+        KVStore.open(tmp_path / "s", FP)
+    KVStore.open(tmp_path / "s", {**FP, "kv_bits": [4]}).close()  # its own precisions: opened
+
+
+def _engine(model, name, retention=0.25, **options):
+    system = make_system(name, **options)
+    store = KVStore.open(_memory(), fingerprint(model, 16, system.store_bits), context=ts.Context())
+    config = EngineConfig(retention=retention, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True,
+                          cake_chunk_tokens=32)
+    return make_engine(model, system, store, config)
+
+
+def _request(model, prefix_len=100, query_len=7, seed=0):
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    return Request(rng.integers(0, v, prefix_len).tolist(), rng.integers(0, v, query_len).tolist(),
+                   [rng.integers(0, v, 3).tolist()])
+
+
+def _logits_over(model, req, layer_kv):
+    """The first token's logits of the query attending to prefix K/V `layer_kv` ((k, v) per layer, [H_kv, m, d]) and
+    to its own: the engine's device steps, every prefix row attended."""
+    cfg, params = model.config, model.params
+    m, n = len(req.prefix), len(req.query)
+    positions = jnp.arange(m, m + n, dtype=jnp.int32)
+    h = T.embed_step(cfg, params, jnp.asarray(req.query, jnp.int32), positions)
+    rotary = T.rotary_step(cfg, positions)
+    every = SharedIndices(jnp.arange(m, dtype=jnp.int32), m)
+    for lp, (keys, values) in zip(params["layers"], layer_kv):
+        q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)
+        h = S.finish(cfg, lp, h, q, own_k, own_v, jnp.asarray(keys), jnp.asarray(values), every, n, impl="reference")
+    return np.asarray(S.head_row(cfg, params, h, n - 1))
+
+
+def _prefix_kv(engine, req):
+    """Every layer's stored prefix K and V at full precision, as the engine wrote them."""
+    store, m = engine.store, len(req.prefix)
+    with store.match(req.prefix) as match:
+        out = []
+        for layer in range(engine.cfg.num_layers):
+            loc = store.locate(match, np.arange(m), layer)
+            out.append(tuple(store.read_locations(layer, kind, loc).result().array for kind in (K, V)))
+    return out
+
+
+def _round_trip(x, bits):
+    group = min(32, x.shape[-1])  # the store's default group
+    return np.asarray(quant.decode_rows(jnp.asarray(quant.encode_rows(x, bits=bits, group=group)), bits=bits,
+                                        group=group, head_dim=x.shape[-1]))
+
+
+def test_reference_forward_is_as_full(model):
+    engine = _engine(model, "as_full", retention=1.0)
+    req = _request(model)
+    engine.warm(req.prefix)
+    got = engine.run(req).first_token_logits
+    np.testing.assert_allclose(got, _logits_over(model, req, _prefix_kv(engine, req)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("name", ["as_full", "as_h2o_lfu"])
+def test_kv_bits_attends_to_the_round_tripped_kv(model, name, bits):
+    """A system at kv_bits attends to its stored KV as the codec round-trips it: as_full exactly so (its logits are
+    the reference forward's over the decoded KV), and H2O as it selects over the decoded keys."""
+    engine = _engine(model, name, retention=1.0, kv_bits=bits)
+    assert engine.system.name == f"{name}-kv{bits}" and engine.store.layout.bits == (bits,)
+    req = _request(model)
+    engine.warm(req.prefix)
+    got = engine.run(req)
+    decoded = [tuple(_round_trip(x, bits) for x in kv) for kv in _prefix_kv(engine, req)]
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, decoded), atol=1e-5, rtol=0)
+    full = _logits_over(model, req, _prefix_kv(engine, req))
+    assert not np.allclose(got.first_token_logits, full, atol=1e-5)  # the precision did change what it attended to
+
+
+def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
+    """spec_mixed's layers attend to every prefix position: the rows SPEC selected (and took) at full precision, the
+    others decoded from 4 bits; at retention 1.0 every row is selected and it equals as_full."""
+    req = _request(model)
+    engine = _engine(model, "spec_mixed", retention=0.25)
+    assert engine.store.layout.bits == (4,)
+    engine.warm(req.prefix)
+    got = engine.run(req)
+    kv = _prefix_kv(engine, req)
+    layer_kv = []
+    for (k, v), chosen in zip(kv, got.selections):
+        mixed_k, mixed_v = np.array(_round_trip(k, 4)), np.array(_round_trip(v, 4))
+        union = np.unique(chosen)
+        if len(chosen) > 1:  # a per-head layer: every key was taken at full precision, the union's values
+            mixed_k = k
+        mixed_k[:, union], mixed_v[:, union] = k[:, union], v[:, union]
+        layer_kv.append((mixed_k, mixed_v))
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
+    spec = _engine(model, "spec", retention=0.25)
+    spec.warm(req.prefix)
+    dropped = spec.run(req)
+    # the first layer sees the same inputs and selects as SPEC does (later ones see hidden states that attended more)
+    np.testing.assert_array_equal(dropped.selections[0], got.selections[0])
+    assert not np.allclose(dropped.first_token_logits, got.first_token_logits, atol=1e-3)
+
+    everything = _engine(model, "spec_mixed", retention=1.0)
+    everything.warm(req.prefix)
+    np.testing.assert_allclose(everything.run(req).first_token_logits, _logits_over(model, req, kv), atol=1e-5,
+                               rtol=0)
+
+
+def test_a_system_needing_bits_its_store_lacks_is_refused(model):
+    system = make_system("as_full", kv_bits=4)
+    store = KVStore.open(_memory(), fingerprint(model, 16), context=ts.Context())
+    with pytest.raises(SpecjaxError, match="loads K and V at 4 bits, but its store holds K and V at float32 only"):
+        Engine(model, system, store, EngineConfig())
+    with pytest.raises(SpecjaxError, match="rest_bits loads the tokens an identification leaves out"):
+        dataclasses.replace(make_system("as_full"), rest_bits=2)
+    with pytest.raises(SpecjaxError, match="kv_bits must be one of"):
+        make_system("as_full", kv_bits=3)
+
+
+def test_reordering_copies_low_bit_rows_with_their_tokens(tmp_path):
+    """A reordered segment's low-bit rows are its tokens' rows, encoded anew from the full-precision ones it copies:
+    reads in the prefix's order give what was written."""
+    from specjax.stores.reorder import reorder_node
+
+    rng = np.random.default_rng(3)
+    fp = {**FP, "kv_bits": [4]}
+    tokens, kv = np.arange(100), _kv(rng, 100)
+    with KVStore.open(tmp_path / "s", fp) as store:
+        store.insert(tokens, kv)
+        important = rng.choice(100, 16, replace=False)
+        with store.match(tokens) as m:
+            store.record_importance(m, np.ones(16), positions=important)
+            node = m.steps[0].node_id
+        assert reorder_node(store, node)
+        store.collect_garbage()
+        with store.match(tokens) as m:
+            assert len(store.locate(m, important, 0).unique_chunks()) == 1  # packed together
+            for layer in range(2):
+                loc = store.locate(m, np.arange(100), layer)
+                for kind in (low_bit(K, 4), low_bit(V, 4)):
+                    got = store.read_locations(layer, kind, loc).result()
+                    want = quant.encode_rows(kv[layer][kind - low_bit(K, 4)], bits=4, group=32,
+                                             row_bytes=store.layout.token_row_nbytes(kind))
+                    assert got.ok.all()
+                    np.testing.assert_array_equal(got.array.view(np.uint8), want)
+
+
+def test_cake_loads_its_chunks_at_kv_bits(model, monkeypatch):
+    """Cake at 4 bits: the chunks its loader brings are decoded from 4 bits, the ones the device computes are exact."""
+    from specjax.engine.cake import CakeEngine
+
+    chunk_layer = CakeEngine._chunk_layer
+
+    def slow(self, *args):  # the device slower than the in-memory store: the loader brings all but the first chunk
+        time.sleep(0.2)
+        return chunk_layer(self, *args)
+
+    monkeypatch.setattr(CakeEngine, "_chunk_layer", slow)
+    engine = _engine(model, "cake", retention=1.0, kv_bits=4)
+    assert engine.system.name == "cake-kv4"
+    req = _request(model, seed=4)
+    engine.warm(req.prefix)
+    got = engine.run(req)
+    computed = got.split["computed_prefix_tokens"]
+    assert got.split["loaded_prefix_tokens"] >= 50
+    mixed = []
+    for k, v in _prefix_kv(engine, req):
+        mk, mv = np.array(_round_trip(k, 4)), np.array(_round_trip(v, 4))
+        mk[:, :computed], mv[:, :computed] = k[:, :computed], v[:, :computed]
+        mixed.append((mk, mv))
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, mixed), atol=1e-4, rtol=0)
+    assert not np.allclose(got.first_token_logits, _logits_over(model, req, _prefix_kv(engine, req)), atol=1e-4)
+
+
+def test_a_run_names_precision_variants_of_its_systems():
+    """--systems takes NAME-kvB for any system that reuses KV and spec_mixed-restB; results say the bits."""
+    from specjax.eval import registry
+    from specjax.eval.errors import EvalError
+    from specjax.eval.report_markdown import _bits_cell
+
+    assert registry.resolve("as_full,as_full-kv4,spec_mixed-rest2,cake-kv2,spec_mixed-kv8-rest2") == [
+        "as_full", "as_full-kv4", "spec_mixed-rest2", "cake-kv2", "spec_mixed-kv8-rest2"]
+    assert registry.precision_variant("spec_mixed-rest2") == ("spec_mixed", {"rest_bits": 2})
+    assert registry.precision_variant("spec_mixed-kv8-rest2") == ("spec_mixed", {"rest_bits": 2, "kv_bits": 8})
+    for bad in ("recompute-kv4", "as_full-rest2", "spec-kv3", "spec_mixed-rest2-kv8"):
+        with pytest.raises(EvalError, match="NAME-kv8, NAME-kv4, NAME-kv2"):
+            registry.resolve(bad)
+    assert registry.uses_retention("spec_mixed-rest2") and not registry.uses_retention("as_full-kv4")
+    assert _bits_cell({"selected_bits": 32, "rest_bits": 2}) == "32 / 2"
+    assert _bits_cell({"selected_bits": 4, "rest_bits": None}) == "4 / -" and _bits_cell(None) == "-"
+
+
+@pytest.mark.parametrize("tiers", ["disk", "device tier", "host tier"])
+def test_a_bfloat16_stores_low_bit_rows_reach_the_device_byte_for_byte(tiers):
+    """Low-bit rows are bytes all the way (no float type carries them intact: XLA:CPU gathers bfloat16 through
+    float32, flushing subnormal bit patterns): a take of a bfloat16 store's 4-bit K gives the encoded rows exactly,
+    from disk and from either cache tier."""
+    import ml_dtypes
+
+    from specjax.stores.caches import TieredCache
+    from specjax.stores.prefetch import Prefetcher
+
+    fp = {**FP, "num_layers": 1, "probe_heads": 0, "kv_bits": [4], "dtype": "bfloat16"}
+    store = KVStore.open(_memory(), fp, context=ts.Context())
+    k = (np.random.default_rng(0).normal(size=(2, 64, 64)) * 1e-3).astype(ml_dtypes.bfloat16)
+    store.insert(np.arange(64), [(k, k)])
+    budget = {"disk": (0, 0), "device tier": (1 << 20, 0), "host tier": (0, 1 << 20)}[tiers]
+    prefetcher = Prefetcher(store, TieredCache(*budget, "lru", metrics=store.metrics))
+    want = quant.encode_rows(k.astype(np.float32), bits=4, group=32)
+    for _ in range(2):  # the second take finds the first one's chunks in the tier
+        with store.match(np.arange(64)) as m:
+            positions = np.arange(64)
+            taken = prefetcher.take(m, 0, low_bit(K, 4), positions, pad_to=64, loc=store.locate(m, positions, 0))
+            prefetcher.close()
+        np.testing.assert_array_equal(np.asarray(taken.array), want)
+    counts = store.metrics.snapshot()
+    hit = {"disk": 0, "device tier": counts["device_hits"], "host tier": counts["host_hits"]}[tiers]
+    assert hit == (0 if tiers == "disk" else 4)  # the second take found its 4 chunks in the tier
+    store.close()
+
+
+def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
+    """tiny-llama's probe heads are every KV head's keys: spec-kv8 reads them from the 8-bit K, and every read and
+    take of its requests is of 8-bit rows."""
+    engine = _engine(model, "spec", retention=0.25, kv_bits=8)
+    assert engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(K, 8)
+    req = _request(model)
+    engine.warm(req.prefix)
+    kinds = set()
+    for name in ("request", "take"):
+        original = getattr(engine.prefetcher, name)
+
+        def recorded(match, layer, kind, *args, original=original, **kwargs):
+            kinds.add(kind)
+            return original(match, layer, kind, *args, **kwargs)
+
+        setattr(engine.prefetcher, name, recorded)
+    assert engine.run(req).io["disk_bytes"] > 0
+    assert kinds == {low_bit(K, 8), low_bit(V, 8)}
