@@ -231,6 +231,8 @@ def low_bit_attention(q, k_rows, v_rows, own_k, own_v, selection: Selection, *, 
                          f"{jnp.shape(k_rows)} (pages are not read at low precision)")
     num_heads, n_q, head_dim = q.shape
     num_kv, num_tokens, width = k_rows.shape
+    if bits not in quant.BITS or group < 1 or head_dim % group or group * bits % 8:
+        raise ValueError(f"{bits}-bit rows in groups of {group} channels do not fit {head_dim} channels")
     need = quant.row_nbytes(head_dim, bits, group)
     if v_rows.shape != k_rows.shape or width * jnp.dtype(k_rows.dtype).itemsize < need:
         raise ValueError(f"k_rows {k_rows.shape} and v_rows {v_rows.shape} ({k_rows.dtype}) must be equal and hold "

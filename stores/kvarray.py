@@ -94,9 +94,14 @@ class Layout:
             return self.head_dim
         return self.head_dim * bits // 8 + 4 * (self.head_dim // self.group_channels)
 
-    def page_key(self, kind: int) -> tuple[int, int, str]:
-        """(heads, width, element type): kinds with equal keys share the cache tiers' page arrays (stores.pool)."""
-        return self.heads(kind), self.width(kind), self.dtype_of(kind).str
+    def page_key(self, kind: int) -> tuple[int, int, int]:
+        """(heads, width, bytes per element): kinds with equal keys share the cache tiers' page arrays (stores.pool),
+        whose element type is `page_dtype(key)`."""
+        return self.heads(kind), self.width(kind), self.dtype_of(kind).itemsize
+
+    def page_dtype(self, key: tuple[int, int, int]) -> np.dtype:
+        """The element type of the rows a page key's kinds hold (the store's dtype, or bytes)."""
+        return self.np_dtype if key[2] == self.np_dtype.itemsize else np.dtype(np.uint8)
 
     @property
     def max_heads(self) -> int:

@@ -105,6 +105,8 @@ def full_fingerprint(fingerprint: dict, layout: Layout | None = None) -> dict:
     full.setdefault("chunk_tokens", layout.chunk_tokens)
     full.setdefault("dtype", layout.dtype)
     full.setdefault("probe_heads", layout.probe_heads)
+    if "kv_bits" in full:  # a set, in one order (the caller's, not the store's: they are compared)
+        full["kv_bits"] = sorted({int(b) for b in full["kv_bits"]}, reverse=True)
     return full
 
 

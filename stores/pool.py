@@ -47,8 +47,8 @@ WRITE_BUCKETS = sorted({bucket(n, minimum=1) for n in range(1, MAX_WRITE_PAGES +
 def pages_in(layout: Layout, key: tuple, budget_bytes: int) -> int:
     """How many whole chunks of page key `key` (heads, width, element type: `Layout.page_key`) `budget_bytes` hold: a
     page array's slots."""
-    heads, width, dtype = key
-    return int(budget_bytes) // (heads * layout.chunk_tokens * width * np.dtype(dtype).itemsize)
+    heads, width, itemsize = key
+    return int(budget_bytes) // (heads * layout.chunk_tokens * width * itemsize)
 
 
 def page_dtype(dtype) -> np.dtype:
@@ -172,7 +172,7 @@ class DevicePool:
         for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
             slots = pages_in(layout, key, device_bytes)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
-            array = jax.device_put(np.zeros((slots + 1, key[0], c, key[1]), page_dtype(key[2])), device)
+            array = jax.device_put(np.zeros((slots + 1, key[0], c, key[1]), page_dtype(layout.page_dtype(key))), device)
             self._pages[key] = _Pages(array, list(range(slots - 1, -1, -1)))
         self._compiled: set = set()
         self.host_pages: HostPages | None = None  # the host tier's pages, which takes may read in place
@@ -387,7 +387,7 @@ class HostPages:
         c = layout.chunk_tokens
         for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
             slots = pages_in(layout, key, host_bytes)
-            shape, dtype = (max(slots, 1), key[0], c, key[1]), np.dtype(key[2])
+            shape, dtype = (max(slots, 1), key[0], c, key[1]), layout.page_dtype(key)
             buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)  # anonymous: zero pages until written
             bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)
             self._arrays[key] = bits.view(dtype)

@@ -316,3 +316,37 @@ def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
         setattr(engine.prefetcher, name, recorded)
     assert engine.run(req).io["disk_bytes"] > 0
     assert kinds == {low_bit(K, 8), low_bit(V, 8)}
+
+
+def test_a_bfloat16_stores_host_tier_holds_every_kind():
+    """The host tier's page arrays hold each kind's own element type (bfloat16 K and V, bytes for low-bit rows)."""
+    import ml_dtypes
+
+    from specjax.stores.caches import TieredCache
+    from specjax.stores.prefetch import Prefetcher
+
+    fp = {**FP, "num_layers": 1, "probe_heads": 0, "kv_bits": [2, 4], "dtype": "bfloat16"}
+    store = KVStore.open(_memory(), fp, context=ts.Context())
+    k = np.random.default_rng(1).normal(size=(2, 64, 64)).astype(ml_dtypes.bfloat16)
+    store.insert(np.arange(64), [(k, k)])
+    prefetcher = Prefetcher(store, TieredCache(0, 1 << 20, "lru", metrics=store.metrics))
+    for kind, want in ((K, k), (low_bit(V, 2), quant.encode_rows(k.astype(np.float32), bits=2, group=32))):
+        for _ in range(2):
+            with store.match(np.arange(64)) as m:
+                positions = np.arange(64)
+                taken = prefetcher.take(m, 0, kind, positions, pad_to=64, loc=store.locate(m, positions, 0))
+                prefetcher.close()
+            np.testing.assert_array_equal(np.asarray(taken.array), want)
+    assert store.metrics.snapshot()["host_hits"] == 8  # each kind's second take: its 4 chunks from the host tier
+    with pytest.raises(StoreMismatchError, match="holds K and V at bfloat16 and 4, 2 bits"):
+        KVStore.open(store.kvstore_spec, {**fp, "kv_bits": [4]}, context=store.context)
+    store.close()
+
+
+def test_precisions_a_system_cannot_combine_are_refused():
+    with pytest.raises(SpecjaxError, match="both at 4 bits load every token at them"):
+        make_system("spec_mixed", kv_bits=4)
+    with pytest.raises(SpecjaxError, match="rest_bits with a candidate stage is not built"):
+        dataclasses.replace(make_system("spec_gqa", gqa_candidates=2), rest_bits=4)
+    # a precision is named first, the other options after it, so a run's NAME-kvB finds what it built
+    assert make_system("spec", kv_bits=4, no_prefetch=True).name == "spec-kv4-no_prefetch"

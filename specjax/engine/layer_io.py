@@ -324,7 +324,8 @@ class LayerIO:
             self.path.speculator.observe_window(opened)
         if layer in self.prefetched:
             for kind in kinds:
-                self._note_behind(layer, kind)
+                if kind in (self.path.precision.kind(K), self.path.precision.kind(V)):  # not spec_mixed's rest
+                    self._note_behind(layer, kind)
 
     def _account_chosen(self) -> None:
         """What the takes made on the device (`take_chosen`) would have counted as takes: the uses and hits of the

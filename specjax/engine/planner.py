@@ -248,7 +248,8 @@ class PlannerEngine(Engine):
             return np.zeros(0)
         chunks, inverse = np.unique(self.store.chunks_by_layer(match), return_inverse=True)
         layers = np.arange(self.cfg.num_layers)
-        keys = [(int(layer), kind, int(c)) for layer in layers for kind in (K, V) for c in chunks]
+        kinds = (self.precision.kind(K), self.precision.kind(V))  # as the plan would read them
+        keys = [(int(layer), kind, int(c)) for layer in layers for kind in kinds for c in chunks]
         held = self.cache.held(keys).reshape(len(layers), 2, len(chunks))  # [layer, kind, chunk]
         inverse = inverse.reshape(len(layers), match.length)
         return held[layers[:, None], :, inverse].mean(axis=(0, 2))

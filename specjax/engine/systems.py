@@ -82,6 +82,12 @@ class System:
         if self.rest_bits is not None and not self.prunes:
             raise SpecjaxError(f"system {self.name!r}: rest_bits loads the tokens an identification leaves out; "
                                f"this system identifies none")
+        if self.rest_bits is not None and self.rest_bits == self.kv_bits:
+            raise SpecjaxError(f"system {self.name!r}: its selection and the rest both at {self.kv_bits} bits load "
+                               f"every token at them: run a system that loads everything at kv_bits instead")
+        if self.rest_bits is not None and self.candidates is not None:
+            raise SpecjaxError(f"system {self.name!r}: rest_bits with a candidate stage is not built (the rest's "
+                               f"rows are laid over every position's)")
         if (self.prefetch == "periods") != (self.identify == "chunks"):
             raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
 
@@ -240,14 +246,14 @@ class SystemOptions:
                 raise SpecjaxError(f"{name} must be one of {LOW_BITS}, got {getattr(self, name)}")
 
     def apply(self, system: System) -> System:
-        """`system` with these options (`_apply`), then at the precisions asked for (`kv_bits`, `rest_bits`)."""
-        system = self._apply(system)
+        """`system` at the precisions asked for (`kv_bits`, `rest_bits`: named first, `NAME-kvB-restC`), then with
+        the other options (`_apply`)."""
         if self.kv_bits is not None and system.reuse:
             system = dataclasses.replace(system, kv_bits=int(self.kv_bits), name=f"{system.name}-kv{self.kv_bits}")
         if self.rest_bits is not None and system.rest_bits is not None:
             system = dataclasses.replace(system, rest_bits=int(self.rest_bits),
                                          name=f"{system.name}-rest{self.rest_bits}")
-        return system
+        return self._apply(system)
 
     def _apply(self, system: System) -> System:
         """`system` with these options: SPEC's ablations (paper Fig. 18, named in the result), ITF's alpha,
