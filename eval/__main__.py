@@ -128,6 +128,7 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
     kv_per_token = model.config.kv_bytes_per_token(np.dtype(model.dtype).itemsize)
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
     settings = _system_settings(values, retentions[0], store_bytes)
+    registry.check_distinct(names, settings.options)
 
     code = code_version()
     output_dir = out.claim()  # once the request is known to be sound, before any run

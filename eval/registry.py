@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
+from specjax.engine.systems import make_system as engine_make_system
 from specjax.eval.engine_systems import factories
 from specjax.eval.errors import EvalError
 from specjax.eval.systems import System, SystemSettings
@@ -96,6 +97,20 @@ def precision_variant(name: str) -> tuple[str, dict] | None:
             "rest_bits" in options and system is not None and system.rest_bits is None):
         return None
     return base, options
+
+
+def check_distinct(names: list[str], options) -> None:
+    """Refuse a --systems list two of whose systems would be built as one (`as_full,as_full-kv4` with --kv_bits 4):
+    their results would be filed under one name."""
+    built: dict[str, str] = {}
+    for name in names:
+        base, changes = precision_variant(name) or (name, {})
+        if base not in KNOWN_SYSTEMS:  # a plugin's: named by itself
+            continue
+        as_built = engine_make_system(base, dataclasses.replace(options, **changes)).name
+        if as_built in built:
+            raise EvalError(f"--systems: {built[as_built]} and {name} are both built as {as_built} with these options")
+        built[as_built] = name
 
 
 def uses_retention(name: str) -> bool:

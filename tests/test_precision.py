@@ -265,6 +265,10 @@ def test_a_run_names_precision_variants_of_its_systems():
         with pytest.raises(EvalError, match="NAME-kv8, NAME-kv4, NAME-kv2"):
             registry.resolve(bad)
     assert registry.uses_retention("spec_mixed-rest2") and not registry.uses_retention("as_full-kv4")
+    from specjax.engine.systems import SystemOptions
+    registry.check_distinct(["as_full", "as_full-kv4"], SystemOptions())
+    with pytest.raises(EvalError, match="as_full and as_full-kv4 are both built as as_full-kv4"):
+        registry.check_distinct(["as_full", "as_full-kv4"], SystemOptions(kv_bits=4))
     assert _bits_cell({"selected_bits": 32, "rest_bits": 2}) == "32 / 2"
     assert _bits_cell({"selected_bits": 4, "rest_bits": None}) == "4 / -" and _bits_cell(None) == "-"
 
