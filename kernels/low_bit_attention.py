@@ -29,23 +29,6 @@ from specjax.kernels.gathered_attention import gathered_attention_reference
 from specjax.kernels.selections import PerHeadIndices, Selection, SharedIndices
 
 
-def as_bytes(rows):
-    """Rows [..., w] of any dtype as their bytes, uint8 [..., w * itemsize]."""
-    if rows.dtype == jnp.uint8:
-        return rows
-    b = lax.bitcast_convert_type(rows, jnp.uint8)
-    return b.reshape(rows.shape[:-1] + (rows.shape[-1] * b.shape[-1],))
-
-
-def split_rows(rows, *, bits: int, group: int, head_dim: int):
-    """Encoded rows [H, M, w] -> (codes uint8 [H, M, head_dim * bits / 8], scales f32 [H, M, 2 * groups]: each
-    group's scale, then each group's zero point)."""
-    rows = as_bytes(rows)
-    cb, ng = head_dim * bits // 8, head_dim // group
-    halves = rows[..., cb:cb + 4 * ng].reshape(rows.shape[:-1] + (2 * ng, 2))
-    return rows[..., :cb], lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
-
-
 def plane_order(head_dim: int, bits: int) -> np.ndarray:
     """Channel permutation into plane order: position s * (head_dim * bits / 8) + j holds channel j * (8 / bits) + s."""
     planes = 8 // bits
@@ -163,8 +146,8 @@ def low_bit_attention_pallas(q, k_rows, v_rows, own_k, own_v, idx, count, q_len,
     group_heads, groups = num_heads // num_kv, head_dim // group
     rows_per_head = idx.shape[0] > 1
     order = plane_order(head_dim, bits)
-    kc, ks = split_rows(k_rows, bits=bits, group=group, head_dim=head_dim)
-    vc, vs = split_rows(v_rows, bits=bits, group=group, head_dim=head_dim)
+    kc, ks = quant.row_parts(k_rows, bits=bits, group=group, head_dim=head_dim)
+    vc, vs = quant.row_parts(v_rows, bits=bits, group=group, head_dim=head_dim)
     n_q_pad, k_pad = c.round_up(n_q, block_q), c.round_up(idx.shape[1], block_k)
     q = c.pad_axis(q[..., order], 1, n_q_pad)
     own_k, own_v = (c.pad_axis(x[..., order], 1, c.round_up(n_q_pad, block_k)) for x in (own_k, own_v))

@@ -172,16 +172,23 @@ def encode_rows(x, *, bits: int, group: int, row_bytes: int | None = None):
     return out
 
 
-def decode_rows(rows, *, bits: int, group: int, head_dim: int, dtype=jnp.float32):
-    """The inverse of `encode_rows` on the device: rows [..., w] of any element type whose bytes are encoded rows
-    (a store's low-bit kind as a take gives it) -> `dtype` [..., head_dim]. Jittable."""
+def row_parts(rows, *, bits: int, group: int, head_dim: int):
+    """Encoded rows [..., w] of any element type whose bytes they are -> (packed codes uint8 [..., head_dim * bits /
+    8], float32 [..., 2 * groups]: each group's scale, then each group's zero point). Jittable."""
     if rows.dtype != jnp.uint8:
         rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
         rows = rows.reshape(rows.shape[:-2] + (rows.shape[-2] * rows.shape[-1],))
     cb, ng = head_dim * bits // 8, head_dim // group
-    codes = unpack(rows[..., :cb], bits).astype(jnp.float32)
     halves = rows[..., cb:cb + 4 * ng].reshape(rows.shape[:-1] + (2 * ng, 2))
-    scale_zero = jax.lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
+    return rows[..., :cb], jax.lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
+
+
+def decode_rows(rows, *, bits: int, group: int, head_dim: int, dtype=jnp.float32):
+    """The inverse of `encode_rows` on the device: rows [..., w] of any element type whose bytes are encoded rows
+    (a store's low-bit kind as a take gives it) -> `dtype` [..., head_dim]. Jittable."""
+    packed, scale_zero = row_parts(rows, bits=bits, group=group, head_dim=head_dim)
+    codes = unpack(packed, bits).astype(jnp.float32)
+    ng = head_dim // group
     scale, zero = scale_zero[..., :ng], scale_zero[..., ng:]
     x = codes.reshape(codes.shape[:-1] + (ng, group)) * scale[..., None] + zero[..., None]
     return x.reshape(codes.shape).astype(dtype)

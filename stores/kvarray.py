@@ -20,6 +20,7 @@ import functools
 import numpy as np
 import tensorstore as ts
 
+from specjax.kernels import quant
 from specjax.stores.landing import BUFFERS, LocalFiles
 from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
@@ -92,7 +93,7 @@ class Layout:
         bits = bits_of(kind)
         if bits is None:
             return self.head_dim
-        return self.head_dim * bits // 8 + 4 * (self.head_dim // self.group_channels)
+        return quant.row_nbytes(self.head_dim, bits, self.group_channels)
 
     def page_key(self, kind: int) -> tuple[int, int, int]:
         """(heads, width, bytes per element): kinds with equal keys share the cache tiers' page arrays (stores.pool),
