@@ -37,7 +37,10 @@ from specjax.stores import KVStore  # noqa: E402
 FULL = ("recompute", "as_full", "spec")  # at retention 1.0: the single-device logits
 # at PRUNED_RETENTION: the single-device selections. spec as configured (on random weights its probe heads
 # mostly disagree: per-head H2O), spec with a threshold its probe heads always reach (their shared top-k), H2O.
-PRUNED = {"spec": ("spec", {}), "spec_shared": ("spec", {"alpha": 50.0}), "as_h2o_lru": ("as_h2o_lru", {})}
+# spec without speculation: what a guess reads depends on the host's measured timing (`Speculator.pays`, its
+# budget), not on the mesh alone, so its bytes would not compare across runs
+PRUNED = {"spec": ("spec", {"no_prefetch": True}), "spec_shared": ("spec", {"alpha": 50.0, "no_prefetch": True}),
+          "as_h2o_lru": ("as_h2o_lru", {})}
 PRUNED_RETENTION = 0.25
 LAYERS = 4  # larger shapes are cut to this many layers (the per-layer work is the same)
 # `deep` cases: a copy of the shape with enough layers, each with enough device work over a DEEP_TOKENS-token prefix
