@@ -43,6 +43,8 @@ flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions to load the prefix KV at,
 flags.DEFINE_enum("grouping", "kivi", ["kivi", "rows"], "kivi: keys per channel over --key_group tokens, values "
                   "per token (KIVI's); rows: keys and values per token over --value_group channels with float16 "
                   "scales, as a store holds them (`kernels.quant.encode_rows`).")
+flags.DEFINE_bool("rotate", False, "With --grouping rows: rotate each row by the head dim's Hadamard matrix "
+                  "before encoding it (and back after decoding).")
 flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); the store's chunk is 64.")
 flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
                      "divisors.")
@@ -52,13 +54,24 @@ flags.DEFINE_list("pool", None, "Instead of measuring: the folders of earlier ru
 FLAGS = flags.FLAGS
 
 
+def hadamard(d: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix (float32 [d, d], symmetric: its own inverse) of the largest power of
+    two dividing `d`, repeated down the diagonal where `d` is not one."""
+    block = d & -d
+    h = np.ones((1, 1))
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(d // block), h / np.sqrt(block)).astype(np.float32)
+
+
 def round_trip(x, bits: int, per_channel: bool, group: int):
     """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
     take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group.
     With --grouping rows, every row on its own as a store encodes it (`per_channel` and `group` unused)."""
     if FLAGS.grouping == "rows":
-        rows = quant.encode_rows(np.asarray(x), bits=bits, group=FLAGS.value_group)
-        back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1])
+        h = hadamard(x.shape[-1]) if FLAGS.rotate else np.eye(x.shape[-1], dtype=np.float32)
+        rows = quant.encode_rows(np.asarray(x, np.float32) @ h, bits=bits, group=FLAGS.value_group)
+        back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1]) @ h.T
         return back.astype(x.dtype), rows.size
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
     parts, nbytes = [], 0
@@ -148,8 +161,10 @@ def pooled(results: dict, precisions: list) -> dict:
 
 
 def markdown(out: dict) -> str:
+    kind = out.get("grouping", "kivi")
+    rotated = ", each row rotated by the head dim's Hadamard matrix first" if kind.endswith("+hadamard") else ""
     grouping = (f"Keys and values per token over {out['value_group']} channels, float16 scales and zero points (a "
-                "store's rows)" if out.get("grouping") == "rows" else
+                f"store's rows{rotated})" if kind.startswith("rows") else
                 f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} "
                 "channels, bf16 scales and zero points")
     lines = [f"# {out['model']}: the prefix's KV loaded at fewer bits", "",
@@ -205,6 +220,8 @@ def main(argv):
         return write(pooled_runs(FLAGS.pool))
     precisions = ["full"] + [int(b) for b in FLAGS.bits]
     model = specjax.load_model(FLAGS.model)
+    if FLAGS.rotate and FLAGS.grouping != "rows":
+        raise SystemExit("--rotate applies to --grouping rows")
     if model.config.head_dim % FLAGS.value_group:
         raise SystemExit(f"--value_group {FLAGS.value_group} does not divide the head dim {model.config.head_dim}")
     results = {}
@@ -212,7 +229,8 @@ def main(argv):
         print(f"{name}: precisions {precisions}", flush=True)
         results[name] = run_task(model, name, precisions)
     out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
-           "grouping": FLAGS.grouping, "key_group": FLAGS.key_group, "value_group": FLAGS.value_group,
+           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else ""), "key_group": FLAGS.key_group,
+           "value_group": FLAGS.value_group,
            "kv_dtype": str(np.dtype(model.dtype)),
            "kv_itemsize": np.dtype(model.dtype).itemsize,
            "tasks": results, "pooled": pooled(results, precisions)}

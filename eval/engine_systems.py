@@ -123,11 +123,13 @@ class EngineSystem:
     @property
     def precision(self) -> dict | None:
         """The bits of a loaded prefix token's K and V elements: the selected tokens' (or every loaded token's) and
-        the rest's (None: not loaded); None for a system that loads none."""
+        the rest's (None: not loaded), and the planner's other precisions (`plan_bits`, planner-planB: which of them
+        each request loaded at is `planner.bits_counts`); None for a system that loads none."""
         if not self.system.reuse:
             return None
         full = 8 * np.dtype(self.model.dtype).itemsize
-        return {"selected_bits": self.system.kv_bits or full, "rest_bits": self.system.rest_bits}
+        out = {"selected_bits": self.system.kv_bits or full, "rest_bits": self.system.rest_bits}
+        return {**out, "plan_bits": list(self.system.plan_bits)} if self.system.plan_bits else out
 
     def summary(self) -> dict | None:
         """What the run's system measured beyond its requests: the planner's cost model (None for the others)."""
@@ -252,7 +254,8 @@ def _plan_counters(r) -> dict:
     """The planner: how the request's stored prefix was loaded, what the caches held of it, the predicted TTFT."""
     if r.plan is None:
         return {}
-    out = {"planned_load_all": float(r.plan["load_all"]), "planned_held_share": r.plan["held_share"]}
+    out = {"planned_load_all": float(r.plan["load_all"]), "planned_bits": float(r.plan["bits"]),
+           "planned_held_share": r.plan["held_share"]}
     return out if r.plan["predicted_ttft_ms"] is None else {**out, "predicted_ttft_ms": r.plan["predicted_ttft_ms"]}
 
 

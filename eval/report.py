@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import pathlib
@@ -232,8 +233,8 @@ def _split(outs, get) -> dict:
 
 
 def _planner(outs, model: dict | None) -> dict:
-    """The planner's plans (computed share of the stored prefix per request, how many loaded it whole, the share of
-    their loaded tokens the caches held), its prediction error per request
+    """The planner's plans (computed share of the stored prefix per request, how many loaded it whole and at which
+    bits, the share of their loaded tokens the caches held), its prediction error per request
     (|predicted - measured| / measured) and its cost model at the run's end."""
     errors = prediction_errors([(o.counters.get("predicted_ttft_ms"), o.ttft_ms) for o in outs])
     shares = [round(o.counters.get("computed_prefix_tokens", 0) / o.counters["reused_tokens"], 2)
@@ -243,6 +244,9 @@ def _planner(outs, model: dict | None) -> dict:
             "predicted_requests": len(errors),
             "computed_share_counts": {str(s): shares.count(s) for s in sorted(set(shares))},
             "load_all_requests": int(sum(o.counters.get("planned_load_all", 0) for o in outs)),
+            # requests per precision its plans loaded K and V at (0: the system's)
+            "bits_counts": {str(b): n for b, n in sorted(collections.Counter(
+                int(o.counters.get("planned_bits", 0)) for o in outs).items())},
             "held_share_mean": float(np.mean([o.counters.get("planned_held_share", 0.0) for o in outs])),
             "model": model}
 

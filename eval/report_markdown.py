@@ -213,8 +213,9 @@ def _bits_cell(precision: dict | None) -> str:
     """A loaded token's bits per K/V element, the selected tokens' / the rest's ("-": the rest is not loaded)."""
     if not precision:
         return "-"
-    rest = precision.get("rest_bits")
-    return f"{precision['selected_bits']} / {rest if rest is not None else '-'}"
+    rest, plans = precision.get("rest_bits"), precision.get("plan_bits")
+    also = f" (or {', '.join(map(str, plans))} as planned)" if plans else ""
+    return f"{precision['selected_bits']} / {rest if rest is not None else '-'}{also}"
 
 
 def reads_section(results: dict) -> list[str]:

@@ -44,6 +44,7 @@ BREAKDOWN_KEYS = ("probe_io", "identify", "kv_io_stall", "compute")
 #   compilations: XLA compiles during the request, counted by the runner (compilations_timed is their sum)
 #   predicted_ttft_ms: the planner's prediction of the request's TTFT (its plan's; planner.prediction_error_median)
 #   planned_load_all: the planner loaded the whole stored prefix (1) or selected from it (0);
+#   planned_bits: the bits its plan loaded K and V at (0: the system's precision; planner-planB)
 #   planned_held_share: the share of the stored tokens its plan loaded that the cache tiers held when it was planned
 #   cpu_ms: the process's CPU time, every thread's, from the request's start to its first token (cpu_ms per request)
 #   recomputed_tokens: cacheblend / full_reuse, the context tokens recomputed per layer, averaged over the layers
@@ -60,7 +61,7 @@ COUNTER_KEYS = (
     "prefix_tokens", "reused_tokens", "retained_tokens", "bad_chunks", "repair_disk_bytes", "repair_disk_bytes_written",
     "computed_prefix_tokens", "compilations", "host_exposed_ms", "cpu_ms", "predicted_ttft_ms",
     "recomputed_tokens",
-    "planned_load_all", "planned_held_share",
+    "planned_load_all", "planned_bits", "planned_held_share",
 )
 DEVICE_COUNTER = re.compile(r"device\d+_disk_bytes")  # tensor parallel: one per device of the mesh
 

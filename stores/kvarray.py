@@ -25,26 +25,37 @@ from specjax.stores.landing import BUFFERS, LocalFiles
 from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
-LOW_BITS = (8, 4, 2)  # the low precisions a store may hold K and V at, besides the model's dtype
-KIND_NAMES = ("k", "v", "probe") + tuple(f"{name}{bits}" for bits in LOW_BITS for name in ("k", "v"))
+LOW_BITS = (8, 4, 2)  # the low precisions a store may hold K, V and probe keys at, besides the model's dtype
+KIND_NAMES = (("k", "v", "probe") + tuple(f"{name}{bits}" for bits in LOW_BITS for name in ("k", "v"))
+              + tuple(f"probe{bits}" for bits in LOW_BITS))
+_PROBE_LOW = 3 + 2 * len(LOW_BITS)  # the first low-bit probe kind: after every low-bit K and V kind
+# which kinds a store holding low-bit KV has at each precision (a fingerprint's `kv_format`): 2, K, V and probe keys;
+# 1 (no `kv_format`), K and V only
+LOW_BIT_FORMAT = 2
 
 
 def low_bit(kind: int, bits: int) -> int:
-    """The kind holding `kind`'s (K or V) rows at `bits` bits (`kernels.quant.encode_rows`)."""
-    if kind not in (K, V) or bits not in LOW_BITS:
-        raise ValueError(f"only K and V are stored at low precision, at {LOW_BITS} bits; got "
+    """The kind holding `kind`'s (K, V or probe keys) rows at `bits` bits (`kernels.quant.encode_rows`)."""
+    if kind not in (K, V, PROBE) or bits not in LOW_BITS:
+        raise ValueError(f"K, V and probe keys are stored at low precision at {LOW_BITS} bits; got "
                          f"{KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else kind} at {bits}")
+    if kind == PROBE:
+        return _PROBE_LOW + LOW_BITS.index(bits)
     return 3 + 2 * LOW_BITS.index(bits) + kind
 
 
 def bits_of(kind: int) -> int | None:
     """The bits of a low-bit kind (`low_bit`); None for K, V and probe keys, held in the store's dtype."""
-    return None if kind < 3 else LOW_BITS[(kind - 3) // 2]
+    if kind < 3:
+        return None
+    return LOW_BITS[kind - _PROBE_LOW] if kind >= _PROBE_LOW else LOW_BITS[(kind - 3) // 2]
 
 
 def base_of(kind: int) -> int:
     """K, V or PROBE: what a kind holds, at whatever precision."""
-    return kind if kind < 3 else (kind - 3) % 2
+    if kind < 3:
+        return kind
+    return PROBE if kind >= _PROBE_LOW else (kind - 3) % 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +91,7 @@ class Layout:
         return np.dtype(self.dtype) if self.dtype != "bfloat16" else np.dtype(_bfloat16())
 
     def heads(self, kind: int) -> int:
-        return self.probe_heads if kind == PROBE else self.kv_heads
+        return self.probe_heads if base_of(kind) == PROBE else self.kv_heads
 
     def dtype_of(self, kind: int) -> np.dtype:
         """The element type of a kind's rows: the store's dtype, or bytes for a low-bit kind (which no float type
@@ -124,7 +135,7 @@ class Layout:
 
     def kinds(self) -> tuple[int, ...]:
         base = (K, V, PROBE) if self.probe_heads else (K, V)
-        return base + tuple(low_bit(kind, bits) for bits in self.bits for kind in (K, V))
+        return base + tuple(low_bit(kind, bits) for bits in self.bits for kind in base)
 
     @property
     def kind_slots(self) -> int:

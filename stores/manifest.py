@@ -118,7 +118,11 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
         return
     if stored.get("weights") != given.get("weights"):
         raise StoreMismatchError(_other_weights(described, asked, where))
-    if {**stored, "kv_bits": None} == {**given, "kv_bits": None}:
+    if stored.get("kv_bits") and stored.get("kv_format") != given.get("kv_format"):
+        raise StoreMismatchError(f"the KV store at {where} holds low-bit KV in an earlier format of specjax (format "
+                                 f"{stored.get('kv_format', 1)}: K and V only, no low-bit probe keys), not format "
+                                 f"{given.get('kv_format', 1)}; use another store directory")
+    if {**stored, "kv_bits": None, "kv_format": None} == {**given, "kv_bits": None, "kv_format": None}:
         raise StoreMismatchError(f"the KV store at {where} holds K and V at {_precisions(stored)}, not at "
                                  f"{_precisions(given)} as asked; a store's precisions are fixed when it is made: "
                                  f"use another store directory")

@@ -298,7 +298,7 @@ class ChunkReader:
             run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
             return
         nbytes = arrays.nbytes
-        self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if kind == kvarray.PROBE else 0,
+        self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if kvarray.base_of(kind) == kvarray.PROBE else 0,
                          chunks_read=run.n_chunks, read_requests=1)
         devices = self._parts(kind)
         if devices > 1:  # each device read its own heads' byte range of every chunk

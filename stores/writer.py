@@ -139,8 +139,8 @@ class SegmentWriter:
 
 def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
     """(kind, `[heads, padded_tokens, width]` of the store dtype) for every kind of the layout: the given K, V (and
-    probe keys) with zero rows after their tokens, and K and V at each of the layout's low precisions, encoded from
-    those (`kernels.quant.encode_rows`)."""
+    probe keys) with zero rows after their tokens, and each of them again at each of the layout's low precisions,
+    encoded from those (`kernels.quant.encode_rows`)."""
     full = {}
     for kind, a in arrays.items():
         data = full[kind] = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
@@ -148,7 +148,7 @@ def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
         data[:, :a.shape[1]] = a
         yield kind, data
     for bits in lay.bits:
-        for kind in (K, V):
+        for kind in tuple(full):
             low = kvarray.low_bit(kind, bits)
             rows = quant.encode_rows(full[kind], bits=bits, group=lay.group_channels,
                                      row_bytes=lay.token_row_nbytes(low))

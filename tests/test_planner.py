@@ -11,7 +11,8 @@ import tensorstore as ts
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine.planner import CostModel, Plan, PlannerEngine, LinearFit, prediction_errors
-from specjax.stores import KVStore
+from specjax.stores import K, V, KVStore
+from specjax.stores.kvarray import low_bit
 
 EXACT = 1e-5  # fp32, against the engine's recompute
 STORE_CHUNK = 16
@@ -22,9 +23,9 @@ def model(request):
     return specjax.load_model(request.param, init="random", seed=1)
 
 
-def _store(model):
+def _store(model, kv_bits=()):
     spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
-    return KVStore.open(spec, fingerprint(model, STORE_CHUNK), context=ts.Context())
+    return KVStore.open(spec, fingerprint(model, STORE_CHUNK, kv_bits), context=ts.Context())
 
 
 def _request(model, prefix_len=100, query_len=7, seed=0):
@@ -40,8 +41,8 @@ def _planner(model, **config) -> PlannerEngine:
     return engine
 
 
-def _forced(engine, request, head, load_all=False):
-    engine._forced = Plan(head, load_all)
+def _forced(engine, request, head, load_all=False, bits=0):
+    engine._forced = Plan(head, load_all, bits)
     try:
         return engine.run(request)
     finally:
@@ -92,7 +93,7 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     engine.calibrate([req])
     plans = engine.costs.candidates(128, STORE_CHUNK)
     assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
-    assert sum(engine.costs.reads[False].coefficients()) > 0 and engine.costs.reads[True].coefficients()[0] > 0
+    assert sum(engine.costs.reads[(False, 0)].coefficients()) > 0 and engine.costs.reads[(True, 0)].coefficients()[0] > 0
     r = engine.run(req)
     assert r.plan["predicted_ttft_ms"] is not None
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}
@@ -159,10 +160,10 @@ def test_cost_model_prediction_and_crossover():
     costs.observe(1000, Plan(1000), ttft_ms=50.0, wait_ms=0.0, disk_bytes=0, rate=10e6)
     assert costs.compute_ms == {(1000, Plan(0)): 10.0, (1000, Plan(0, True)): 5.0, (1000, Plan(500)): 30.0,
                                 (1000, Plan(1000)): 50.0}
-    assert costs.waits[False].coefficients() == pytest.approx((0.5, 0.01))
-    assert costs.waits[True].coefficients() == pytest.approx((2.0, 0.0), abs=1e-9)
-    assert costs.reads[False].coefficients() == pytest.approx((1000.0, 0.0), abs=1e-6)
-    assert costs.reads[True].coefficients() == pytest.approx((4000.0, 0.0), abs=1e-6)
+    assert costs.waits[(False, 0)].coefficients() == pytest.approx((0.5, 0.01))
+    assert costs.waits[(True, 0)].coefficients() == pytest.approx((2.0, 0.0), abs=1e-9)
+    assert costs.reads[(False, 0)].coefficients() == pytest.approx((1000.0, 0.0), abs=1e-6)
+    assert costs.reads[(True, 0)].coefficients() == pytest.approx((4000.0, 0.0), abs=1e-6)
     assert costs.predict(1000, Plan(0), 10e6) == pytest.approx(10.0 + 50.0 + 10.0)
     assert costs.predict(1000, Plan(0), 10e6, held=0.5) == pytest.approx(10.0 + 25.0 + 10.0)
     assert costs.predict(1000, Plan(500), 10e6) == pytest.approx(30.0 + 25.0 + 5.0)
@@ -189,7 +190,7 @@ def test_cost_model_prediction_and_crossover():
     flat.observe(100, Plan(0), 30.0, 20.0, 1000, 1e6)
     flat.observe(100, Plan(0), 30.0, 20.0, 500, 1e6, held=0.5)
     flat.observe(100, Plan(100), 50.0, 0.0, 0, 1e6)
-    assert flat.waits[False].coefficients() == pytest.approx((0.0, 0.2))
+    assert flat.waits[(False, 0)].coefficients() == pytest.approx((0.0, 0.2))
     assert flat.crossover_rate(100) == pytest.approx(0.0, abs=1.0)  # bytes/s
 
 
@@ -229,14 +230,14 @@ def test_the_plan_follows_what_the_caches_hold_and_planning_counts_in_the_ttft(m
     engine.costs.observe(128, Plan(0, load_all=True), 60.0, 55.0, 50_000, 1e6)  # all: 5 ms + 55 ms reading
     engine.costs.observe(128, Plan(128), 100.0, 0.0, 0, 1e6)
     engine.rate = lambda: 1e6
-    held = np.ones(128)
+    held = {0: np.ones(128)}
     assert engine.plan(128, held)[0] == Plan(0, load_all=True)
-    assert engine.plan(128, np.zeros(128))[0] == Plan(0)
+    assert engine.plan(128, {0: np.zeros(128)})[0] == Plan(0)
     assert engine.plan(128, held)[2][Plan(0, load_all=True)] == 1.0
 
-    def slow_lookup(match):
+    def slow_lookup(match, bits=0):
         time.sleep(0.2)
-        return held
+        return held[bits]
     monkeypatch.setattr(engine, "held_by_position", slow_lookup)
     r = engine.run(req)
     assert r.plan["plan"] == "all" and r.plan["held_share"] == 1.0
@@ -285,3 +286,57 @@ def test_the_planner_measures_its_plans_on_the_store_the_timed_requests_find():
     runs = [("run", "a"), ("run", "b")]
     assert spec.calls == runs + [("reorder",)] + runs
     assert planner.calls == runs + [("reorder",), ("calibrate", 2)] + runs
+
+
+def test_the_planner_weighs_loading_at_fewer_bits(model):
+    """planner-plan4 also plans the whole stored prefix selected or loaded at 8 and 4 bits: such a plan reads only
+    those rows and answers as the system loading at them does (as_full-kv4), the calibration measures it, and the
+    cost model picks it where its fewer bytes make it fastest."""
+    system = make_system("planner", plan_bits=4)
+    assert system.name == "planner-plan4" and system.plan_bits == (8, 4) and system.store_bits == (8, 4)
+    req = _request(model, prefix_len=128)
+    engine = make_engine(model, system, _store(model, system.store_bits), EngineConfig(retention=0.25))
+    engine.warm(req.prefix)
+    plans = engine.candidates(128)
+    assert {Plan(0, False, 4), Plan(0, True, 4), Plan(0, False, 8), Plan(0, True, 8)} <= set(plans)
+    low = _forced(engine, req, 0, load_all=True, bits=4)
+    full = _forced(engine, req, 0, load_all=True)
+    assert low.plan["plan"] == "all@4b" and low.plan["bits"] == 4
+    cfg = model.config
+    lay = engine.store.layout
+    token = lay.token_nbytes(low_bit(K, 4)) + lay.token_nbytes(low_bit(V, 4))
+    assert token == 2 * cfg.num_kv_heads * (cfg.head_dim // 2 + 4 * (cfg.head_dim // lay.group_channels))
+    assert low.io["disk_bytes"] == cfg.num_layers * 128 * token
+    assert full.io["disk_bytes"] == cfg.num_layers * 128 * cfg.num_kv_heads * 2 * cfg.head_dim * 4
+    reference = make_engine(model, make_system("as_full", kv_bits=4), _store(model, (4,)), EngineConfig())
+    reference.warm(req.prefix)
+    want = reference.run(req)
+    np.testing.assert_allclose(low.first_token_logits, want.first_token_logits, atol=EXACT, rtol=0)
+    assert engine.precision is engine.precision_of(Plan(0))  # the system's again after the request
+    engine.calibrate([req])
+    assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
+    assert engine.costs.reads[(True, 4)].coefficients()[0] < engine.costs.reads[(True, 0)].coefficients()[0]
+    # a disk slow enough for the bytes to decide, with loading everything cheaper than identifying: the fewest bytes
+    engine.costs = CostModel()
+    for p in plans:
+        loaded = 128 - p.head
+        per_token = {0: 1000, 8: 560, 4: 310}[p.bits] * (2 if p.load_all else 1)
+        wait = loaded * per_token / 10e6 * 1e3
+        engine.costs.observe(128, p, 1000.0 * p.head / 128 + wait + (1.0 if p.load_all else 50.0), wait,
+                             loaded * per_token, 10e6)
+    engine.rate = lambda: 1e5
+    assert engine.plan(128)[0] == Plan(0, False, 4)
+    engine.rate = lambda: 1e12  # the bytes cost nothing: loading everything, at whichever bits (they tie)
+    assert engine.plan(128)[0].load_all
+
+
+def test_results_count_the_planners_requests_per_precision():
+    """results.json's planner section counts the requests each precision was planned at (0: the system's)."""
+    import types
+
+    from specjax.eval.report import _planner as planner_section
+
+    outs = [types.SimpleNamespace(ttft_ms=10.0, counters={"planned_bits": b, "reused_tokens": 64,
+                                                           "planned_load_all": float(b > 0)}) for b in (0, 4, 4, 8)]
+    section = planner_section(outs, None)
+    assert section["bits_counts"] == {"0": 1, "4": 2, "8": 1} and section["load_all_requests"] == 3

@@ -18,7 +18,7 @@ from specjax.kernels import SharedIndices, quant
 from specjax.models import transformer as T
 from specjax.stores import K, PROBE, V, KVStore
 from specjax.stores.errors import StoreMismatchError
-from specjax.stores.kvarray import low_bit
+from specjax.stores.kvarray import base_of, bits_of, low_bit
 
 FP = {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "probe_heads": 1, "chunk_tokens": 16}
 
@@ -40,11 +40,15 @@ def test_layout_kinds_and_row_sizes():
     st = KVStore.open(_memory(), {**FP, "kv_bits": [2, 4]}, context=ts.Context())
     lay = st.layout
     assert lay.bits == (4, 2)
-    assert lay.kinds() == (0, 1, 2, low_bit(K, 4), low_bit(V, 4), low_bit(K, 2), low_bit(V, 2))
+    assert lay.kinds() == (0, 1, 2, low_bit(K, 4), low_bit(V, 4), low_bit(PROBE, 4), low_bit(K, 2), low_bit(V, 2),
+                           low_bit(PROBE, 2))
+    assert [base_of(kind) for kind in lay.kinds()] == [K, V, PROBE] * 3
+    assert [bits_of(kind) for kind in lay.kinds()] == [None] * 3 + [4] * 3 + [2] * 3
+    assert len(set(map(low_bit, [K, V, PROBE] * 3, [8] * 3 + [4] * 3 + [2] * 3))) == 9  # no kind twice
     # 64 channels at 4 bits (32 bytes) and two groups' float16 scale and zero (8 bytes): 40 bytes
     assert lay.width(low_bit(K, 4)) == 40 and lay.width(low_bit(V, 2)) == 24 and lay.width(K) == 64
     assert lay.dtype_of(low_bit(K, 4)) == np.uint8 and lay.dtype_of(K) == np.float32
-    assert lay.token_nbytes(low_bit(V, 4)) == 2 * 40
+    assert lay.token_nbytes(low_bit(V, 4)) == 2 * 40 and lay.token_nbytes(low_bit(PROBE, 4)) == 1 * 40
     st.close()
 
 
@@ -60,16 +64,17 @@ def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
     with st.match(tokens) as match:
         for layer in range(2):
             loc = st.locate(match, np.arange(40), layer)
-            for kind in (K, V):
+            for kind in (K, V, PROBE):
                 got = st.read_locations(layer, low_bit(kind, bits), loc).result()
                 assert got.ok.all()
                 want = quant.encode_rows(kv[layer][kind], bits=bits, group=32, row_bytes=st.layout.token_row_nbytes(
                     low_bit(kind, bits)))
                 np.testing.assert_array_equal(got.array.view(np.uint8), want)
                 decoded = np.asarray(quant.decode_rows(jnp.asarray(got.array), bits=bits, group=32, head_dim=64))
-                x = kv[layer][kind].reshape(2, 40, 2, 32)
+                heads = kv[layer][kind].shape[0]
+                x = kv[layer][kind].reshape(heads, 40, 2, 32)
                 scale = (x.max(-1) - x.min(-1)) / ((1 << bits) - 1)
-                err = np.abs(decoded - kv[layer][kind]).reshape(2, 40, 2, 32).max(-1)
+                err = np.abs(decoded - kv[layer][kind]).reshape(heads, 40, 2, 32).max(-1)
                 assert (err <= 0.5 * scale * 1.01 + 1e-6).all()
     st.close()
 
@@ -271,6 +276,7 @@ def test_a_run_names_precision_variants_of_its_systems():
         registry.check_distinct(["as_full", "as_full-kv4"], SystemOptions(kv_bits=4))
     assert _bits_cell({"selected_bits": 32, "rest_bits": 2}) == "32 / 2"
     assert _bits_cell({"selected_bits": 4, "rest_bits": None}) == "4 / -" and _bits_cell(None) == "-"
+    assert _bits_cell({"selected_bits": 32, "rest_bits": None, "plan_bits": [8, 4]}) == "32 / - (or 8, 4 as planned)"
 
 
 @pytest.mark.parametrize("tiers", ["disk", "device tier", "host tier"])
@@ -322,6 +328,27 @@ def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
     assert kinds == {low_bit(K, 8), low_bit(V, 8)}
 
 
+def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys():
+    """tiny-gqa's probe heads are two of its four KV heads: spec-kv8 reads the store's 8-bit probe keys, and every
+    read and take of its requests is of 8-bit rows."""
+    model = specjax.load_model("tiny-gqa", init="random", seed=1)
+    engine = _engine(model, "spec", retention=0.25, kv_bits=8)
+    assert not engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(PROBE, 8)
+    req = _request(model)
+    engine.warm(req.prefix)
+    kinds = set()
+    original = engine.prefetcher.take
+
+    def recorded(match, layer, kind, *args, **kwargs):
+        kinds.add(kind)
+        return original(match, layer, kind, *args, **kwargs)
+
+    engine.prefetcher.take = recorded
+    result = engine.run(req)
+    assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
+    assert low_bit(PROBE, 8) in kinds and {bits_of(kind) for kind in kinds} == {8}
+
+
 def test_a_bfloat16_stores_host_tier_holds_every_kind():
     """The host tier's page arrays hold each kind's own element type (bfloat16 K and V, bytes for low-bit rows)."""
     import ml_dtypes
@@ -354,3 +381,12 @@ def test_precisions_a_system_cannot_combine_are_refused():
         dataclasses.replace(make_system("spec_gqa", gqa_candidates=2), rest_bits=4)
     # a precision is named first, the other options after it, so a run's NAME-kvB finds what it built
     assert make_system("spec", kv_bits=4, no_prefetch=True).name == "spec-kv4-no_prefetch"
+
+
+def test_a_low_bit_store_of_the_earlier_format_is_refused(tmp_path, model):
+    """A store whose low-bit KV is of format 1 (K and V only, no low-bit probe keys) is refused by name."""
+    fp = fingerprint(model, 16, (4,))
+    assert fp["kv_format"] == 2
+    KVStore.open(tmp_path / "s", {k: v for k, v in fp.items() if k != "kv_format"}).close()
+    with pytest.raises(StoreMismatchError, match="earlier format of specjax .format 1: K and V only"):
+        KVStore.open(tmp_path / "s", fp)

@@ -39,6 +39,7 @@ from specjax.models import transformer as T
 from specjax.models.inference import bucket, log_softmax
 from specjax.stores import KVStore, StoreError
 from specjax.stores.caches import TieredCache
+from specjax.stores.kvarray import LOW_BIT_FORMAT
 from specjax.stores.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,10 @@ REPAIR_COUNTS = {"disk_bytes": "disk_bytes", "disk_bytes_written": "disk_bytes_w
 def fingerprint(model, chunk_tokens: int, kv_bits=()) -> dict:
     """What a store must agree on with the model that reads it: the weights and tokenizer (their digests,
     `specjax.api.Model`), the shapes, dtype and layout, and the low precisions it holds K and V at besides the
-    model's dtype (`kv_bits`, a system's `store_bits`). `weights_source` only says where the weights came from
+    model's dtype (`kv_bits`, a system's `store_bits`, with the kinds held so, `kv_format`). `weights_source` only says where the weights came from
     (stores do not compare it), so that a refusal or fsck can name them."""
     c = model.config
-    bits = {"kv_bits": sorted(map(int, kv_bits), reverse=True)} if kv_bits else {}
+    bits = {"kv_bits": sorted(map(int, kv_bits), reverse=True), "kv_format": LOW_BIT_FORMAT} if kv_bits else {}
     return {**bits, "arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": jnp.dtype(model.dtype).name,
             "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c)),

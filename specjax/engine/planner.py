@@ -36,6 +36,7 @@ import numpy as np
 from specjax.compiles import CompileCounter
 from specjax.engine.engine import Engine
 from specjax.engine.identify import policy
+from specjax.engine.precision import Precision
 from specjax.engine.types import EngineConfig, LayerRecord, Request, RequestResult
 from specjax.stores.kvarray import K, V
 
@@ -44,7 +45,11 @@ from specjax.stores.kvarray import K, V
 HEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _SMOOTHING = 0.3  # weight of a new measurement in a running estimate
 _FORGET = 0.9  # weight kept by the earlier requests of a fit at each new one (the last ~10 count most)
-_WAYS = {False: "selected", True: "all"}
+
+
+def _way_label(way: tuple[bool, int]) -> str:
+    load_all, bits = way
+    return ("all" if load_all else "selected") + (f"@{bits}b" if bits else "")
 
 
 def _update(old: float | None, new: float) -> float:
@@ -58,10 +63,16 @@ class Plan:
     head 0 only)."""
     head: int
     load_all: bool = False
+    bits: int = 0  # the loaded K and V read at these low-bit rows of the store (0: at the system's precision)
 
     @property
     def label(self) -> str:
-        return "all" if self.load_all else str(self.head)
+        return ("all" if self.load_all else str(self.head)) + (f"@{self.bits}b" if self.bits else "")
+
+    @property
+    def way(self) -> tuple[bool, int]:
+        """How its loaded part is read: selected or all, at which precision. The cost model fits each way apart."""
+        return self.load_all, self.bits
 
 
 @dataclasses.dataclass
@@ -120,11 +131,12 @@ class CostModel:
     reads: dict = dataclasses.field(default_factory=dict)
     waits: dict = dataclasses.field(default_factory=dict)
 
-    def candidates(self, m: int, chunk_tokens: int) -> list[Plan]:
+    def candidates(self, m: int, chunk_tokens: int, bits: tuple[int, ...] = ()) -> list[Plan]:
         """The plans considered for a stored prefix of m tokens: heads of whole store chunks with the rest selected,
-        everything loaded, and recompute."""
+        everything loaded, and recompute; and the whole prefix selected or loaded at each of `bits`."""
         heads = {min(m, int(f * m) // chunk_tokens * chunk_tokens) for f in HEAD_FRACTIONS[:-1]} - {m}
-        return sorted([Plan(h) for h in heads] + [Plan(0, load_all=True), Plan(m)])
+        low = [Plan(0, load_all, b) for b in bits for load_all in (False, True)]
+        return sorted([Plan(h) for h in heads] + [Plan(0, load_all=True), Plan(m)] + low)
 
     def observe(self, m: int, plan: Plan, ttft_ms: float, wait_ms: float, disk_bytes: float,
                 rate: float | None, held: float = 0.0) -> None:
@@ -134,7 +146,7 @@ class CostModel:
         self.compute_ms[key] = _update(self.compute_ms.get(key), max(0.0, ttft_ms - wait_ms))
         if plan.head >= m:
             return
-        way, loaded = plan.load_all, m - plan.head
+        way, loaded = plan.way, m - plan.head
         self.reads.setdefault(way, LinearFit()).add(loaded * (1.0 - held), loaded, disk_bytes)
         if rate:
             self.waits.setdefault(way, LinearFit()).add(disk_bytes / rate * 1e3, loaded, wait_ms)
@@ -144,7 +156,7 @@ class CostModel:
         loads."""
         if plan.head >= m:
             return 0.0
-        fit = self.reads.get(plan.load_all)
+        fit = self.reads.get(plan.way)
         coefficients = fit.coefficients() if fit is not None else None
         if coefficients is None:
             return None
@@ -158,7 +170,7 @@ class CostModel:
             return self.compute_ms[(m, plan)]
         share = plan.head / max(m, 1)
         near = [(abs(mm - m), mm, p) for (mm, p) in self.compute_ms
-                if p.load_all == plan.load_all and abs(p.head / max(mm, 1) - share) < 0.13]
+                if p.way == plan.way and abs(p.head / max(mm, 1) - share) < 0.13]
         if not near:
             return None
         _, mm, p = min(near)
@@ -168,7 +180,7 @@ class CostModel:
         """The predicted wait for reads of `plan` (ms) when the caches hold a share `held` of what it loads."""
         if plan.head >= m:
             return 0.0
-        nbytes, fit = self.disk_bytes(m, plan, held), self.waits.get(plan.load_all)
+        nbytes, fit = self.disk_bytes(m, plan, held), self.waits.get(plan.way)
         coefficients = fit.coefficients() if fit is not None else None
         if nbytes is None or coefficients is None or not rate:
             return None
@@ -200,10 +212,10 @@ class CostModel:
         waits = {way: fit.coefficients() for way, fit in self.waits.items()}
         reads = {way: fit.coefficients() for way, fit in self.reads.items()}
         return {"disk_rate_bytes_per_s": rate,
-                "disk_bytes_per_missing_token": {_WAYS[w]: c[0] for w, c in reads.items() if c},
-                "disk_bytes_per_loaded_token": {_WAYS[w]: c[1] for w, c in reads.items() if c},
-                "wait_per_bytes_time": {_WAYS[w]: c[0] for w, c in waits.items() if c},
-                "wait_ms_per_loaded_token": {_WAYS[w]: c[1] for w, c in waits.items() if c},
+                "disk_bytes_per_missing_token": {_way_label(w): c[0] for w, c in reads.items() if c},
+                "disk_bytes_per_loaded_token": {_way_label(w): c[1] for w, c in reads.items() if c},
+                "wait_per_bytes_time": {_way_label(w): c[0] for w, c in waits.items() if c},
+                "wait_ms_per_loaded_token": {_way_label(w): c[1] for w, c in waits.items() if c},
                 "compute_ms": {str(m): {p.label: c for (mm, p), c in sorted(self.compute_ms.items()) if mm == m}
                                for m in ms},
                 "crossover_bytes_per_s": {str(m): self.crossover_rate(m) for m in ms}}
@@ -215,6 +227,7 @@ class PlannerEngine(Engine):
 
     def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
         super().__init__(model, system, store, config)
+        self._precision = self.precision  # the system's; a plan at other bits reads at its own for its request
         self.costs = CostModel()
         self._forced: Plan | None = None  # calibration: the plan to run
         self._observing = True
@@ -229,7 +242,7 @@ class PlannerEngine(Engine):
                 for request in requests:
                     with self.store.match([int(t) for t in request.prefix]) as match:
                         m = match.length
-                    for plan in self.costs.candidates(m, self.store.layout.chunk_tokens) if m else []:
+                    for plan in self.candidates(m) if m else []:
                         self._forced = plan
                         for i in range(1 + repeats):
                             self._observing = i > 0
@@ -240,26 +253,39 @@ class PlannerEngine(Engine):
     def rate(self) -> float | None:
         return self.store.scheduler.rate_bytes_per_s()
 
-    def held_by_position(self, match) -> np.ndarray:
-        """Per stored position of `match`, the share of its K and V over the layers that the cache tiers hold now
-        (what a plan loading it would not read from disk; looked up per layer and chunk, the store's reordering
-        included)."""
+    def candidates(self, m: int) -> list[Plan]:
+        """The plans for m stored tokens, at the store's dtype and at each precision the system may load at
+        (`System.plan_bits`: the accuracy it may give up is the user's bound, docs/systems.md)."""
+        return self.costs.candidates(m, self.store.layout.chunk_tokens, self.system.plan_bits)
+
+    def precision_of(self, plan: Plan) -> Precision:
+        """What `plan`'s takes of K and V read: the system's precision, or the plan's low-bit rows."""
+        if not plan.bits:
+            return self._precision
+        return Precision(self.store.layout, plan.bits, self.model.dtype, self.facts.probe_is_k)
+
+    def held_by_position(self, match, bits: int = 0) -> np.ndarray:
+        """Per stored position of `match`, the share of its K and V over the layers (at `bits`, 0: the system's
+        precision) that the cache tiers hold now (what a plan loading it would not read from disk; looked up per
+        layer and chunk, the store's reordering included)."""
         if not match.length:
             return np.zeros(0)
         chunks, inverse = np.unique(self.store.chunks_by_layer(match), return_inverse=True)
         layers = np.arange(self.cfg.num_layers)
-        kinds = (self.precision.kind(K), self.precision.kind(V))  # as the plan would read them
+        precision = self.precision_of(Plan(0, bits=bits))
+        kinds = (precision.kind(K), precision.kind(V))  # as the plan would read them
         keys = [(int(layer), kind, int(c)) for layer in layers for kind in kinds for c in chunks]
         held = self.cache.held(keys).reshape(len(layers), 2, len(chunks))  # [layer, kind, chunk]
         inverse = inverse.reshape(len(layers), match.length)
         return held[layers[:, None], :, inverse].mean(axis=(0, 2))
 
-    def plan(self, m: int, held: np.ndarray | None = None) -> tuple[Plan, dict, dict]:
+    def plan(self, m: int, held: dict | None = None) -> tuple[Plan, dict, dict]:
         """The plan for m stored tokens, the prediction of every candidate (ms; None: unknown) and the share of each
-        candidate's loaded tokens the caches hold (`held`: per stored position, `held_by_position`; None: nothing)."""
+        candidate's loaded tokens the caches hold (`held`: per precision a plan may read at, 0 the system's, the
+        share per stored position, `held_by_position`; None: nothing)."""
         rate = self.rate()
-        shares = {plan: float(held[plan.head:].mean()) if held is not None and plan.head < m else 0.0
-                  for plan in self.costs.candidates(m, self.store.layout.chunk_tokens)}
+        shares = {plan: float(held[plan.bits][plan.head:].mean()) if held is not None and plan.head < m else 0.0
+                  for plan in self.candidates(m)}
         predicted = {plan: self.costs.predict(m, plan, rate, share) for plan, share in shares.items()}
         if self._forced is not None:
             return self._forced, predicted, shares
@@ -274,18 +300,24 @@ class PlannerEngine(Engine):
         started, started_cpu = time.perf_counter(), time.process_time()
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
-            plan, predicted, shares = self.plan(m, self.held_by_position(match)) if m else (Plan(0), {}, {})
+            held = {bits: self.held_by_position(match, bits) for bits in (0,) + self.system.plan_bits}
+            plan, predicted, shares = self.plan(m, held) if m else (Plan(0), {}, {})
         planning_ms = (time.perf_counter() - started) * 1e3
         planning_cpu_ms = (time.process_time() - started_cpu) * 1e3
         if m and plan.head >= m:
             result = super()._run(request, reuse=False)
             result.reused_tokens = m  # stored, and computed instead of loaded (as cake reports a computed share)
             result.layers = LayerRecord.split(self.cfg.num_layers, m, m)
-        elif plan.load_all:
-            with self._loading_all():
-                result = super()._run(request, reuse=True)
         else:
-            result = super()._run(request, reuse=True, head=plan.head)
+            self.precision = self.precision_of(plan)
+            try:
+                if plan.load_all:
+                    with self._loading_all():
+                        result = super()._run(request, reuse=True)
+                else:
+                    result = super()._run(request, reuse=True, head=plan.head)
+            finally:
+                self.precision = self._precision
         # the request arrived before it was planned: planning is host work on its path to the first token
         result.ttft_ms += planning_ms
         result.breakdown_ms["compute"] = result.breakdown_ms.get("compute", 0.0) + planning_ms
@@ -295,7 +327,8 @@ class PlannerEngine(Engine):
             result.cpu_ms += planning_cpu_ms
         head = min(plan.head, m)
         result.split = {"stored_tokens": m, "computed_prefix_tokens": head, "loaded_prefix_tokens": m - head}
-        result.plan = {"stored_tokens": m, "head_tokens": head, "load_all": plan.load_all, "plan": plan.label,
+        result.plan = {"stored_tokens": m, "head_tokens": head, "load_all": plan.load_all, "bits": plan.bits,
+                       "plan": plan.label,
                        "held_share": shares.get(plan, 0.0), "predicted_ttft_ms": predicted.get(plan),
                        "candidates_ms": {p.label: t for p, t in predicted.items()},
                        "disk_rate_bytes_per_s": self.rate()}
@@ -322,7 +355,8 @@ class PlannerEngine(Engine):
         measured = self._observing and not compiles.count and not result.recomputed_bad_chunks
         if measured and plan is not None and plan["stored_tokens"]:
             waits = result.breakdown_ms.get("kv_io_stall", 0.0) + result.breakdown_ms.get("probe_io", 0.0)
-            self.costs.observe(plan["stored_tokens"], Plan(plan["head_tokens"], plan["load_all"]), result.ttft_ms,
+            self.costs.observe(plan["stored_tokens"], Plan(plan["head_tokens"], plan["load_all"], plan["bits"]),
+                               result.ttft_ms,
                                waits, result.io.get("disk_bytes", 0), self.rate(), plan["held_share"])
         return result
 

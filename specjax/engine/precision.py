@@ -30,8 +30,8 @@ from specjax.stores.kvarray import Layout, bits_of, low_bit
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """How a request's takes of K and V read the store: at `kv_bits` (None: the store's dtype), decoded on the
-    device. Probe keys too where they are every KV head's keys (`probe_is_k`): they are then K."""
+    """How a request's takes of K, V and probe keys read the store: at `kv_bits` (None: the store's dtype), decoded
+    on the device."""
 
     layout: Layout
     kv_bits: int | None
@@ -44,13 +44,11 @@ class Precision:
                                f"holds {_held(self.layout)}")
 
     def kind(self, kind: int) -> int:
-        """The store kind read for a policy's `kind` (K and V at `kv_bits`, and probe keys that are K; any other
-        kind as it is)."""
+        """The store kind read for a policy's `kind` (K, V or probe keys) at `kv_bits`: probe keys that are every KV
+        head's keys are read as K (so that they are the same rows as the layer's keys, and cached once)."""
         if self.kv_bits is None:
             return kind
-        if kind == PROBE and self.probe_is_k:
-            return low_bit(K, self.kv_bits)
-        return low_bit(kind, self.kv_bits) if kind in (K, V) else kind
+        return low_bit(K if kind == PROBE and self.probe_is_k else kind, self.kv_bits)
 
     def decode(self, kind: int, rows):
         """A take's rows `[heads, n, width]` of store kind `kind` as `[heads, n, head_dim]`: decoded on the device

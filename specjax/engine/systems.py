@@ -60,6 +60,9 @@ class System:
     kv_bits: int | None = None
     # the prefix tokens the identification does not select load at these bits instead of being dropped (spec_mixed)
     rest_bits: int | None = None
+    # the planner: the low precisions it may also load a whole stored prefix at, besides kv_bits (the accuracy it may
+    # give up is the user's to bound: the fewest bits allowed)
+    plan_bits: tuple[int, ...] = ()
     description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
@@ -85,6 +88,9 @@ class System:
         if self.rest_bits is not None and self.rest_bits == self.kv_bits:
             raise SpecjaxError(f"system {self.name!r}: its selection and the rest both at {self.kv_bits} bits load "
                                f"every token at them: run a system that loads everything at kv_bits instead")
+        if self.plan_bits and (self.schedule != "planner" or any(b not in LOW_BITS for b in self.plan_bits)):
+            raise SpecjaxError(f"system {self.name!r}: plan_bits are the planner's precisions, some of {LOW_BITS}; "
+                               f"got {self.plan_bits} for a system with schedule {self.schedule!r}")
         if self.rest_bits is not None and self.candidates is not None:
             raise SpecjaxError(f"system {self.name!r}: rest_bits with a candidate stage is not built (the rest's "
                                f"rows are laid over every position's)")
@@ -98,8 +104,9 @@ class System:
 
     @property
     def store_bits(self) -> tuple[int, ...]:
-        """The low precisions its store must hold K and V at (`kv_bits`, `rest_bits`)."""
-        return tuple(sorted({b for b in (self.kv_bits, self.rest_bits) if b is not None}, reverse=True))
+        """The low precisions its store must hold K and V at (`kv_bits`, `rest_bits`, `plan_bits`)."""
+        return tuple(sorted({b for b in (self.kv_bits, self.rest_bits, *self.plan_bits) if b is not None},
+                            reverse=True))
 
 
 SYSTEMS: dict[str, System] = {
@@ -222,6 +229,10 @@ class SystemOptions:
                                   "the system NAME-kvB.")
     rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens load at (default "
                                     "4); results name the system spec_mixed-restB.")
+    plan_bits: int | None = _option(None, "planner: the fewest bits (8, 4 or 2) it may load a stored prefix's K and "
+                                    "V at, as its cost model says per request: it then weighs loading at every "
+                                    "precision from this one up beside its other plans (the accuracy each costs: "
+                                    "docs/systems.md); results name the system planner-planB.")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -241,7 +252,7 @@ class SystemOptions:
         if self.gqa_candidates and not self.gqa_candidates >= 1:
             raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
                                f"got {self.gqa_candidates}")
-        for name in ("kv_bits", "rest_bits"):
+        for name in ("kv_bits", "rest_bits", "plan_bits"):
             if getattr(self, name) is not None and getattr(self, name) not in LOW_BITS:
                 raise SpecjaxError(f"{name} must be one of {LOW_BITS}, got {getattr(self, name)}")
 
@@ -253,6 +264,9 @@ class SystemOptions:
         if self.rest_bits is not None and system.rest_bits is not None:
             system = dataclasses.replace(system, rest_bits=int(self.rest_bits),
                                          name=f"{system.name}-rest{self.rest_bits}")
+        if self.plan_bits is not None and system.schedule == "planner":
+            bits = tuple(b for b in LOW_BITS if b >= self.plan_bits and b != system.kv_bits)
+            system = dataclasses.replace(system, plan_bits=bits, name=f"{system.name}-plan{self.plan_bits}")
         return self._apply(system)
 
     def _apply(self, system: System) -> System:
