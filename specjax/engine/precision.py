@@ -44,9 +44,10 @@ class Precision:
                                f"holds {_held(self.layout)}")
 
     def kind(self, kind: int) -> int:
-        """The store kind read for a policy's `kind` (K, V or probe keys) at `kv_bits`: probe keys that are every KV
-        head's keys are read as K (so that they are the same rows as the layer's keys, and cached once)."""
-        if self.kv_bits is None:
+        """The store kind read for a policy's `kind`: K, V and probe keys at `kv_bits` (probe keys that are every KV
+        head's keys as K, so that they are the same rows as the layer's keys, and cached once); a low-bit kind a
+        policy names itself (spec_mixed's rest) as it is."""
+        if self.kv_bits is None or bits_of(kind) is not None:
             return kind
         return low_bit(K if kind == PROBE and self.probe_is_k else kind, self.kv_bits)
 
