@@ -9,6 +9,9 @@
 #             then recompute, as_full, spec and spec_gqa at 30k (Qwen2.5-7B takes 32,768 tokens in all). Its limits
 #             add to 890 s: in one 10-minute call, DEADLINE=540 gives the 4k and 30k steps what the others leave
 #   more      as_h2o_lfu and impress at 4k and 16k
+#   precision low-bit KV (issue 70) on Qwen2.5-7B's shape, needle 16k and 4k, O_DIRECT: recompute, as_full, as_full
+#             at 4 bits, spec_mixed-kv8 (selection and probe keys at 8 bits, the rest at 4) and the planner free to
+#             load at 8 or 4 bits (--plan_bits 4: planner-plan4)
 #   opt       OPT-6.7B's shape at 4k: recompute, as_full, spec, cake, the planner, as_h2o_lfu
 #   emulated  core's line-up at 4k on a disk emulated at the SPEC paper's measured 5 GB/s (read from the page cache
 #             through --disk_bandwidth; results say it is emulated)
@@ -35,7 +38,7 @@
 # model and checks fp32 logits on the CPU before moving to the GPU: minutes of host work before the first timing.
 # `python benchmarks/prefill.py --against transformers` still runs it, outside these phases.
 set -u
-[ $# -gt 0 ] || { sed -n '2,18p' "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0" >&2; exit 2; }
 OUT=${OUT:-/tmp/specjax_gpu}
 LOGS=$OUT/logs
 RESULTS=${RESULTS:-results/gpu}
@@ -117,6 +120,11 @@ for phase in "$@"; do
   more)
     evaluate qwen-4k-more 200 $QWEN $P4K $LIMIT as_h2o_lfu,impress --direct_io
     evaluate qwen-16k-more 200 $QWEN $P16K $LONG_LIMIT as_h2o_lfu,impress --direct_io ;;
+  precision)
+    evaluate qwen-16k-bits 240 $QWEN $P16K $LONG_LIMIT recompute,as_full,as_full-kv4,spec_mixed-kv8,planner \
+      --plan_bits 4 --direct_io
+    evaluate qwen-4k-bits 240 $QWEN $P4K $LIMIT recompute,as_full,as_full-kv4,spec_mixed-kv8,planner --plan_bits 4 \
+      --direct_io ;;
   opt)
     evaluate opt-4k 420 "$OPT" $P4K $LIMIT recompute,as_full,spec,cake,planner,as_h2o_lfu --direct_io ;;
   emulated)
