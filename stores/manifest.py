@@ -118,7 +118,7 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
         return
     if stored.get("weights") != given.get("weights"):
         raise StoreMismatchError(_other_weights(described, asked, where))
-    if stored.get("kv_bits") and stored.get("kv_format") != given.get("kv_format"):
+    if stored.get("kv_bits") and given.get("kv_bits") and stored.get("kv_format") != given.get("kv_format"):
         raise StoreMismatchError(f"the KV store at {where} holds low-bit KV in an earlier format of specjax (format "
                                  f"{stored.get('kv_format', 1)}: K and V only, no low-bit probe keys), not format "
                                  f"{given.get('kv_format', 1)}; use another store directory")

@@ -93,7 +93,8 @@ def test_calibration_measures_every_plan_and_the_plan_follows_the_rates(model):
     engine.calibrate([req])
     plans = engine.costs.candidates(128, STORE_CHUNK)
     assert set(engine.costs.compute_ms) == {(128, p) for p in plans}
-    assert sum(engine.costs.reads[(False, 0)].coefficients()) > 0 and engine.costs.reads[(True, 0)].coefficients()[0] > 0
+    reads = engine.costs.reads
+    assert sum(reads[(False, 0)].coefficients()) > 0 and reads[(True, 0)].coefficients()[0] > 0
     r = engine.run(req)
     assert r.plan["predicted_ttft_ms"] is not None
     assert set(r.plan["candidates_ms"]) == {p.label for p in plans}

@@ -392,3 +392,6 @@ def test_a_low_bit_store_of_the_earlier_format_is_refused(tmp_path, model):
     KVStore.open(tmp_path / "s", {k: v for k, v in fp.items() if k != "kv_format"}).close()
     with pytest.raises(StoreMismatchError, match="earlier format of specjax .format 1: K and V only"):
         KVStore.open(tmp_path / "s", fp)
+    KVStore.open(tmp_path / "new", fp).close()  # a store of today's format asked for none: named as before
+    with pytest.raises(StoreMismatchError, match="holds K and V at float32 and 4 bits, not at float32 only"):
+        KVStore.open(tmp_path / "new", fingerprint(model, 16))

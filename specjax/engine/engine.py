@@ -73,8 +73,8 @@ REPAIR_COUNTS = {"disk_bytes": "disk_bytes", "disk_bytes_written": "disk_bytes_w
 def fingerprint(model, chunk_tokens: int, kv_bits=()) -> dict:
     """What a store must agree on with the model that reads it: the weights and tokenizer (their digests,
     `specjax.api.Model`), the shapes, dtype and layout, and the low precisions it holds K and V at besides the
-    model's dtype (`kv_bits`, a system's `store_bits`, with the kinds held so, `kv_format`). `weights_source` only says where the weights came from
-    (stores do not compare it), so that a refusal or fsck can name them."""
+    model's dtype (`kv_bits`, a system's `store_bits`, with the kinds held so, `kv_format`). `weights_source` only
+    says where the weights came from (stores do not compare it), so that a refusal or fsck can name them."""
     c = model.config
     bits = {"kv_bits": sorted(map(int, kv_bits), reverse=True), "kv_format": LOW_BIT_FORMAT} if kv_bits else {}
     return {**bits, "arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,

@@ -254,7 +254,7 @@ class PlannerEngine(Engine):
         return self.store.scheduler.rate_bytes_per_s()
 
     def candidates(self, m: int) -> list[Plan]:
-        """The plans for m stored tokens, at the store's dtype and at each precision the system may load at
+        """The plans for m stored tokens, at the system's precision and at each other the system may load at
         (`System.plan_bits`: the accuracy it may give up is the user's bound, docs/systems.md)."""
         return self.costs.candidates(m, self.store.layout.chunk_tokens, self.system.plan_bits)
 
@@ -355,9 +355,9 @@ class PlannerEngine(Engine):
         measured = self._observing and not compiles.count and not result.recomputed_bad_chunks
         if measured and plan is not None and plan["stored_tokens"]:
             waits = result.breakdown_ms.get("kv_io_stall", 0.0) + result.breakdown_ms.get("probe_io", 0.0)
-            self.costs.observe(plan["stored_tokens"], Plan(plan["head_tokens"], plan["load_all"], plan["bits"]),
-                               result.ttft_ms,
-                               waits, result.io.get("disk_bytes", 0), self.rate(), plan["held_share"])
+            ran = Plan(plan["head_tokens"], plan["load_all"], plan["bits"])
+            self.costs.observe(plan["stored_tokens"], ran, result.ttft_ms, waits, result.io.get("disk_bytes", 0),
+                               self.rate(), plan["held_share"])
         return result
 
     def model_summary(self) -> dict:
