@@ -266,6 +266,9 @@ def test_a_run_names_precision_variants_of_its_systems():
         "as_full", "as_full-kv4", "spec_mixed-rest2", "cake-kv2", "spec_mixed-kv8-rest2"]
     assert registry.precision_variant("spec_mixed-rest2") == ("spec_mixed", {"rest_bits": 2})
     assert registry.precision_variant("spec_mixed-kv8-rest2") == ("spec_mixed", {"rest_bits": 2, "kv_bits": 8})
+    assert registry.resolve("planner-plan4,planner-kv8-plan4") == ["planner-plan4", "planner-kv8-plan4"]
+    assert registry.precision_variant("planner-kv8-plan4") == ("planner", {"plan_bits": 4, "kv_bits": 8})
+    assert registry.precision_variant("as_full-plan4") is None and registry.precision_variant("spec-plan4") is None
     for bad in ("recompute-kv4", "as_full-rest2", "spec-kv3", "spec_mixed-rest2-kv8"):
         with pytest.raises(EvalError, match="NAME-kv8, NAME-kv4, NAME-kv2"):
             registry.resolve(bad)
