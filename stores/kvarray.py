@@ -26,9 +26,11 @@ from specjax.stores.scheduler import Read, ReadScheduler, when_all
 
 K, V, PROBE = 0, 1, 2
 LOW_BITS = (8, 4, 2)  # the low precisions a store may hold K, V and probe keys at, besides the model's dtype
-KIND_NAMES = (("k", "v", "probe") + tuple(f"{name}{bits}" for bits in LOW_BITS for name in ("k", "v"))
-              + tuple(f"probe{bits}" for bits in LOW_BITS))
-_PROBE_LOW = 3 + 2 * len(LOW_BITS)  # the first low-bit probe kind: after every low-bit K and V kind
+# (what, bits) of each low-bit kind, kind 3 onwards: K and V at each precision, then the probe keys at each (after
+# them, so that K's and V's kinds have the numbers they had in stores holding no low-bit probe keys)
+_LOW_KINDS = (tuple((base, bits) for bits in LOW_BITS for base in (K, V))
+              + tuple((PROBE, bits) for bits in LOW_BITS))
+KIND_NAMES = ("k", "v", "probe") + tuple(f"{('k', 'v', 'probe')[base]}{bits}" for base, bits in _LOW_KINDS)
 # which kinds a store holding low-bit KV has at each precision (a fingerprint's `kv_format`): 2, K, V and probe keys;
 # 1 (no `kv_format`), K and V only
 LOW_BIT_FORMAT = 2
@@ -36,26 +38,20 @@ LOW_BIT_FORMAT = 2
 
 def low_bit(kind: int, bits: int) -> int:
     """The kind holding `kind`'s (K, V or probe keys) rows at `bits` bits (`kernels.quant.encode_rows`)."""
-    if kind not in (K, V, PROBE) or bits not in LOW_BITS:
+    if (kind, bits) not in _LOW_KINDS:
         raise ValueError(f"K, V and probe keys are stored at low precision at {LOW_BITS} bits; got "
                          f"{KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else kind} at {bits}")
-    if kind == PROBE:
-        return _PROBE_LOW + LOW_BITS.index(bits)
-    return 3 + 2 * LOW_BITS.index(bits) + kind
+    return 3 + _LOW_KINDS.index((kind, bits))
 
 
 def bits_of(kind: int) -> int | None:
     """The bits of a low-bit kind (`low_bit`); None for K, V and probe keys, held in the store's dtype."""
-    if kind < 3:
-        return None
-    return LOW_BITS[kind - _PROBE_LOW] if kind >= _PROBE_LOW else LOW_BITS[(kind - 3) // 2]
+    return None if kind < 3 else _LOW_KINDS[kind - 3][1]
 
 
 def base_of(kind: int) -> int:
     """K, V or PROBE: what a kind holds, at whatever precision."""
-    if kind < 3:
-        return kind
-    return PROBE if kind >= _PROBE_LOW else (kind - 3) % 2
+    return kind if kind < 3 else _LOW_KINDS[kind - 3][0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,10 +236,10 @@ def test_the_plan_follows_what_the_caches_hold_and_planning_counts_in_the_ttft(m
     assert engine.plan(128, {0: np.zeros(128)})[0] == Plan(0)
     assert engine.plan(128, held)[2][Plan(0, load_all=True)] == 1.0
 
-    def slow_lookup(match, bits=0):
+    def slow_lookup(match):
         time.sleep(0.2)
-        return held[bits]
-    monkeypatch.setattr(engine, "held_by_position", slow_lookup)
+        return held
+    monkeypatch.setattr(engine, "held_by_precision", slow_lookup)
     r = engine.run(req)
     assert r.plan["plan"] == "all" and r.plan["held_share"] == 1.0
     assert r.ttft_ms >= 200.0 and r.breakdown_ms["compute"] >= 200.0

@@ -47,9 +47,14 @@ _SMOOTHING = 0.3  # weight of a new measurement in a running estimate
 _FORGET = 0.9  # weight kept by the earlier requests of a fit at each new one (the last ~10 count most)
 
 
+def _at(bits: int) -> str:
+    """A label's precision suffix ("@4b"; none at the system's precision)."""
+    return f"@{bits}b" if bits else ""
+
+
 def _way_label(way: tuple[bool, int]) -> str:
     load_all, bits = way
-    return ("all" if load_all else "selected") + (f"@{bits}b" if bits else "")
+    return ("all" if load_all else "selected") + _at(bits)
 
 
 def _update(old: float | None, new: float) -> float:
@@ -67,7 +72,7 @@ class Plan:
 
     @property
     def label(self) -> str:
-        return ("all" if self.load_all else str(self.head)) + (f"@{self.bits}b" if self.bits else "")
+        return ("all" if self.load_all else str(self.head)) + _at(self.bits)
 
     @property
     def way(self) -> tuple[bool, int]:
@@ -227,7 +232,9 @@ class PlannerEngine(Engine):
 
     def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
         super().__init__(model, system, store, config)
-        self._precision = self.precision  # the system's; a plan at other bits reads at its own for its request
+        # what a plan's takes of K and V read, by its bits: the system's precision (0), or the plan's low-bit rows
+        self._precisions = {0: self.precision, **{b: Precision(store.layout, b, model.dtype, self.facts.probe_is_k)
+                                                  for b in system.plan_bits}}
         self.costs = CostModel()
         self._forced: Plan | None = None  # calibration: the plan to run
         self._observing = True
@@ -260,29 +267,33 @@ class PlannerEngine(Engine):
 
     def precision_of(self, plan: Plan) -> Precision:
         """What `plan`'s takes of K and V read: the system's precision, or the plan's low-bit rows."""
-        if not plan.bits:
-            return self._precision
-        return Precision(self.store.layout, plan.bits, self.model.dtype, self.facts.probe_is_k)
+        return self._precisions[plan.bits]
 
     def held_by_position(self, match, bits: int = 0) -> np.ndarray:
         """Per stored position of `match`, the share of its K and V over the layers (at `bits`, 0: the system's
-        precision) that the cache tiers hold now (what a plan loading it would not read from disk; looked up per
-        layer and chunk, the store's reordering included)."""
+        precision) that the cache tiers hold now (what a plan loading it would not read from disk)."""
+        return self.held_by_precision(match)[bits]
+
+    def held_by_precision(self, match) -> dict[int, np.ndarray]:
+        """`held_by_position` at every precision a plan may read at, the stored positions' chunks located once:
+        looked up per layer and chunk, the store's reordering included."""
         if not match.length:
-            return np.zeros(0)
+            return {bits: np.zeros(0) for bits in self._precisions}
         chunks, inverse = np.unique(self.store.chunks_by_layer(match), return_inverse=True)
         layers = np.arange(self.cfg.num_layers)
-        precision = self.precision_of(Plan(0, bits=bits))
-        kinds = (precision.kind(K), precision.kind(V))  # as the plan would read them
-        keys = [(int(layer), kind, int(c)) for layer in layers for kind in kinds for c in chunks]
-        held = self.cache.held(keys).reshape(len(layers), 2, len(chunks))  # [layer, kind, chunk]
         inverse = inverse.reshape(len(layers), match.length)
-        return held[layers[:, None], :, inverse].mean(axis=(0, 2))
+        out = {}
+        for bits, precision in self._precisions.items():
+            kinds = (precision.kind(K), precision.kind(V))  # as the plan would read them
+            keys = [(int(layer), kind, int(c)) for layer in layers for kind in kinds for c in chunks]
+            held = self.cache.held(keys).reshape(len(layers), 2, len(chunks))  # [layer, kind, chunk]
+            out[bits] = held[layers[:, None], :, inverse].mean(axis=(0, 2))
+        return out
 
     def plan(self, m: int, held: dict | None = None) -> tuple[Plan, dict, dict]:
         """The plan for m stored tokens, the prediction of every candidate (ms; None: unknown) and the share of each
         candidate's loaded tokens the caches hold (`held`: per precision a plan may read at, 0 the system's, the
-        share per stored position, `held_by_position`; None: nothing)."""
+        share per stored position, `held_by_precision`; None: nothing)."""
         rate = self.rate()
         shares = {plan: float(held[plan.bits][plan.head:].mean()) if held is not None and plan.head < m else 0.0
                   for plan in self.candidates(m)}
@@ -300,8 +311,7 @@ class PlannerEngine(Engine):
         started, started_cpu = time.perf_counter(), time.process_time()
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
-            held = {bits: self.held_by_position(match, bits) for bits in (0,) + self.system.plan_bits}
-            plan, predicted, shares = self.plan(m, held) if m else (Plan(0), {}, {})
+            plan, predicted, shares = self.plan(m, self.held_by_precision(match)) if m else (Plan(0), {}, {})
         planning_ms = (time.perf_counter() - started) * 1e3
         planning_cpu_ms = (time.process_time() - started_cpu) * 1e3
         if m and plan.head >= m:
@@ -317,7 +327,7 @@ class PlannerEngine(Engine):
                 else:
                     result = super()._run(request, reuse=True, head=plan.head)
             finally:
-                self.precision = self._precision
+                self.precision = self._precisions[0]
         # the request arrived before it was planned: planning is host work on its path to the first token
         result.ttft_ms += planning_ms
         result.breakdown_ms["compute"] = result.breakdown_ms.get("compute", 0.0) + planning_ms
