@@ -45,7 +45,7 @@ def _looking(thresholds):
 
     def looking(io, layer, chosen):
         previous = previous_of.get(io)
-        if io.path.system.prefetch == "speculative" and previous is not None and layer in io.prefetched:
+        if io.path.system.prefetch.speculative and previous is not None and layer in io.prefetched:
             _count(io, layer, previous, chosen, thresholds)
         previous_of[io] = chosen
 

@@ -16,12 +16,12 @@ import shlex
 import sys
 import tempfile
 import time
+from typing import Mapping
 
 import numpy as np
 from absl import flags
 
 from specjax import sharding
-from specjax.engine.systems import SystemOptions
 from specjax.engine.types import EngineConfig
 from specjax.kernels import resolve_impl as resolve_kernels
 from specjax.models import attention as attention_lib
@@ -50,8 +50,6 @@ flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation fin
 NEEDLE_DEFAULT_LIMIT = settings_lib.NEEDLE_DEFAULT_LIMIT
 COMMAND_FLAGS = ("progress", "resume")
 HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "-helpshort", "--help=true", "--helpshort=true")
-OPTION_FLAGS = settings_lib.names([SystemOptions])
-ENGINE_FLAGS = settings_lib.names([settings_lib.EngineSettings])  # EngineConfig fields of the same names
 
 
 def load_model(name: str, dtype: str | None, init: str, seed: int, revision: str | None = None,
@@ -88,20 +86,29 @@ def device_description() -> str:
 
 
 def _values() -> dict:
+    """The settings' flag values, flat (setting name -> value): what a preset applies to."""
     return {name: FLAGS[name].value for name in OUR_FLAGS}
+
+
+def flag_settings() -> settings_lib.EvalSettings:
+    """The settings tree of the flags' values (no preset applied)."""
+    return settings_lib.EvalSettings.from_values(_values())
 
 
 # Flags that choose which runs to make or where files go; a resumed evaluation may change them.
 NOT_FINGERPRINTED = ("systems", "retention", "store", "output_dir", "preset")
 
 
-def run_task(model, values: dict, output_dir: pathlib.Path, *, resume: bool = False) -> dict:
-    """One task end to end; returns the results dict it wrote. `resume`: reuse the runs an interrupted
-    evaluation into the same `output_dir` finished (see specjax.eval.partial). The results go into `output_dir`, or
-    beside it when it holds another evaluation's (`folders.OutputFolder`)."""
+def run_task(model, settings: settings_lib.EvalSettings | Mapping, output_dir: pathlib.Path, *,
+             resume: bool = False) -> dict:
+    """One task end to end; returns the results dict it wrote. `settings`: the tree, or flat values (setting name
+    -> value) built into it here. `resume`: reuse the runs an interrupted evaluation into the same `output_dir`
+    finished (see specjax.eval.partial). The results go into `output_dir`, or beside it when it holds another
+    evaluation's (`folders.OutputFolder`)."""
+    settings = settings_lib.as_settings(settings)  # a caller's flat values pass the flags' checks too
     out = folders.OutputFolder(output_dir, resume=resume)
     try:
-        return _run_task(model, values, out, resume)
+        return _run_task(model, settings, out, resume)
     except KeyboardInterrupt:
         kept = (out.path or output_dir) / folders.PARTIAL
         raise Interrupted(f"interrupted: the runs that finished are kept in {kept}; run the same command with "
@@ -116,19 +123,19 @@ class Interrupted(EvalError):
     exit_code = 130
 
 
-def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> dict:
+def _run_task(model, settings: settings_lib.EvalSettings, out: folders.OutputFolder, resume: bool) -> dict:
     started = time.time()
-    values = settings_lib.checked(values)  # a preset's values pass the flags' checks too
-    registry.load_plugins(values["plugins"])  # once per process: loaded by `main` already, or by a caller of run_task
-    names = registry.resolve(values["systems"])  # unknown systems fail before any work
-    retentions = parse_retentions(values["retention"])
-    task, limit, workload, tokenizer_source = _workload(model, values)
+    values = settings.values()  # recorded as `config`, and what identifies a resumed evaluation
+    registry.load_plugins(settings.run.plugins)  # once per process: by `main` already, or by a caller of run_task
+    names = registry.resolve(settings.run.systems)  # unknown systems fail before any work
+    retentions = parse_retentions(settings.run.retention)
+    task, limit, workload, tokenizer_source = _workload(model, settings.workload)
     summary = workload.summary()
     # the model's own dtype: cache budgets given as a share of the store must match the bytes it holds
     kv_per_token = model.config.kv_bytes_per_token(np.dtype(model.dtype).itemsize)
     store_bytes = summary["unique_prefix_tokens"] * kv_per_token
-    settings = _system_settings(values, retentions[0], store_bytes)
-    registry.check_distinct(names, settings.options)
+    resolved = _system_settings(settings, retentions[0], store_bytes)
+    registry.check_distinct(names, resolved.options)
 
     code = code_version()
     output_dir = out.claim()  # once the request is known to be sound, before any run
@@ -139,21 +146,21 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
         "device": device_description()},
         resume=resume)
     runs = runner.plan(names, retentions)
-    traces = _replayed(model, runs, settings)  # a trace that cannot be replayed fails before any work
+    traces = _replayed(model, runs, resolved)  # a trace that cannot be replayed fails before any work
     progress = Progress(runner.total_steps(workload, runs), enabled=FLAGS.progress,
                         warmup_total=runner.warmup_steps(workload, runs))
     with tempfile.TemporaryDirectory(prefix="specjax-store-") as tmp:
-        store_dir = folders.store_folder(values["store"]) if values["store"] else pathlib.Path(tmp)
-        done = runner.run_all(model, workload, runs, settings, store_dir, progress, partial,
-                              interleave=values["interleave"])
+        store_dir = folders.store_folder(settings.store.store) if settings.store.store else pathlib.Path(tmp)
+        done = runner.run_all(model, workload, runs, resolved, store_dir, progress, partial,
+                              interleave=settings.run.interleave)
     progress.close()
 
-    notes = _notes(model, values, settings, done, traces, len(runs), tokenizer_source, partial.loaded,
+    notes = _notes(model, settings.run, resolved, done, traces, len(runs), tokenizer_source, partial.loaded,
                    out.moved_from, output_dir)
     config = {
         **values, "limit": limit,
-        "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(settings)},
-        "implementations": implementations(settings.engine.kernel_impl),
+        "resolved": {"systems": names, "retentions": retentions, **dataclasses.asdict(resolved)},
+        "implementations": implementations(resolved.engine.kernel_impl),
         "store_bytes": store_bytes, "kv_bytes_per_token": kv_per_token,
         "tokenizer": tokenizer_source, "prompt_format": task.prompt_format, "data_source": task.source,
         "model_config": dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else None,
@@ -165,31 +172,31 @@ def _run_task(model, values: dict, out: folders.OutputFolder, resume: bool) -> d
         "ttft": "request arrival to first-token logits ready on the device; requests run one at a time, no queueing",
     }
     results = report.build_results(
-        model=model.name, task=values["task"], weights=model.weights, device=device_description(),
-        emulation={"disk_bandwidth": settings.disk_bandwidth, "pcie_bandwidth": settings.engine.pcie_bandwidth,
-                   "direct_io": settings.direct_io},
+        model=model.name, task=settings.workload.task, weights=model.weights, device=device_description(),
+        emulation={"disk_bandwidth": resolved.disk_bandwidth, "pcie_bandwidth": resolved.engine.pcie_bandwidth,
+                   "direct_io": resolved.direct_io},
         config=config, runs=done, requests=workload.requests,
         extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
                 "command": shlex.join(sys.argv), "code": code, "resumed": partial.loaded,
                 "wall_s": time.time() - started,
-                "selections": _selections_record(values, traces),
+                "selections": _selections_record(settings.run, traces),
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     _write_results(results, done, workload, output_dir, partial)
     return results
 
 
-def _workload(model, values: dict):
+def _workload(model, settings: settings_lib.WorkloadSettings):
     """(the task, the request limit, its workload, where the tokenizer came from), the longest request checked
     against the model's positions."""
-    task = tasks_lib.load_task(values["task"], values["data_dir"], values["data_path"])
-    limit = values["limit"]
+    task = tasks_lib.load_task(settings.task, settings.data_dir, settings.data_path)
+    limit = settings.limit
     if limit is None and task.synthetic:
         limit = NEEDLE_DEFAULT_LIMIT
     spec = workload_lib.WorkloadSpec(
-        fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
-        reuse_std=values["reuse_std"], prefix_tokens=values["prefix_tokens"], limit=limit,
-        add_bos=values["add_bos"], seed=values["seed"],
-        needle=dataclasses.replace(synthetic.NeedleSpec(), num_facts=values["needle_facts"]))
+        fewshot=parse_fewshot(settings.num_fewshot), reuse_mean=settings.reuse_mean,
+        reuse_std=settings.reuse_std, prefix_tokens=settings.prefix_tokens, limit=limit,
+        add_bos=settings.add_bos, seed=settings.seed,
+        needle=dataclasses.replace(synthetic.NeedleSpec(), num_facts=settings.needle_facts))
     tokenizer, tokenizer_source = tokenizer_for(model)
     workload = workload_lib.build_workload(task, tokenizer, spec)
     max_len = max(len(r.context_ids) + max(len(c) for c in r.choice_ids) for r in workload.requests)
@@ -199,24 +206,27 @@ def _workload(model, values: dict):
     return task, limit, workload, tokenizer_source
 
 
-def _system_settings(values: dict, retention: float, store_bytes: int) -> systems_lib.SystemSettings:
-    """What every run of the evaluation shares: the engine's config (cache budgets in bytes of a store of
-    `store_bytes`), the store's chunk and disk, the systems' options and the selection trace."""
+def _system_settings(settings: settings_lib.EvalSettings, retention: float,
+                     store_bytes: int) -> systems_lib.SystemSettings:
+    """What every run of the evaluation shares, resolved from `settings`: the engine's config (cache budgets in
+    bytes of a store of `store_bytes`; `EngineSettings`' fields as they are), the store's chunk and disk, the
+    systems' options and the selection trace."""
+    store = settings.store
     engine = EngineConfig(
-        retention=retention, gpu_cache_bytes=cache_bytes(values["gpu_cache"], store_bytes),
-        cpu_cache_bytes=cache_bytes(values["cpu_cache"], store_bytes),
-        pcie_bandwidth=parse_bandwidth(values["pcie_bandwidth"]) if values["pcie_bandwidth"] else None,
-        **{k: values[k] for k in ENGINE_FLAGS})
+        retention=retention, gpu_cache_bytes=cache_bytes(store.gpu_cache, store_bytes),
+        cpu_cache_bytes=cache_bytes(store.cpu_cache, store_bytes),
+        pcie_bandwidth=parse_bandwidth(store.pcie_bandwidth) if store.pcie_bandwidth else None,
+        **dataclasses.asdict(settings.engine))
     return systems_lib.SystemSettings(
-        engine=engine, chunk_tokens=values["chunk_tokens"],
-        disk_bandwidth=parse_bandwidth(values["disk_bandwidth"]) if values["disk_bandwidth"] else None,
-        direct_io=values["direct_io"], seed=values["seed"],
-        inflight_bytes=parse_bytes(values["inflight_bytes"]) if values["inflight_bytes"] else None,
-        options=SystemOptions(**{k: values[k] for k in OPTION_FLAGS}), selections=_selection_setting(values))
+        engine=engine, chunk_tokens=store.chunk_tokens,
+        disk_bandwidth=parse_bandwidth(store.disk_bandwidth) if store.disk_bandwidth else None,
+        direct_io=store.direct_io, seed=settings.workload.seed,
+        inflight_bytes=parse_bytes(store.inflight_bytes) if store.inflight_bytes else None,
+        options=settings.options, selections=_selection_setting(settings))
 
 
-def _notes(model, values: dict, settings, done, traces, n_runs: int, tokenizer_source: str, resumed,
-           moved_from, output_dir) -> list[str]:
+def _notes(model, run_settings: settings_lib.RunSettings, settings: systems_lib.SystemSettings, done, traces,
+           n_runs: int, tokenizer_source: str, resumed, moved_from, output_dir) -> list[str]:
     """The results' caveats, first in results.md: random weights, emulation, stores, replayed or recorded
     selections, interleaving, where the results went, what was resumed."""
     notes = []
@@ -225,17 +235,18 @@ def _notes(model, values: dict, settings, done, traces, n_runs: int, tokenizer_s
     if tokenizer_source != "model":
         notes.append(f"tokenizer: {tokenizer_source}")
     if settings.disk_bandwidth or settings.engine.pcie_bandwidth:
-        notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative ones), see `emulation`")
+        notes.append("bandwidths are emulated (a throttled link; the disk serves demand reads before speculative "
+                     "ones), see `emulation`")
     notes += report.store_notes(done)
     if traces:
         recorded = sorted({f"{t['recorded_by']} ({t['weights']} weights) on {t['task']}" for t in traces.values()})
-        notes.append(f"selections replayed from {values['replay_selections']}, recorded by {', '.join(recorded)}: "
+        notes.append(f"selections replayed from {run_settings.replay_selections}, recorded by {', '.join(recorded)}: "
                      "accuracy is meaningless (the recorded model's choices, this model's logits); TTFT, bytes, "
                      "reads, hits and plans are what this run measures (see `selections`)")
-    elif values["record_selections"]:
-        notes.append(f"selections recorded into {values['record_selections']}: each layer's scores were copied to "
+    elif run_settings.record_selections:
+        notes.append(f"selections recorded into {run_settings.record_selections}: each layer's scores were copied to "
                      "the host as it identified, and that is in these TTFTs")
-    if values["interleave"] and n_runs > 1:
+    if run_settings.interleave and n_runs > 1:
         notes.append("runs timed in turns (--interleave): each request by every run before the next request, the "
                      "first run of a turn rotating; all runs were warmed and compiled first and stayed open")
     if moved_from is not None:
@@ -260,16 +271,17 @@ def _write_results(results: dict, done, workload, output_dir: pathlib.Path, part
     _print_summary(results, written)
 
 
-def _selection_setting(values: dict) -> systems_lib.SelectionTrace | None:
-    if values["record_selections"] and values["replay_selections"]:
+def _selection_setting(settings: settings_lib.EvalSettings) -> systems_lib.SelectionTrace | None:
+    run_settings = settings.run
+    if run_settings.record_selections and run_settings.replay_selections:
         raise EvalError("--record_selections and --replay_selections exclude each other: record a trace in one run, "
                         "replay it in another")
-    folder, mode = ((values["record_selections"], "record") if values["record_selections"] else
-                    (values["replay_selections"], "replay"))
+    folder, mode = ((run_settings.record_selections, "record") if run_settings.record_selections else
+                    (run_settings.replay_selections, "replay"))
     if folder is None:
         return None
-    return systems_lib.SelectionTrace(mode, str(pathlib.Path(folder).expanduser()), values["task"],
-                                      values["prefix_tokens"])
+    return systems_lib.SelectionTrace(mode, str(pathlib.Path(folder).expanduser()), settings.workload.task,
+                                      settings.workload.prefix_tokens)
 
 
 def _replayed(model, runs, settings: systems_lib.SystemSettings) -> dict:
@@ -290,12 +302,12 @@ def _replayed(model, runs, settings: systems_lib.SystemSettings) -> dict:
     return found
 
 
-def _selections_record(values: dict, traces: dict) -> dict | None:
+def _selections_record(run_settings: settings_lib.RunSettings, traces: dict) -> dict | None:
     """results.json `selections`: recorded into a folder, or replayed (per run: from what)."""
-    if values["record_selections"]:
-        return {"mode": "record", "folder": values["record_selections"]}
-    if values["replay_selections"]:
-        return {"mode": "replay", "folder": values["replay_selections"], "runs": traces}
+    if run_settings.record_selections:
+        return {"mode": "record", "folder": run_settings.record_selections}
+    if run_settings.replay_selections:
+        return {"mode": "replay", "folder": run_settings.replay_selections, "runs": traces}
     return None
 
 
@@ -316,14 +328,32 @@ def _print_summary(results: dict, written: list[pathlib.Path]) -> None:
 def main(argv):
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}; flags look like --task piqa")
-    values = _values()
-    task_list = [values["task"]]
-    preset = None
-    if values["preset"]:
-        preset = presets_lib.load(values["preset"])
-        present = {name for name in OUR_FLAGS if FLAGS[name].present}
-        values = presets_lib.apply(preset, values, present)
-        task_list = [values["task"]] if "task" in present else list(preset.get("tasks", [values["task"]]))
+    present = {name for name in OUR_FLAGS if FLAGS[name].present}
+    preset = presets_lib.load(FLAGS.preset) if FLAGS.preset else None
+    values = presets_lib.apply(preset, _values(), present) if preset else _values()  # the command line's win
+    task_list = _task_list(values["task"], preset, present)
+    # fail on a bad setting (a preset's) or an unknown system before loading a model
+    settings = settings_lib.EvalSettings.from_values(values)
+    registry.load_plugins(settings.run.plugins)  # the systems they register are named like the engine's
+    registry.resolve(settings.run.systems)
+    base_dir = pathlib.Path(settings.run.output_dir or f"results/{pathlib.Path(settings.model.model).name}-"
+                            f"{settings.run.preset or settings.workload.task}")
+    folders.check_folder("--output_dir", base_dir)
+    if settings.store.store:
+        folders.store_folder(settings.store.store)
+    folders.check_writable("--output_dir", base_dir)
+    m = settings.model
+    model = load_model(m.model, m.dtype, m.init, settings.workload.seed, m.revision, m.tensor_parallel)
+    for name in task_list:
+        task_settings = settings_lib.EvalSettings.from_values(presets_lib.for_task(preset, values, name, present))
+        out = base_dir / name if len(task_list) > 1 else base_dir
+        run_task(model, task_settings, out, resume=FLAGS.resume)
+
+
+def _task_list(task: str, preset: dict | None, present: set[str]) -> list[str]:
+    """The tasks to run, one after another: `task`, or a preset's tasks where --task is not given; each a known
+    task, and no flag that sizes needle prefixes beside rag."""
+    task_list = list(preset.get("tasks", [task])) if preset and "task" not in present else [task]
     for name in task_list:
         if name not in tasks_lib.TASKS:
             raise EvalError(f"unknown task '{name}'; known tasks: {', '.join(tasks_lib.TASKS)}")
@@ -332,21 +362,7 @@ def main(argv):
         if ignored:
             raise EvalError(f"{' and '.join(ignored)} size needle prefixes; rag contexts are 4-6 text chunks "
                             f"(~110 tokens each) drawn from a fixed pool (specjax.eval.synthetic.RagSpec)")
-    settings_lib.checked(values)  # fail on a bad setting (a preset's) or an unknown system before loading a model
-    registry.load_plugins(values["plugins"])  # the systems they register are named like the engine's
-    registry.resolve(values["systems"])
-    base_dir = pathlib.Path(values["output_dir"] or f"results/{pathlib.Path(values['model']).name}-"
-                            f"{values['preset'] or values['task']}")
-    folders.check_folder("--output_dir", base_dir)
-    if values["store"]:
-        folders.store_folder(values["store"])
-    folders.check_writable("--output_dir", base_dir)
-    model = load_model(values["model"], values["dtype"], values["init"], values["seed"], values["revision"],
-                       values["tensor_parallel"])
-    for name in task_list:
-        task_values = presets_lib.for_task(preset, values, name, present if preset else set())
-        out = base_dir / name if len(task_list) > 1 else base_dir
-        run_task(model, task_values, out, resume=FLAGS.resume)
+    return task_list
 
 
 def _flag_entry(flag) -> str:

@@ -97,9 +97,8 @@ def main(argv):
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}")
     bandwidths = [_bandwidth(b) for b in FLAGS.bandwidths]
-    values = eval_cli._values()
-    values["systems"] = ",".join(SYSTEMS)
-    out = pathlib.Path(values["output_dir"] or f"results/cake-sweep-{pathlib.Path(values['model']).name}")
+    settings = eval_cli.flag_settings().replace(systems=",".join(SYSTEMS))
+    out = pathlib.Path(settings.run.output_dir or f"results/cake-sweep-{pathlib.Path(settings.model.model).name}")
     per_bandwidth = {}
     if FLAGS.summarize_only:
         for path in sorted(out.glob("disk-*/results.json")):
@@ -110,11 +109,10 @@ def main(argv):
         _write(per_bandwidth, out)
         return
     with folders.OutputFolder(out, results=SWEEP_FILES) as claimed:  # never over an earlier sweep's
-        model = eval_cli.load_model(values["model"], values["dtype"], values["init"], values["seed"],
-                                    values["revision"])
+        m = settings.model
+        model = eval_cli.load_model(m.model, m.dtype, m.init, settings.workload.seed, m.revision)
         for bandwidth in bandwidths:
-            values["disk_bandwidth"] = f"{bandwidth:g}"
-            per_bandwidth[bandwidth] = eval_cli.run_task(model, dict(values),
+            per_bandwidth[bandwidth] = eval_cli.run_task(model, settings.replace(disk_bandwidth=f"{bandwidth:g}"),
                                                          claimed.path / f"disk-{bandwidth / 1e6:g}MBps")
         _write(per_bandwidth, claimed.path)
 

@@ -10,8 +10,9 @@ import pathlib
 import numpy as np
 
 from specjax.engine import Request, fingerprint, make_engine, make_system
-from specjax.engine import blend, cake, replay
+from specjax.engine import blend, replay
 from specjax.engine import systems as engine_systems
+from specjax.engine.policies import Blend
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
 
@@ -26,8 +27,7 @@ class EngineSystem:
         self.chunk_tokens = self.system.chunk_tokens or settings.chunk_tokens  # contiguous_kv: its own
         self.model, self.settings = model, settings
         self.config = settings.engine
-        if self.system.schedule == "cake":  # a bad flag fails before any store is written
-            cake.check_chunk_tokens(self.config.cake_chunk_tokens, self.chunk_tokens)
+        self.system.schedule.check(self.config, self.chunk_tokens)  # a bad flag fails before any store is written
         self.store = None
         self.engine = None if self.needs_store else make_engine(model, self.system, None, self.config)
         self.base_repair_io: dict = {}  # what repairing the base store read and wrote (`repair`)
@@ -42,9 +42,11 @@ class EngineSystem:
         if trace.mode == "record":
             return replay.Recorder(replay.source_of(self.model, self.name, s.retention, trace.task,
                                                     trace.prefix_tokens))
-        # the planner's loaded part identifies as SPEC: its recording may have computed every prefix (no scores)
-        # spec_mixed selects as SPEC does; a system at another precision (NAME-kvB) as NAME does
-        stand_ins = ["spec"] if self.system.schedule == "planner" or self.system.rest_bits is not None else []
+        # a schedule may identify as another system does (the planner's loaded part as SPEC: its recording may have
+        # computed every prefix, no scores); spec_mixed selects as SPEC does; NAME-kvB as NAME does
+        stand_ins = [name for name in (self.system.schedule.identifies_as,) if name is not None]
+        if self.system.rest_bits is not None:
+            stand_ins.append("spec")
         if self.system.kv_bits is not None:
             stand_ins.append(self.name.replace(f"-kv{self.system.kv_bits}", "", 1))
         found = replay.Replay.find(trace.folder, [self.name, *stand_ins], s.retention)
@@ -182,10 +184,10 @@ def warm_up(engine, requests: list[Request]) -> None:
     chunks; every system gets both passes, so their caches see the same warm-up traffic.
 
     The planner measures its plans (`PlannerEngine.calibrate`) on the store as the timed requests find it, after the
-    repack (measured before it, on PIQA, SPEC's plan read ~25 MB a request, where spec's timed requests read 8.4 MB:
-    the important tokens did not share chunks yet), on caches of its own: its caches and speculation are then spec's.
-    (They matter: at 50 MB/s on PIQA, spec given empty caches and speculation after the repack read 4.5 MB a request,
-    with them kept 8.4 MB; a calibration that emptied the planner's made its SPEC plan look twice as cheap.)"""
+    repack (before it the important tokens do not share chunks yet, and SPEC's plan reads several times the bytes),
+    on caches of its own: its caches and speculation are then spec's. (They matter: what the caches hold and what
+    speculation reads change a request's bytes, so a calibration that emptied the planner's caches would misjudge its
+    SPEC plan's cost; `benchmarks/results/cpu/planner-piqa40-prefix1024-scratchcal`.)"""
     for r in requests:
         engine.run(r)
     if engine.system.reorder:
@@ -279,7 +281,7 @@ def _layers(r) -> dict:
 def factories() -> dict:
     """name -> factory(model, settings) for every system the engine builds."""
     def factory(name):
-        cls = BlendSystem if engine_systems.SYSTEMS[name].schedule == "blend" else EngineSystem
+        cls = BlendSystem if isinstance(engine_systems.SYSTEMS[name].schedule, Blend) else EngineSystem
         return lambda model, settings: cls(name, model, settings)
 
     return {name: factory(name) for name in engine_systems.SYSTEMS}

@@ -25,6 +25,7 @@ import pathlib
 import shlex
 import sys
 import time
+from typing import Mapping
 
 import jax
 import numpy as np
@@ -104,6 +105,33 @@ def flag_names() -> tuple[str, ...]:
     return sum((only for only, _ in SHARED.values()), ()) + settings_lib.names([ObserveSettings])
 
 
+COMMAND = "python -m specjax.eval.observe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveRun:
+    """This command's settings as one tree: the evaluation's groups it shares (of which only the `SHARED` fields are
+    its flags, with its defaults), its own, and its command line; built once from the flags' values (`from_values`),
+    then read by attribute."""
+
+    model: settings_lib.ModelSettings
+    workload: settings_lib.WorkloadSettings
+    store: settings_lib.StoreSettings
+    observe: ObserveSettings
+    command: str = COMMAND
+
+    @classmethod
+    def from_values(cls, values: Mapping) -> ObserveRun:
+        """The tree from flat values (flag name -> value, and the `command`); a flag left out keeps its default."""
+        settings_lib.refuse_unknown(values, flag_names() + ("command",), "specjax.eval.observe")
+        shared = {group: settings_lib.group_from(group, {name: values[name] for name in only if name in values},
+                                                 defaults)
+                  for group, (only, defaults) in SHARED.items()}
+        return cls(model=shared[settings_lib.ModelSettings], workload=shared[settings_lib.WorkloadSettings],
+                   store=shared[settings_lib.StoreSettings], observe=settings_lib.group_from(ObserveSettings, values),
+                   command=values.get("command") or COMMAND)
+
+
 def _jsonable(x):
     """Results as JSON: tuple keys joined with "/", arrays as lists (larger than 2-D: left out)."""
     if isinstance(x, dict):
@@ -136,57 +164,64 @@ def _device() -> str:
     return f"{len(jax.devices())}x {d.platform} ({getattr(d, 'device_kind', d.platform)})"
 
 
-def _settings(values: dict) -> dict:
-    """The analysis's settings from the flags: retentions (the main one among them), alphas, chunk sizes, caches."""
-    from specjax.eval.errors import EvalError
-
-    retentions = _floats(values["retentions"], "retentions")
-    alphas = _floats(values["alphas"], "alphas")
-    if any(not 0 < r <= 1 for r in retentions + [values["main_retention"], values["density_retention"]]):
-        raise EvalError("retentions must be fractions in (0, 1]")
-    if values["main_retention"] not in retentions:
-        retentions = sorted(set(retentions) | {values["main_retention"]})
-    return {"retentions": retentions, "main_retention": values["main_retention"], "alphas": alphas,
-            "density_retention": values["density_retention"], "chunk_tokens": values["chunk_tokens"],
-            "period_chunk_tokens": values["period_chunk_tokens"], "period_layers": values["period_layers"],
-            "accuracy": values["accuracy"], "reorder_every": values.get("reorder_every", 0),
-            "gpu_cache": values.get("gpu_cache", "15%"), "cpu_cache": values.get("cpu_cache", "50%")}
+def _analysis_settings(settings: ObserveRun) -> dict:
+    """What the measurements take (`observe_measure`, `observe_analysis`): retentions (the main one among them),
+    alphas, chunk sizes, the cache budgets as the flags give them."""
+    own = settings.observe
+    retentions = _floats(own.retentions, "retentions")
+    if own.main_retention not in retentions:
+        retentions = sorted(set(retentions) | {own.main_retention})
+    return {"retentions": retentions, "main_retention": own.main_retention, "alphas": _floats(own.alphas, "alphas"),
+            "density_retention": own.density_retention, "chunk_tokens": settings.store.chunk_tokens,
+            "period_chunk_tokens": own.period_chunk_tokens, "period_layers": own.period_layers,
+            "accuracy": own.accuracy, "reorder_every": own.reorder_every,
+            "gpu_cache": settings.store.gpu_cache, "cpu_cache": settings.store.cpu_cache}
 
 
-def run(values: dict, progress=print) -> dict:
-    """The whole command; `values` has the flag names as keys. Returns the results dict."""
+def _requests(model, workload: settings_lib.WorkloadSettings):
+    """The workload, and its requests ordered by prefix; the longest checked against the model's positions."""
     from specjax.eval import tasks as tasks_lib, workload as workload_lib
     from specjax.eval.errors import EvalError
     from specjax.eval.fallback_tokenizer import tokenizer_for
     from specjax.eval.units import parse_fewshot
 
-    started = time.time()
-    settings = _settings(values)
-    model = _load_model(values["model"], values["init"], values["seed"])
-    cfg = model.config
-    task = tasks_lib.load_task(values["task"], values["data_dir"])
+    task = tasks_lib.load_task(workload.task, workload.data_dir)
     tokenizer, _ = tokenizer_for(model)
-    spec = workload_lib.WorkloadSpec(fewshot=parse_fewshot(values["num_fewshot"]), reuse_mean=values["reuse_mean"],
-                                     prefix_tokens=values["prefix_tokens"] or None, limit=values["limit"],
-                                     seed=values["seed"])
+    spec = workload_lib.WorkloadSpec(fewshot=parse_fewshot(workload.num_fewshot), reuse_mean=workload.reuse_mean,
+                                     prefix_tokens=workload.prefix_tokens or None, limit=workload.limit,
+                                     seed=workload.seed)
     wl = workload_lib.build_workload(task, tokenizer, spec)
     requests = ordered_by_prefix(wl.requests)
     longest = max(len(r.context_ids) + max(len(c) for c in r.choice_ids) for r in requests)
-    if longest > cfg.max_positions:
-        raise EvalError(f"the longest request has {longest} tokens, more than {cfg.max_positions}; lower --prefix_tokens")
-    out = pathlib.Path(values["output_dir"] or f"results/observe-{pathlib.Path(values['model']).name}-{values['task']}")
+    if longest > model.config.max_positions:
+        raise EvalError(f"the longest request has {longest} tokens, more than {model.config.max_positions}; "
+                        "lower --prefix_tokens")
+    return wl, requests
+
+
+def run(settings: ObserveRun | Mapping, progress=print) -> dict:
+    """The whole command; `settings`: the tree, or flat values (flag name -> value) built into it here. Returns the
+    results dict."""
+    started = time.time()
+    settings = settings if isinstance(settings, ObserveRun) else ObserveRun.from_values(settings)
+    analysis = _analysis_settings(settings)
+    model = _load_model(settings.model.model, settings.model.init, settings.workload.seed)
+    cfg, task_name = model.config, settings.workload.task
+    wl, requests = _requests(model, settings.workload)
+    out = pathlib.Path(settings.observe.output_dir
+                       or f"results/observe-{pathlib.Path(settings.model.model).name}-{task_name}")
     out.mkdir(parents=True, exist_ok=True)
     progress(f"{len(requests)} requests, {len({r.prefix_id for r in requests})} prefixes, "
              f"prefix {np.mean([len(r.prefix_ids) for r in requests]):.0f} tokens on average")
-    records = collect(model, requests, settings, progress)
-    res = analyse(records, cfg, settings)
-    res["engine"] = (engine_measurements(model, wl.requests, settings, progress) if values.get("engine")
+    records = collect(model, requests, analysis, progress)
+    res = analyse(records, cfg, analysis)
+    res["engine"] = (engine_measurements(model, wl.requests, analysis, progress) if settings.observe.engine
                      else {"error": "not run (--noengine)"})
-    label = (f"{model.name} ({model.weights}), {values['task']}, n={len(records)} requests, "
-             f"main retention {settings['main_retention']:.0%}")
+    label = (f"{model.name} ({model.weights}), {task_name}, n={len(records)} requests, "
+             f"main retention {analysis['main_retention']:.0%}")
     figures = write_figures(res, out, label)
-    meta = {"cfg": cfg, "model": model.name, "weights": model.weights, "task": values["task"],
-            "command": values.get("command") or "python -m specjax.eval.observe", "device": _device(),
+    meta = {"cfg": cfg, "model": model.name, "weights": model.weights, "task": task_name,
+            "command": settings.command, "device": _device(),
             "n_requests": len(records), "n_prefixes": len({r.prefix_id for r in records}),
             "prefix_mean": float(np.mean([len(r.prefix_ids) for r in requests])),
             "prefix_max": int(max(len(r.prefix_ids) for r in requests)),
@@ -212,8 +247,7 @@ def main(argv):
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}; flags look like --task piqa")
     values = {n: FLAGS[n].value for n in flag_names()}
-    values["command"] = shlex.join(["python", "-m", "specjax.eval.observe", *sys.argv[1:]])
-    run(values)
+    run(ObserveRun.from_values({**values, "command": shlex.join([*COMMAND.split(), *sys.argv[1:]])}))
 
 
 if __name__ == "__main__":

@@ -185,15 +185,12 @@ def _layers(model, kv: inference.KVCache, ids, selections, *, with_scores: bool 
     Returns (hidden [n_pad, D], scores f32 [L, H, m] or None)."""
     cfg, params = model.config, model.params
     m, n = kv.length, len(ids)
-    padded = np.zeros(bucket(n, minimum=8), np.int32)
-    padded[:n] = ids
-    positions = jnp.arange(m, m + len(padded), dtype=jnp.int32)
     kv_of_head = tuple(h // cfg.q_per_kv for h in range(cfg.num_heads))
-    h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
+    h, positions, rotary = T.tokens_at(cfg, params, ids, m, bucket(n, minimum=8))  # as the engine's continuations
     scores = []
     pace = sharding.Pace(h)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
     for layer, lp in enumerate(params["layers"]):
-        q, own_k, own_v = steps.project(cfg, lp, h, positions)
+        q, own_k, own_v = steps.project(cfg, lp, h, positions, rotary)
         if with_scores:
             s = steps.scores(q, kv.k[layer], own_k, m, n, kv_head_of_probe=kv_of_head, impl=KERNEL_IMPL)
             scores.append(np.asarray(s)[:, :m])
@@ -335,58 +332,81 @@ def engine_measurements(model, requests, settings: dict, progress=print) -> dict
     kv_bytes = sum(unique.values()) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * \
         jnp.dtype(model.dtype).itemsize
     gpu, cpu = cache_bytes(settings["gpu_cache"], kv_bytes), cache_bytes(settings["cpu_cache"], kv_bytes)
-    ret = settings["main_retention"]
-    runs = [(f"spec alpha={a}", make_system("spec", alpha=a), True) for a in settings["alphas"]]
-    runs += [("spec no reorder", make_system("spec", no_reorder=True), False),
-             ("spec LFU cache", make_system("spec", no_score_cache=True), True)]
-
     out = {}
-    for label, system, reorder in runs:
+    for label, system, reorder in _engine_runs(settings):
         started = time.time()
         probe_q = policy_steps.probe_query_heads(cfg, system.num_probe_heads)
-        probe_kv = len(policy_steps.probe_kv_heads(cfg, system.num_probe_heads))
         try:
-            store = KVStore.open({"driver": "memory", "path": f"observe{time.time_ns()}/"},
-                                 fingerprint(model, settings["chunk_tokens"]), context=ts.Context())
-            engine = make_engine(model, system, store, EngineConfig(
-                retention=ret, gpu_cache_bytes=gpu, cpu_cache_bytes=cpu,
+            engine = _warmed_engine(model, requests, settings, system, EngineConfig(
+                retention=settings["main_retention"], gpu_cache_bytes=gpu, cpu_cache_bytes=cpu,
                 reorder_every=settings["reorder_every"] if reorder else 0))
-            # specjax.eval's warm-up for every run: each prefix stored once, then two passes over its first request
-            first: dict = {}
-            for r in requests:
-                first.setdefault(r.prefix_id, r)
-            for r in first.values():
-                engine.warm(list(r.prefix_ids))
-            warm_up(engine, [r.engine_request() for r in first.values()])
-            store.metrics.reset()
-            totals: dict[str, float] = {}
-            fallback, retained, keys, hits = [], [], [], []
-            for r in requests:
-                res = engine.run(r.engine_request())
-                for key, v in res.io.items():
-                    totals[key] = totals.get(key, 0) + v
-                fb = np.asarray(res.layers["fallback"], float)
-                fallback.append(fb)
-                retained.append(np.asarray(res.layers["retained"], float))
-                m = res.reused_tokens
-                k = keep_count(ret, m) if m else 0
-                keys.append(np.mean([keys_fraction(probe_kv, cfg.num_kv_heads, m, k, bool(f)) for f in fb]) if m else 1.0)
-                hits.append(float(np.argmax([c for c, _ in res.continuation_logprobs]) == r.gold))
+            counts = _engine_counts(engine, requests, settings["main_retention"])
         except Exception as e:  # an engine in progress: report it, keep items 1-5
             return {"error": f"engine run '{label}' failed: {type(e).__name__}: {str(e)[:300]}", "runs": out}
-        lookups = totals.get("device_hits", 0) + totals.get("host_hits", 0) + totals.get("misses", 0)
-        n = len(hits)
-        acc = float(np.mean(hits))
-        out[label] = {
-            "accuracy": acc, "stderr": float(np.sqrt(acc * (1 - acc) / max(n - 1, 1))), "n": n,
-            "fallback": float(np.mean(fallback)), "fallback_per_layer": np.mean(fallback, axis=0),
-            "retained_per_layer": np.mean(retained, axis=0), "keys_loaded": float(np.mean(keys)),
-            "chunks_read_per_request": totals.get("chunks_read", 0) / n,
-            "disk_bytes_per_request": totals.get("disk_bytes", 0) / n,
-            "device_hit_ratio": totals.get("device_hits", 0) / lookups if lookups else float("nan"),
-            "host_hit_ratio": totals.get("host_hits", 0) / lookups if lookups else float("nan"),
-            "wall_s": time.time() - started, "probe_heads": list(probe_q),
-        }
+        out[label] = {**_run_summary(counts), "wall_s": time.time() - started, "probe_heads": list(probe_q)}
         progress(f"engine {label}: {time.time() - started:.1f} s")
     return {"runs": out, "gpu_cache_bytes": gpu, "cpu_cache_bytes": cpu, "store_bytes": int(kv_bytes),
             "reorder_every": settings["reorder_every"]}
+
+
+def _engine_runs(settings: dict) -> list[tuple[str, object, bool]]:
+    """(label, system, whether it reorders) of every engine run: spec at each alpha, then spec without reordering
+    and spec with an LFU cache in place of the score cache."""
+    runs = [(f"spec alpha={a}", make_system("spec", alpha=a), True) for a in settings["alphas"]]
+    return runs + [("spec no reorder", make_system("spec", no_reorder=True), False),
+                   ("spec LFU cache", make_system("spec", no_score_cache=True), True)]
+
+
+def _warmed_engine(model, requests, settings: dict, system, config: EngineConfig):
+    """An engine for `system` over a new in-memory store, warmed as specjax.eval warms every run: each prefix
+    stored once, then two passes over its first request; the store's counters then start from zero."""
+    store = KVStore.open({"driver": "memory", "path": f"observe{time.time_ns()}/"},
+                         fingerprint(model, settings["chunk_tokens"]), context=ts.Context())
+    engine = make_engine(model, system, store, config)
+    first: dict = {}
+    for r in requests:
+        first.setdefault(r.prefix_id, r)
+    for r in first.values():
+        engine.warm(list(r.prefix_ids))
+    warm_up(engine, [r.engine_request() for r in first.values()])
+    store.metrics.reset()
+    return engine
+
+
+def _engine_counts(engine, requests, retention: float) -> dict:
+    """Run `requests` in order: the store's I/O counters summed over them ("totals") and, per request, the layers'
+    fallbacks and retained shares, the share of prefix keys read ("keys": `keys_fraction`, 1 without a reused
+    prefix) and whether the best-scoring choice was the gold one ("hits")."""
+    cfg = engine.cfg
+    probe_kv = len(policy_steps.probe_kv_heads(cfg, engine.system.num_probe_heads))
+    counts: dict = {"totals": {}, "fallback": [], "retained": [], "keys": [], "hits": []}
+    for r in requests:
+        res = engine.run(r.engine_request())
+        for key, v in res.io.items():
+            counts["totals"][key] = counts["totals"].get(key, 0) + v
+        fb = np.asarray(res.layers["fallback"], float)
+        counts["fallback"].append(fb)
+        counts["retained"].append(np.asarray(res.layers["retained"], float))
+        m = res.reused_tokens
+        k = keep_count(retention, m) if m else 0
+        counts["keys"].append(
+            np.mean([keys_fraction(probe_kv, cfg.num_kv_heads, m, k, bool(f)) for f in fb]) if m else 1.0)
+        counts["hits"].append(float(np.argmax([c for c, _ in res.continuation_logprobs]) == r.gold))
+    return counts
+
+
+def _run_summary(counts: dict) -> dict:
+    """One engine run's summary from `_engine_counts`: accuracy (with its standard error), fallbacks, retained
+    shares and keys read, and per request the chunks and bytes read and the cache tiers' hit ratios."""
+    totals, n = counts["totals"], len(counts["hits"])
+    lookups = totals.get("device_hits", 0) + totals.get("host_hits", 0) + totals.get("misses", 0)
+    acc = float(np.mean(counts["hits"]))
+    return {
+        "accuracy": acc, "stderr": float(np.sqrt(acc * (1 - acc) / max(n - 1, 1))), "n": n,
+        "fallback": float(np.mean(counts["fallback"])), "fallback_per_layer": np.mean(counts["fallback"], axis=0),
+        "retained_per_layer": np.mean(counts["retained"], axis=0), "keys_loaded": float(np.mean(counts["keys"])),
+        "chunks_read_per_request": totals.get("chunks_read", 0) / n,
+        "disk_bytes_per_request": totals.get("disk_bytes", 0) / n,
+        "device_hit_ratio": totals.get("device_hits", 0) / lookups if lookups else float("nan"),
+        "host_hit_ratio": totals.get("host_hits", 0) / lookups if lookups else float("nan"),
+    }

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specjax.engine.systems import SYSTEMS as KNOWN_SYSTEMS  # every system, registered once, with its description
+from specjax.engine.policies import Planner
 from specjax.engine.systems import make_system as engine_make_system
 from specjax.eval.engine_systems import factories
 from specjax.eval.errors import EvalError
@@ -96,7 +97,7 @@ def precision_variant(name: str) -> tuple[str, dict] | None:
     system = KNOWN_SYSTEMS.get(base)
     if not options or base not in available() or (system is not None and not system.reuse) or (
             "rest_bits" in options and system is not None and system.rest_bits is None) or (
-            "plan_bits" in options and system is not None and system.schedule != "planner"):
+            "plan_bits" in options and system is not None and not isinstance(system.schedule, Planner)):
         return None
     return base, options
 

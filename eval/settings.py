@@ -3,15 +3,17 @@ the store and its links, the engine, the run), beside the systems' own `SystemOp
 
 A field is a setting once: its name is the flag's, its type the flag's type, its default and help the flag's, and its
 check (`__post_init__`, through `setting(check=...)`) refuses a bad value from the command line and from a preset
-alike. `python -m specjax.eval` defines its flags from `EVAL_GROUPS` and records their values as results.json's
-`config`; `python -m specjax.eval.observe` defines the ones it shares from the same fields (with defaults of its own).
+alike. `python -m specjax.eval` defines its flags from `EVAL_GROUPS`, builds their values once into an
+`EvalSettings` (the groups as one tree), hands that down to be read by attribute (`settings.store.cpu_cache`) and
+records the values as results.json's `config`; `python -m specjax.eval.observe` defines the ones it shares from the
+same fields (with defaults of its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import textwrap
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from absl import flags
 
@@ -230,8 +232,40 @@ class RunSettings:
     __post_init__ = check_fields
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """`python -m specjax.eval`'s settings as one tree, one group per field (`settings.store.cpu_cache`,
+    `settings.run.systems`): built once from the flags' values (`from_values`, each group checking its own), then
+    handed down and read by attribute."""
+
+    model: ModelSettings = ModelSettings()
+    workload: WorkloadSettings = WorkloadSettings()
+    store: StoreSettings = StoreSettings()
+    engine: EngineSettings = EngineSettings()
+    run: RunSettings = RunSettings()
+    options: SystemOptions = SystemOptions()
+
+    @classmethod
+    def from_values(cls, values: Mapping) -> EvalSettings:
+        """The tree from flat values (setting name -> value: the flags', a preset's); a setting left out keeps its
+        default, a name no group has is refused."""
+        refuse_unknown(values, names(), "specjax.eval")
+        return cls(**{field.name: group_from(type(field.default), values) for field in dataclasses.fields(cls)})
+
+    def values(self) -> dict:
+        """Flat: every setting's name -> value, in the flags' order (results.json's `config`)."""
+        return {name: getattr(group, name) for group in self.groups() for name in names([type(group)])}
+
+    def groups(self) -> tuple:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    def replace(self, **values) -> EvalSettings:
+        """These settings with some changed, by setting name (`replace(disk_bandwidth="5GB/s")`), checked anew."""
+        return EvalSettings.from_values({**self.values(), **values})
+
+
 # `python -m specjax.eval`'s settings, one flag per field; results.json records their values as `config`
-EVAL_GROUPS = (ModelSettings, WorkloadSettings, StoreSettings, EngineSettings, RunSettings, SystemOptions)
+EVAL_GROUPS = tuple(type(field.default) for field in dataclasses.fields(EvalSettings))
 
 
 def names(groups=EVAL_GROUPS) -> tuple[str, ...]:
@@ -316,17 +350,29 @@ def _parses(build, value) -> bool:
         raise flags.ValidationError(f"{e}") from None
 
 
-def checked(values: dict, groups=EVAL_GROUPS) -> dict:
-    """`values` (flat: setting name -> value, from flags and a preset) once every group has accepted its own;
-    a value no flag would take (a preset's) is refused with the setting's message."""
-    for group in groups:
-        try:
-            group(**{field.name: values[field.name] for field in dataclasses.fields(group) if field.name in values})
-        except SpecjaxError as e:
-            raise EvalError(f"setting {e}") from None
-    return values
+def group_from(group, values: Mapping, defaults: Mapping | None = None):
+    """`group` built from the `values` of its fields (flat: setting name -> value, from flags and a preset), a field
+    absent there from `defaults`, then from its own default; a value no flag would take (a preset's) is refused
+    with the setting's message."""
+    given = {**(defaults or {}), **values}
+    try:
+        return group(**{field.name: given[field.name] for field in dataclasses.fields(group) if field.name in given})
+    except SpecjaxError as e:
+        raise EvalError(f"setting {e}") from None
 
 
-__all__ = ["EVAL_GROUPS", "EngineSettings", "ModelSettings", "RunSettings", "StoreSettings", "WorkloadSettings",
-           "check_fields", "checked", "define_flags", "flag_help", "names", "render_help", "setting",
-           "shown_default"]
+def refuse_unknown(values: Mapping, known: Sequence[str], what: str) -> None:
+    """Refuse a name in `values` that is none of the `known` settings of `what` (a command)."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise EvalError(f"{what} has no setting {', '.join(unknown)}")
+
+
+def as_settings(settings: EvalSettings | Mapping) -> EvalSettings:
+    """`settings` as the tree; flat values (setting name -> value) are built into it once."""
+    return settings if isinstance(settings, EvalSettings) else EvalSettings.from_values(settings)
+
+
+__all__ = ["EVAL_GROUPS", "EngineSettings", "EvalSettings", "ModelSettings", "RunSettings", "StoreSettings",
+           "WorkloadSettings", "as_settings", "check_fields", "define_flags", "flag_help", "group_from", "names",
+           "render_help", "setting", "shown_default"]

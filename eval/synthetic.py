@@ -16,13 +16,13 @@ from specjax.eval.errors import EvalError
 # <object> is <4-digit code>.", one sentence per line; a question repeats one fact's own words
 # up to the code ("The secret code of the red door is") and the choices are codes of other facts
 # of the same document, so only retrieval from the prefix tells them apart (all choices have the
-# same length, so acc and acc_norm agree). Design notes, measured with recompute on smollm2-135m
-# (Q4_1 GGUF) over 40-item seeded workloads:
+# same length, so acc and acc_norm agree). Design notes, from recompute runs of a small model
+# (smollm2-135m) over seeded workloads:
 # - facts must read as natural text and the question must be a near-copy of the fact: the model
 #   copies natural text but not lists of unrelated words; a "Question: ...? Answer: ..." wrapper
-#   or one-token name keys ("The secret word of Alice is apple.", 60 facts) stay near 60%;
+#   or one-token name keys ("The secret word of Alice is apple.") answer far less often;
 # - keys whose adjective and object each occur once in the document (unique words, not merely
-#   unique pairs) and numeric codes rather than word values: about 95-100% vs 75-85%;
+#   unique pairs) and numeric codes rather than word values answer clearly more often;
 # - filler sentences between facts and one sentence per line help a little more, and make it a
 #   needle in a haystack: about half the prefix tokens are facts, the rest can be dropped.
 # Past len(adjectives) facts per document, adjectives and objects are reused in distinct pairs

@@ -101,24 +101,37 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
     group's query heads share each load of the selected keys and values and the tile's matmuls are `pack` times
     taller (`packing` picks it).
     """
-    num_heads, n_q, head_dim = q.shape
-    num_kv, num_tokens, pages = _prefix_geometry(prefix_k)
+    num_heads, n_q, _ = q.shape
+    num_kv = _prefix_geometry(prefix_k)[0]
     group = num_heads // num_kv
-    rows_per_head = idx.shape[0] > 1
-    if pack > 1 and (rows_per_head or pack < group or block_q % pack):
+    if pack > 1 and (idx.shape[0] > 1 or pack < group or block_q % pack):
         raise ValueError(f"pack={pack} needs one shared selection row, a group of at most {pack} heads (got "
                          f"{group}) and block_q a multiple of it (got {block_q})")
-    capacity = idx.shape[1]
-    n_q_pad, k_pad = c.round_up(n_q, block_q // pack), c.round_up(capacity, block_k)
+    n_q_pad, k_pad = c.round_up(n_q, block_q // pack), c.round_up(idx.shape[1], block_k)
     q = c.pad_axis(q, 1, n_q_pad)
     own_k, own_v = (c.pad_axis(x, 1, c.round_up(n_q_pad, block_k)) for x in (own_k, own_v))
-    grid_heads, kv_of = num_heads, group  # program h reads KV head h // kv_of
+    kv_of = group  # program h reads KV head h // kv_of
     if pack > 1:
-        q, grid_heads, kv_of = _packed(q, num_kv, pack), num_kv, 1
-    idx = c.pad_axis(idx, 1, k_pad)
-    q_len = jnp.reshape(q_len, (1,)).astype(jnp.int32)
-    q_blocks, k_blocks = n_q_pad * pack // block_q, k_pad // block_k
-    blocks_per_split = pl.cdiv(k_blocks, k_splits)
+        q, kv_of = _packed(q, num_kv, pack), 1
+    o_parts, m_parts, l_parts = _split_parts(
+        q, c.pad_axis(idx, 1, k_pad), count, prefix_k, prefix_v, own_k, own_v,
+        jnp.reshape(q_len, (1,)).astype(jnp.int32), scale=scale, block_q=block_q, block_k=block_k,
+        k_splits=k_splits, kv_of=kv_of, pack=pack, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
+    if pack > 1:
+        out = _unpacked(out, num_heads, pack)
+    return out[:, :n_q].astype(q.dtype)
+
+
+def _split_parts(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len, *, scale, block_q, block_k, k_splits,
+                 kv_of, pack, interpret, num_warps, num_stages):
+    """The kernel's per-split partial outputs, row maxima and row sums ([k_splits, grid heads, rows(, d)]) for q
+    [grid heads, rows, d] already padded (and packed) to whole query tiles, idx padded to whole key tiles and q_len
+    int32[1]; program h of the grid reads KV head h // kv_of."""
+    grid_heads, q_rows, head_dim = q.shape
+    _, num_tokens, pages = _prefix_geometry(prefix_k)
+    k_pad = idx.shape[1]
+    rows_per_head = idx.shape[0] > 1
     params = None if interpret else c.triton_params(num_warps, num_stages)
 
     def row(h):  # which selection row head h reads
@@ -130,11 +143,11 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
         prefix_k, prefix_v = (x.reshape(-1, head_dim) for x in (prefix_k, prefix_v))
         prefix_spec = pl.BlockSpec(prefix_k.shape, lambda *_: (0, 0))
 
-    o_parts, m_parts, l_parts = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, block_q=block_q, block_k=block_k,
-                          blocks_per_split=blocks_per_split, num_tokens=num_tokens, pages=pages, group=kv_of,
-                          pack=pack),
-        grid=(grid_heads, q_blocks, k_splits),
+                          blocks_per_split=pl.cdiv(k_pad // block_k, k_splits), num_tokens=num_tokens, pages=pages,
+                          group=kv_of, pack=pack),
+        grid=(grid_heads, q_rows // block_q, k_splits),
         in_specs=[
             pl.BlockSpec((SQUEEZED, block_q, head_dim), lambda h, i, s: (h, i, 0)),
             pl.BlockSpec((SQUEEZED, k_pad), lambda h, i, s: (row(h), 0)),
@@ -152,17 +165,13 @@ def gathered_attention_pallas(q, prefix_k, prefix_v, own_k, own_v, idx, count, q
             pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda h, i, s: (s, h, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack), jnp.float32),
-            jax.ShapeDtypeStruct((k_splits, grid_heads, n_q_pad * pack), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, q_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, q_rows), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, grid_heads, q_rows), jnp.float32),
         ],
         interpret=interpret, compiler_params=params,
         name=f"gathered_attention_bq{block_q}_bk{block_k}_p{pack}",
     )(q, idx, count, prefix_k, prefix_v, own_k, own_v, q_len)
-    _, _, out = c.merge_splits(m_parts, l_parts, o_parts)
-    if pack > 1:
-        out = _unpacked(out, num_heads, pack)
-    return out[:, :n_q].astype(q.dtype)
 
 
 def _packed(q, num_kv: int, pack: int):
@@ -256,7 +265,7 @@ def attention_over_logits(logits, columns: Selection, prefix_v, own_v, selection
     pass's, `probe_scores_reference(..., with_logits=True)`), and `columns` (a selection shaped like `selection`,
     entry for entry) names the column of each selected row. Only the selected values are gathered and weighed: the
     attention costs its rows' values, the keys' products having been paid once by the scoring. Returns f32
-    [H, n_q, d], bit for bit the reference's on the 2-core CPU (tests/test_kernels_gathered_attention.py).
+    [H, n_q, d], bit for bit the reference's on a CPU (tests/test_kernels_gathered_attention.py).
 
     It pays where each query head has a set of its own (per-head H2O: the reference then multiplies each head's
     queries by keys gathered for it alone); a shared set's keys are one product per KV head, which costs less

@@ -28,9 +28,9 @@ def top_k_mask(scores: jax.Array, k, prefix_len=None) -> jax.Array:
     the first k columns `top_k` gives (ties: the lower column), found without sorting. k may be traced.
 
     The k-th highest score of a row is found bit by bit on the scores' order-preserving integer keys (32 passes that
-    compare and count); the row keeps every column above it and, of those equal to it, the first few. On the 2-core
-    CPU, 28 rows of 16,512 columns, k a quarter: 5.1 ms against `lax.top_k`'s 31.6 (a sort); with the columns
-    listed (`set_columns`) 8.4 ms (`benchmarks/results/cpu/selection-masks`)."""
+    compare and count); the row keeps every column above it and, of those equal to it, the first few. With no sort
+    it takes a fraction of `lax.top_k`'s time on a CPU, with the columns listed (`set_columns`) too
+    (`benchmarks/results/cpu/selection-masks`)."""
     valid = _valid_columns(scores, prefix_len)
     keys = _order_keys(jnp.where(valid, scores, -jnp.inf).astype(jnp.float32))
     k = jnp.asarray(k, jnp.int32)

@@ -62,6 +62,45 @@ def low_bit_attention_reference(q, k_rows, v_rows, own_k, own_v, selection: Sele
 # ----------------------------------------------------------------------------- kernel
 
 
+def _code_planes(codes, bits: int) -> list:
+    """A tile's code bytes [block_k, w] as float32 code planes (plane s: the s-th `bits`-bit code of every byte)."""
+    codes = codes.astype(jnp.int32)
+    return [((codes >> (s * bits)) & ((1 << bits) - 1)).astype(jnp.float32) for s in range(8 // bits)]
+
+
+def _scale_and_zero(scales, g: int):
+    """Channel group g's scale and zero point ([block_k] each) from scales [block_k, 2 * groups] (every group's
+    scale, then every group's zero point), picked by a reduction: a kernel avoids indexing the minor axis."""
+    groups = scales.shape[-1] // 2
+    column = lax.broadcasted_iota(jnp.int32, (1, 2 * groups), 1)
+    return ((scales * (column == g)).sum(axis=1), (scales * (column == groups + g)).sum(axis=1))
+
+
+def _low_bit_scores(qp: list, in_group: list, k_planes: list, k_scales):
+    """Scores [block_q, block_k] of the query planes against a tile of low-bit keys: per channel group g,
+    scale_g * (q_g . codes_g) + zero_g * sum(q_g), the key never widened to a full-precision row."""
+    scores = jnp.zeros((qp[0].shape[0], k_planes[0].shape[0]), jnp.float32)
+    for g, member in enumerate(in_group):
+        k_scale, k_zero = _scale_and_zero(k_scales, g)
+        mine = [x * member for x in qp]
+        dots = sum(c.dot_nt(x, y) for x, y in zip(mine, k_planes))
+        q_sum = sum(x.sum(axis=1) for x in mine)
+        scores += dots * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+    return scores
+
+
+def _add_low_bit_values(acc: list, zacc: list, p, in_group: list, v_planes: list, v_scales) -> tuple[list, list]:
+    """The accumulators plus a tile of low-bit values weighed by the softmax weights p [block_q, block_k]: each
+    plane's acc gains its codes weighed by p * scale_g in group g's columns, and zacc[g] gains sum(p * zero_g)."""
+    zacc = list(zacc)
+    for g, member in enumerate(in_group):
+        v_scale, v_zero = _scale_and_zero(v_scales, g)
+        weighed = p * v_scale[None, :]
+        acc = [a + c.dot_nn(weighed, y) * member for a, y in zip(acc, v_planes)]
+        zacc[g] = zacc[g] + (p * v_zero[None, :]).sum(axis=1)
+    return acc, zacc
+
+
 def _kernel(q_ref, idx_ref, count_ref, kc_ref, ks_ref, vc_ref, vs_ref, own_k_ref, own_v_ref, q_len_ref,
             o_ref, z_ref, m_ref, l_ref, *, scale, block_q, block_k, blocks_per_split, num_tokens, bits, groups):
     """One query tile of one query head over this split's selected tiles of low-bit rows (+ causal own keys), every
@@ -72,38 +111,20 @@ def _kernel(q_ref, idx_ref, count_ref, kc_ref, ks_ref, vc_ref, vs_ref, own_k_ref
     qp = [q_ref[:, pl.ds(s * width, width)].astype(jnp.float32) for s in range(planes)]
     group_of = lax.broadcasted_iota(jnp.int32, (1, width), 1) // (width // groups)  # each plane column's group
     in_group = [(group_of == g).astype(jnp.float32) for g in range(groups)]
-    column = lax.broadcasted_iota(jnp.int32, (1, 2 * groups), 1)
     rows = q_block * block_q + jnp.arange(block_q)
-
-    def scale_and_zero(scales, g):  # [block_k] each, picked by a reduction (no minor-axis indexing)
-        return ((scales * (column == g)).sum(axis=1), (scales * (column == groups + g)).sum(axis=1))
-
-    def code_planes(codes):
-        codes = codes.astype(jnp.int32)
-        return [((codes >> (s * bits)) & ((1 << bits) - 1)).astype(jnp.float32) for s in range(planes)]
 
     def selected_tile(j, carry):
         m, l, acc, zacc = carry
         tokens = jnp.clip(idx_ref[pl.ds(j * block_k, block_k)], 0, num_tokens - 1)
         valid = j * block_k + jnp.arange(block_k) < count
-        k_planes, v_planes = code_planes(kc_ref[tokens]), code_planes(vc_ref[tokens])
+        k_planes, v_planes = _code_planes(kc_ref[tokens], bits), _code_planes(vc_ref[tokens], bits)
         k_scales = jnp.where(valid[:, None], ks_ref[tokens], 0.0)
         v_scales = jnp.where(valid[:, None], vs_ref[tokens], 0.0)
-        scores = jnp.zeros((block_q, block_k), jnp.float32)
-        for g in range(groups):
-            k_scale, k_zero = scale_and_zero(k_scales, g)
-            mine = [x * in_group[g] for x in qp]
-            dots = sum(c.dot_nt(x, y) for x, y in zip(mine, k_planes))
-            q_sum = sum(x.sum(axis=1) for x in mine)
-            scores += dots * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+        scores = _low_bit_scores(qp, in_group, k_planes, k_scales)
         m, l, correction, p = c.online_softmax_step(m, l, scores * scale, valid[None, :])
         acc = [a * correction[:, None] for a in acc]
         zacc = [z * correction for z in zacc]
-        for g in range(groups):
-            v_scale, v_zero = scale_and_zero(v_scales, g)
-            weighed = p * v_scale[None, :]
-            acc = [a + c.dot_nn(weighed, y) * in_group[g] for a, y in zip(acc, v_planes)]
-            zacc[g] = zacc[g] + (p * v_zero[None, :]).sum(axis=1)
+        acc, zacc = _add_low_bit_values(acc, zacc, p, in_group, v_planes, v_scales)
         return m, l, acc, zacc
 
     def own_tile(j, carry):  # the computed tokens' own K/V, full precision, in tiles of block_k tokens

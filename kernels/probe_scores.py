@@ -144,8 +144,7 @@ def probe_scores_reference(q, prefix_k, own_k, *, kv_head_of_probe, prefix_len=N
 
     Probe heads that come in equal runs per KV head (every query head of a grouped-query model, or a few probes of
     one KV head) score as one product per KV head, its query heads' rows stacked: no KV head's keys are copied per
-    query head (on the 2-core CPU, 28 query heads over 4 KV heads at 4,096 prefix tokens: 0.7-0.8x the time, the
-    same scores bit for bit, `benchmarks/results/cpu/selective-takes`)."""
+    query head (less time on a CPU, the same scores bit for bit: `benchmarks/results/cpu/selective-takes`)."""
     num_probes, n_q, head_dim = q.shape
     m = prefix_k.shape[1]
     scale = c.default_scale(head_dim, scale)

@@ -11,6 +11,11 @@ save -> finish (the shape of vLLM's KV connector).
         conn.save_layer(layer, k_own, v_own)    # optional: tokens[reused:]'s K and V, to store the longer prefix
     conn.finish()                               # commits what was saved (every layer, or nothing), lets go
 
+This module is also the one way the engine reaches storage: `specjax.engine` imports nothing of `specjax.stores`
+but what is named here (`ENGINE_SIDE`: the store and its match, reads and writes, the device and host tiers, the
+prefetcher over them, the store kinds and their precisions, reordering), so the import graph runs engine ->
+connector -> stores, and the stores import no model and no engine (`tests/test_imports.py`).
+
 The connector sees no model: shapes are the store's (`store.layout`), and which model's KV the store holds was checked
 when it was opened (`specjax.open_store`). It loads every stored position of every layer (what `as_full` loads);
 selecting what to load is the engine's job (`specjax.prefill_engine`). Reads go through the store's prefetcher:
@@ -25,8 +30,19 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.shapes import bucket
-from specjax.stores import K, V, KVStore, StoreError
+from specjax.stores import PROBE, K, Locations, V, KVStore, StoreError
+from specjax.stores.caches import POLICIES as CACHE_POLICIES
+from specjax.stores.caches import TieredCache
+from specjax.stores.kvarray import LOW_BIT_FORMAT, LOW_BITS, Layout, bits_of, low_bit
 from specjax.stores.prefetch import Prefetcher
+from specjax.stores.reorder import Reorderer
+
+# What the engine uses of the storage below it: the store (`KVStore`: match, locate, key summaries, writes, metrics),
+# where positions lie (`Locations`), its errors, the kinds a chunk holds (K, V, PROBE) and their low-bit forms
+# (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `LOW_BIT_FORMAT`), the device and host tiers and their scoring
+# policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
+ENGINE_SIDE = ("KVStore", "StoreError", "Locations", "K", "V", "PROBE", "Layout", "LOW_BITS", "low_bit", "bits_of",
+               "LOW_BIT_FORMAT", "TieredCache", "CACHE_POLICIES", "Prefetcher", "Reorderer")
 
 
 class CorruptPrefixError(StoreError):

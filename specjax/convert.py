@@ -307,21 +307,9 @@ def gguf_source_dtype(tensors) -> str:
     return _most_elements(sizes)
 
 
-def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict, str]:
-    """(config, float32 params, metadata fields, source dtype) from a llama-architecture GGUF file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-    fields = {k: _gguf_field(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise SpecjaxError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    tensors = {t.name: t for t in reader.tensors}
-    hf = {
+def _gguf_hf_config(fields: dict, tensors: dict) -> dict:
+    """The Hugging Face config.json fields of a llama GGUF file, from its metadata and tensor names."""
+    return {
         "model_type": "llama",
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": fields["llama.embedding_length"],
@@ -336,7 +324,11 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict, str]:
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
     }
-    cfg = from_hf_config(hf)
+
+
+def _gguf_getter(path: pathlib.Path, tensors: dict) -> Getter:
+    """A getter that dequantizes a named GGUF tensor to float32; a missing or undecodable one is a CheckpointError."""
+    from gguf.quants import dequantize
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -347,27 +339,46 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict, str]:
         except NotImplementedError as e:
             raise CheckpointError(f"{path}: cannot dequantize {name} of type {t.tensor_type.name}: {e}") from e
 
+    return get
+
+
+def _gguf_layer(cfg: ModelConfig, get: Getter, i: int) -> dict:
+    """Layer i's params in specjax layout: rope rows un-permuted (llama.cpp interleaves them), heads split out."""
     H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b = f"blk.{i}"
+    wo = get(f"{b}.attn_output.weight")
+    return {
+        "attn_norm": get(f"{b}.attn_norm.weight"),
+        "wq": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_q.weight"), H), H, d),
+        "wk": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_k.weight"), K), K, d),
+        "wv": _linear_in_heads(get(f"{b}.attn_v.weight"), K, d),
+        "wo": wo.T.reshape(H, d, wo.shape[0]),
+        "mlp_norm": get(f"{b}.ffn_norm.weight"),
+        "w_gate": get(f"{b}.ffn_gate.weight").T,
+        "w_up": get(f"{b}.ffn_up.weight").T,
+        "w_down": get(f"{b}.ffn_down.weight").T,
+    }
 
-    def layer(i: int) -> dict:
-        b = f"blk.{i}"
-        wo = get(f"{b}.attn_output.weight")
-        return {
-            "attn_norm": get(f"{b}.attn_norm.weight"),
-            "wq": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_q.weight"), H), H, d),
-            "wk": _linear_in_heads(_unpermute_rope_rows(get(f"{b}.attn_k.weight"), K), K, d),
-            "wv": _linear_in_heads(get(f"{b}.attn_v.weight"), K, d),
-            "wo": wo.T.reshape(H, d, wo.shape[0]),
-            "mlp_norm": get(f"{b}.ffn_norm.weight"),
-            "w_gate": get(f"{b}.ffn_gate.weight").T,
-            "w_up": get(f"{b}.ffn_up.weight").T,
-            "w_down": get(f"{b}.ffn_down.weight").T,
-        }
 
+def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, Params, dict, str]:
+    """(config, float32 params, metadata fields, source dtype) from a llama-architecture GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    fields = {k: _gguf_field(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise SpecjaxError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = from_hf_config(_gguf_hf_config(fields, tensors))
+    get = _gguf_getter(path, tensors)
     params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
     if not cfg.tie_embeddings:
         params["lm_head"] = get("output.weight").T
-    params["layers"] = [layer(i) for i in range(cfg.num_layers)]
+    params["layers"] = [_gguf_layer(cfg, get, i) for i in range(cfg.num_layers)]
     return cfg, params, fields, gguf_source_dtype(reader.tensors)
 
 

@@ -1,13 +1,13 @@
 """Host memory: freed blocks are reused, not mapped afresh on every call (Linux with glibc).
 
-XLA:CPU gives each call of a compiled step its temporaries as one block: 57 MiB for one smollm2 layer at 4096
+XLA:CPU gives each call of a compiled step its temporaries as one block, tens of MiB for a layer at thousands of
 tokens. glibc serves a block that large with a fresh mmap and unmaps it when it is freed, so every call page-faults
-its temporaries in again and the kernel zeroes them: about 520k page faults and 1.2 s of system time per
-4096-token smollm2 forward on the 2-core machine, and the wall time with them (`python benchmarks/prefill.py
---against transformers`, whose transformers worker sees no such faults). `reuse_freed_blocks` sets glibc so that
-such blocks come from the heap and go back to it: no mmap, no trimming, one arena (XLA's threads would otherwise each
-get an arena of their own, whose heaps come and go as mappings). The heap grows a few times at first (a block freed just
-after the next call began is not free for it), then calls stop faulting.
+its temporaries in again and the kernel zeroes them: system time that grows a forward's wall time (docs/models.md;
+`python benchmarks/prefill.py --against transformers`, whose transformers worker sees no such faults).
+`reuse_freed_blocks` sets glibc so that such blocks come from the heap and go back to it: no mmap, no trimming, one
+arena (XLA's threads would otherwise each get an arena of their own, whose heaps come and go as mappings). The
+heap grows a few times at first (a block freed just after the next call began is not free for it), then calls stop
+faulting.
 
 It must run before XLA's threads first allocate, since a thread keeps the arena it got: `import specjax` runs it.
 The cost is that freed memory stays with the process until `release_free_memory` (called after a model is loaded,

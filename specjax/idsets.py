@@ -1,10 +1,10 @@
 """Sorted sets of integers (token positions, chunk ids, run numbers) made without sorting them (a leaf: imports
 nothing of specjax).
 
-numpy 2's `np.unique` hashes its input and then sorts what it found. For the 4,096 positions of four heads' 1,024-token
-sets that took 0.17-0.27 ms on this project's CPU (numpy 2.4), a bitmap over their range 0.02-0.03 ms
-(`benchmarks/results/cpu/host-exposed`). The engine makes such sets on the request's path at every layer: a per-head
-layer's union, the chunks a take touches, the runs it waits for.
+numpy 2's `np.unique` hashes its input and then sorts what it found; a bitmap over the values' range does neither
+and takes a fraction of its time on sets like the engine's (`benchmarks/results/cpu/host-exposed`). The engine makes
+such sets on the request's path at every layer: a per-head layer's union, the chunks a take touches, the runs it
+waits for.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def transformers_model(cfg: ModelConfig, params: Params, dtype: str = "float32",
     torch, transformers = require_torch()
     hf_cfg = hf_config(cfg)
     config = transformers.AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
-    with _no_init(transformers):  # every weight is loaded below: skip the random init (minutes at 7B on a CPU)
+    with _no_init(transformers):  # every weight is loaded below: skip the random init (slow for a large model on a CPU)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                               dtype=torch.float32)
     state = {(k if k == "lm_head.weight" else f"model.{k}"): torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}

@@ -137,13 +137,14 @@ class _Tier:
 class TieredCache:
     """Device + host chunk caches, exclusive of each other; keys are (layer, kind, chunk_id)."""
 
-    def __init__(self, device_bytes: int, host_bytes: int, policy: str = "lru", *,
+    def __init__(self, gpu_cache_bytes: int, cpu_cache_bytes: int, policy: str = "lru", *,
                  metrics: StoreMetrics | None = None, ema: float = 0.5, record_events: bool = False):
+        """`gpu_cache_bytes` / `cpu_cache_bytes`: the device / host tier's budget in bytes."""
         self.policy = policy
         self._score_fn = make_score(policy)
         self.ema = ema
         self.metrics = metrics if metrics is not None else StoreMetrics()
-        self.tiers = {DEVICE: _Tier(DEVICE, device_bytes), HOST: _Tier(HOST, host_bytes)}
+        self.tiers = {DEVICE: _Tier(DEVICE, gpu_cache_bytes), HOST: _Tier(HOST, cpu_cache_bytes)}
         self.stats: dict = collections.defaultdict(ChunkStats)  # kept after eviction, as in ContiguousKV
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
@@ -167,11 +168,23 @@ class TieredCache:
     # -- accounting ----------------------------------------------------------------------------
 
     @property
+    def gpu_cache_bytes(self) -> int:
+        """The device tier's budget."""
+        return self.tiers[DEVICE].budget_bytes
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        """The host tier's budget."""
+        return self.tiers[HOST].budget_bytes
+
+    @property
     def device_bytes(self) -> int:
+        """The bytes the device tier holds now."""
         return self.tiers[DEVICE].used_bytes
 
     @property
     def host_bytes(self) -> int:
+        """The bytes the host tier holds now."""
         return self.tiers[HOST].used_bytes
 
     def where(self, key) -> str | None:

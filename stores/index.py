@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 
 import numpy as np
 
@@ -27,34 +26,10 @@ from specjax.stores.errors import DiskFullError, StoreError
 from specjax.stores.kvarray import KVArrays, Layout
 from specjax.stores.locations import Locations
 from specjax.stores.manifest import ManifestIO, check_fingerprint, full_fingerprint, layout_from_fingerprint
+from specjax.stores.match import Match
 from specjax.stores.radix import PathStep, RadixTree
 
 log = logging.getLogger(__name__)
-
-
-class Match:
-    """The longest stored prefix of a request, pinned (readable, not evicted) until `close()`."""
-
-    def __init__(self, index: "StoreIndex", steps: list[PathStep], tokens: np.ndarray, generation: int):
-        self.steps = steps
-        self.length = sum(s.length for s in steps)
-        self.tokens = tokens[:self.length]
-        self.generation = generation
-        self._prefix_starts = np.array([s.prefix_start for s in steps], np.int64)
-        self._release = weakref.finalize(self, index._release_snapshot, generation,
-                                         tuple(s.node_id for s in steps))
-
-    def node_ids(self) -> list[int]:
-        return [s.node_id for s in self.steps]
-
-    def close(self) -> None:
-        self._release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class StoreIndex:
@@ -185,7 +160,7 @@ class StoreIndex:
         with self.lock:
             steps = self.tree.match(tokens)
             self._pin_snapshot(self.generation, [s.node_id for s in steps])
-            return Match(self, steps, tokens, self.generation)
+            return Match(self._release_snapshot, steps, tokens, self.generation)
 
     def join(self, matches) -> Match:
         """One match over several matched sequences laid end to end (text chunks cached independently and read
@@ -199,7 +174,8 @@ class StoreIndex:
         with self.lock:
             generation = min((m.generation for m in matches), default=self.generation)
             self._pin_snapshot(generation, [s.node_id for s in steps])
-        return Match(self, steps, np.concatenate(tokens) if tokens else np.zeros(0, np.int64), generation)
+        return Match(self._release_snapshot, steps, np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
+                     generation)
 
     def open_matches(self) -> int:
         """How many matches of this handle are open (each pins a snapshot until closed)."""
@@ -356,7 +332,7 @@ class StoreIndex:
         pos = np.asarray(positions, np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= match.length):
             raise IndexError(f"positions must lie in [0, {match.length}) of the matched prefix")
-        step_of = np.searchsorted(match._prefix_starts, pos, side="right") - 1
+        step_of = match.step_of(pos)
         chunks = np.empty(pos.shape, np.int64)
         offsets = np.empty(pos.shape, np.int64)
         c = self.layout.chunk_tokens
@@ -462,7 +438,8 @@ class StoreIndex:
             node = self.tree.nodes[node_id]
             steps = [PathStep(node_id, node.seg_id, node.seg_start, 0, len(node))]
             self._pin_snapshot(self.generation, [node_id])
-            return node.seg_id, node.seg_start, len(node), Match(self, steps, node.tokens, self.generation)
+            return (node.seg_id, node.seg_start, len(node),
+                    Match(self._release_snapshot, steps, node.tokens, self.generation))
 
     def swap_segment(self, node_id: int, expect: tuple[int, int, int], new: Segment, mapping: np.ndarray) -> bool:
         """Point `node_id` at the durable new segment if it still is `expect` in the newest generation (others'

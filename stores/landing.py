@@ -7,12 +7,12 @@ runtime's own staging copy of pageable memory ($SPECJAX_DMA_MAP=off leaves them 
 store (fsck) never start an accelerator's runtime.
 
 Why not TensorStore's kvstore read for local files: its result is a Python `bytes` object, built with the GIL held,
-that the engine then copies into its aligned buffer; each copy of fresh memory also faults its pages in (~0.5 GB/s on
-the project's VM against ~5 GB/s for a copy into memory already faulted in). On a 7B model's KV that host work took
-longer than the disk (`benchmarks/data_path.py`), and it held the GIL for 5-25 ms at a time while the request's
-thread waited to compute. A `preadv` into a buffer already faulted in copies nothing on the host (with O_DIRECT the
-disk writes the buffer) and holds no lock a computing thread needs. TensorStore still writes, lists and deletes every
-extent, and reads those of any other kvstore (memory, ocdbt, cloud).
+that the engine then copies into its aligned buffer; each copy of fresh memory also faults its pages in, several
+times slower than a copy into memory already faulted in. On a large model's KV that host work can take longer than
+the disk (`benchmarks/data_path.py`, `benchmarks/results/cpu/data_path`), and it holds the GIL for milliseconds at a
+time while the request's thread waits to compute. A `preadv` into a buffer already faulted in copies nothing on
+the host (with O_DIRECT the disk writes the buffer) and holds no lock a computing thread needs. TensorStore still
+writes, lists and deletes every extent, and reads those of any other kvstore (memory, ocdbt, cloud).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ are a device array (`DevicePool`); the host tier's a host array (`HostPages`), w
 
 One page array per page key (`Layout.page_key`: a head count, a row width and an element type; K/V pages, probe pages
 where the probe heads are fewer, pages of each low precision the store holds): `[slots, heads, chunk_tokens, width]`
-holding the kind's bits as unsigned integers of its width (XLA:CPU scatters bfloat16 by converting the whole operand:
-a 64-page write into a 92 MB pool took 83.7 ms as bfloat16, 0.82 ms as uint16, `benchmarks/pool_write.py`; a take's
-gather turns the rows it reads back), allocated once with as many slots as the device tier's budget holds chunks of
+holding the kind's bits as unsigned integers of its width (XLA:CPU scatters bfloat16 by converting the whole operand,
+a write far slower than the same write as uint16, `benchmarks/pool_write.py`; a take's gather turns the rows it reads
+back), allocated once with as many slots as the device tier's budget holds chunks of
 that key (so with two page keys the device holds up to twice the budget). `TieredCache` decides what the tier keeps
 and tells the pool (`placed` / `removed`); the pool gives each kept chunk a slot and writes it there, with every other
 page placed since, in one batched copy: when the request that placed it ends (`flush`, after its first token), or at
@@ -83,10 +83,9 @@ def staged_size(size: int, rows: int) -> int:
 
 def staging(shape: tuple, dtype, n: int, buffers=BUFFERS) -> np.ndarray:
     """The host rows `[heads, size, d]` of a take of `n` tokens: a landing buffer of `buffers` (page-aligned and
-    faulted in once, `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take fills from the
-    device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` faults its pages in as
-    it is written, and crossed as one more copy: 1.0-1.3 ms a take of 4,096 rows of Qwen2.5-7B's KV heads against
-    0.67-0.75 ms, `benchmarks/results/cpu/host-exposed`.)"""
+    faulted in once, `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take
+    fills from the device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` would fault its pages in
+    as it is written and cross as one more copy, a slower take: `benchmarks/results/cpu/host-exposed`.)"""
     staged = buffers.empty(shape, dtype)
     staged[:, n:] = 0
     return staged
@@ -156,8 +155,9 @@ class DevicePool:
 
     copies_out = False  # the tier keeps each chunk's host copy itself: what leaves it is that copy
 
-    def __init__(self, layout: Layout, device_bytes: int, *, metrics: StoreMetrics | None = None,
+    def __init__(self, layout: Layout, gpu_cache_bytes: int, *, metrics: StoreMetrics | None = None,
                  pcie_bandwidth: float | None = None, device: jax.Device | None = None):
+        """`gpu_cache_bytes`: the device tier's budget, which sizes the page arrays."""
         self.layout = layout
         self.metrics = metrics if metrics is not None else StoreMetrics()
         self.pcie = Link(pcie_bandwidth) if pcie_bandwidth else None
@@ -170,7 +170,7 @@ class DevicePool:
         self._pages: dict[tuple, _Pages] = {}
         c = layout.chunk_tokens
         for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
-            slots = pages_in(layout, key, device_bytes)
+            slots = pages_in(layout, key, gpu_cache_bytes)
             # one slot more than the budget holds: never given out, so a gather never indexes an empty array
             array = jax.device_put(np.zeros((slots + 1, key[0], c, key[1]), page_dtype(layout.page_dtype(key))), device)
             self._pages[key] = _Pages(array, list(range(slots - 1, -1, -1)))
@@ -377,7 +377,8 @@ class HostPages:
 
     copies_out = True
 
-    def __init__(self, layout: Layout, host_bytes: int, device: jax.Device | None = None):
+    def __init__(self, layout: Layout, cpu_cache_bytes: int, device: jax.Device | None = None):
+        """`cpu_cache_bytes`: the host tier's budget, which sizes the page arrays."""
         self.layout = layout
         self._lock = threading.Lock()
         self._arrays: dict[tuple, np.ndarray] = {}  # page key -> [slots, heads, c, width] of its element type
@@ -386,7 +387,7 @@ class HostPages:
         self.slot_of: dict = {}  # key -> slot (in its page key's array)
         c = layout.chunk_tokens
         for key in sorted({layout.page_key(kind) for kind in layout.kinds()}):
-            slots = pages_in(layout, key, host_bytes)
+            slots = pages_in(layout, key, cpu_cache_bytes)
             shape, dtype = (max(slots, 1), key[0], c, key[1]), layout.page_dtype(key)
             buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)  # anonymous: zero pages until written
             bits = np.frombuffer(buffer, page_dtype(dtype)).reshape(shape)

@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax.idsets import distinct
 from specjax.shapes import padded
-from specjax.stores.caches import DEVICE, HOST, TieredCache, chunk_keys
+from specjax.stores.caches import TieredCache, chunk_keys
 from specjax.stores.held_reads import HeldReads
 from specjax.stores.pool import DevicePool, HostPages, copy_rows, staged_size, staging
 from specjax.stores.store import KVStore, Locations, Match
@@ -88,11 +88,11 @@ class Prefetcher:
         self._buffered = 0
         self._tickets: dict = {}   # (layer, kind) -> open tickets
         self._lock = threading.Lock()
-        device_bytes = cache.tiers[DEVICE].budget_bytes if cache is not None else 0
-        self.pool = DevicePool(store.layout, device_bytes, metrics=store.metrics, pcie_bandwidth=pcie_bandwidth)
+        gpu_cache_bytes = cache.gpu_cache_bytes if cache is not None else 0
+        self.pool = DevicePool(store.layout, gpu_cache_bytes, metrics=store.metrics, pcie_bandwidth=pcie_bandwidth)
         if cache is not None:
-            host_bytes = cache.tiers[HOST].budget_bytes
-            self.pool.host_pages = HostPages(store.layout, host_bytes) if host_bytes > 0 else None
+            cpu_cache_bytes = cache.cpu_cache_bytes
+            self.pool.host_pages = HostPages(store.layout, cpu_cache_bytes) if cpu_cache_bytes > 0 else None
             cache.attach(self.pool, self.pool.host_pages)
             store.on_free(cache.invalidate)
 
@@ -327,7 +327,7 @@ class Prefetcher:
     @property
     def caching(self) -> bool:
         """Does either cache tier have room? (With both off, takes skip every per-chunk cache step.)"""
-        return self.cache is not None and any(t.budget_bytes > 0 for t in self.cache.tiers.values())
+        return self.cache is not None and (self.cache.gpu_cache_bytes > 0 or self.cache.cpu_cache_bytes > 0)
 
     def _assemble(self, layer: int, kind: int, chunks: np.ndarray, inverse: np.ndarray, offsets: np.ndarray,
                   size: int, cached: dict, runs) -> tuple[jax.Array, np.ndarray, float]:
@@ -358,24 +358,7 @@ class Prefetcher:
             if extent is not None and (parts or 2 * int((~in_page).sum()) < extent.array.shape[0] * c):
                 extent = None
             extent_table = None if extent is None else np.full((2, size), -1, np.int32)  # rows from the buffer
-            in_buffers = {}  # id(extent) -> (extent, [rows], [their chunk in it]): one copy step per landing buffer
-            for run in runs:
-                arrays, good = run.verified.result()
-                rows, index = run.rows(row_chunks, good, ok)
-                if self.caching:  # placed once the first token is out (`close`)
-                    used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
-                    if len(used):
-                        self.cache.admit_later(chunk_keys(layer, kind, run.first_chunk + used), _views(arrays, used))
-                if run.extent is None:
-                    parts.append((arrays, rows, index))
-                    continue
-                index = run.first_chunk - run.extent.first_chunk + index
-                if extent is not None:
-                    extent_table[0, rows], extent_table[1, rows] = index, offsets[rows]
-                    continue
-                _, buffer_rows, buffer_index = in_buffers.setdefault(id(run.extent), (run.extent, [], []))
-                buffer_rows.append(rows)
-                buffer_index.append(index)
+            self._route_runs(layer, kind, runs, row_chunks, offsets, ok, parts, extent_table)
             if extent is not None:
                 dispatched_at = time.monotonic()
                 read = self.pool.gather_extent(kind, extent.array, extent_table)
@@ -385,11 +368,37 @@ class Prefetcher:
                 # later one may need, whatever the device tier then holds
                 return (self.pool.gather(kind, slots, padded(offsets, size, 0), read, host_slots=host_slots), ok,
                         dispatched_at)
-            parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
             array, dispatched_at = self._gather_parts(kind, size, offsets, slots, host_slots, in_page, parts, ok)
             return array, ok, dispatched_at
         finally:
             self.pool.unpin(kind, pinned)
+
+    def _route_runs(self, layer: int, kind: int, runs, row_chunks: np.ndarray, offsets: np.ndarray, ok: np.ndarray,
+                    parts: list, extent_table: np.ndarray | None) -> None:
+        """Route each run's verified rows (a bad chunk's rows marked not `ok`): into `extent_table` (its chunk in the
+        landing buffer, its offset) where the take's one landing buffer crosses as it is; else onto `parts` (chunk
+        arrays, rows, their chunk index), one part per landing buffer however many runs landed in it, so each buffer
+        costs one copy step. With the caches on, every chunk a run read is offered to them, placed once the
+        request's first token is out (`close`)."""
+        in_buffers = {}  # id(extent) -> (extent, [rows], [their chunk in it])
+        for run in runs:
+            arrays, good = run.verified.result()
+            rows, index = run.rows(row_chunks, good, ok)
+            if self.caching:  # placed once the first token is out (`close`)
+                used = np.flatnonzero(np.bincount(index, minlength=run.n_chunks))
+                if len(used):
+                    self.cache.admit_later(chunk_keys(layer, kind, run.first_chunk + used), _views(arrays, used))
+            if run.extent is None:
+                parts.append((arrays, rows, index))
+                continue
+            index = run.first_chunk - run.extent.first_chunk + index
+            if extent_table is not None:
+                extent_table[0, rows], extent_table[1, rows] = index, offsets[rows]
+                continue
+            _, buffer_rows, buffer_index = in_buffers.setdefault(id(run.extent), (run.extent, [], []))
+            buffer_rows.append(rows)
+            buffer_index.append(index)
+        parts += [(e.array, np.concatenate(rows), np.concatenate(index)) for e, rows, index in in_buffers.values()]
 
     def _gather_parts(self, kind: int, size: int, offsets: np.ndarray, slots: np.ndarray, host_slots, in_page,
                       parts: list, ok: np.ndarray) -> tuple[jax.Array, float]:

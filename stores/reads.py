@@ -25,14 +25,15 @@ from specjax.stores.manifest import chunk_checksums
 from specjax.stores.scheduler import when_all
 
 if typing.TYPE_CHECKING:
-    from specjax.stores.index import Match, StoreIndex
+    from specjax.stores.index import StoreIndex
+    from specjax.stores.match import Match
     from specjax.stores.metrics import StoreMetrics
     from specjax.stores.summaries import KeySummaries
 
 log = logging.getLogger(__name__)
 
-# a segment's layer and kind up to this size lands in one buffer (`_extents`); a new buffer's pages are faulted in at
-# ~1.2 GB/s on the project's VM (64 MiB: 57 ms), once: free buffers are used again
+# a segment's layer and kind up to this size lands in one buffer (`_extents`); a new buffer's pages are faulted in
+# once, a cost per byte (`benchmarks/results/cpu/segment-buffers`): free buffers are used again
 SEGMENT_BUFFER_BYTES = 64 << 20
 
 

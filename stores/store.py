@@ -20,10 +20,11 @@ import tensorstore as ts
 
 from specjax.stores import kvarray, leases
 from specjax.stores.catalog import Segment
-from specjax.stores.index import Match, StoreIndex
+from specjax.stores.index import StoreIndex
 from specjax.stores.manifest import layout_from_fingerprint
 from specjax.stores.kvarray import KVArrays
 from specjax.stores.manifest import ManifestIO
+from specjax.stores.match import Match
 from specjax.stores.metrics import StoreMetrics
 from specjax.stores.locations import Locations
 from specjax.stores.reads import ChunkRead, ChunkReader, Gathered, Run, when_all

@@ -17,7 +17,8 @@ from specjax.stores.kvarray import K, PROBE, V
 from specjax.stores.manifest import chunk_checksums
 
 if typing.TYPE_CHECKING:
-    from specjax.stores.index import Match, StoreIndex
+    from specjax.stores.index import StoreIndex
+    from specjax.stores.match import Match
     from specjax.stores.metrics import StoreMetrics
     from specjax.stores.summaries import KeySummaries
 

@@ -357,4 +357,4 @@ def test_eval_options_reach_the_system():
     settings = systems_lib.SystemSettings(
         options=SystemOptions(blend_ratio=0.3, blend_deviation="key", blend_filter="fixed"))
     system = registry.make_system("cacheblend", model, settings).system
-    assert (system.blend_ratio, system.blend_deviation, system.blend_filter) == (0.3, "key", "fixed")
+    assert (system.schedule.ratio, system.schedule.deviation, system.schedule.filter) == (0.3, "key", "fixed")

@@ -438,7 +438,7 @@ def test_unknown_system():
 
 def test_ablations_change_the_policy():
     s = make_system("spec", no_itf=True, no_reorder=True, no_score_cache=True, no_prefetch=True)
-    assert (s.identify, s.reorder, s.cache_policy, s.prefetch) == ("h2o", False, "lfu", "certain")
+    assert (s.identify, s.reorder, s.cache_policy, s.prefetch.name) == ("h2o", False, "lfu", "certain")
     assert s.name == "spec-no_itf-no_reorder-no_score_cache-no_prefetch"
 
 
@@ -448,7 +448,7 @@ def test_options_change_only_the_systems_they_concern():
     assert make_system("impress", no_prefetch=True) == make_system("impress")  # it has no speculation to turn off
     assert make_system("impress", no_itf=True, no_prefetch=True).name == "impress-no_itf"
     gqa = make_system("spec_gqa", gqa_candidates=2, no_prefetch=True, no_reorder=True)  # SPEC's ablations reach it
-    assert (gqa.name, gqa.candidates, gqa.prefetch, gqa.reorder) == ("spec_gqa-candidates2-no_reorder-no_prefetch",
+    assert (gqa.name, gqa.candidates, gqa.prefetch.name, gqa.reorder) == ("spec_gqa-candidates2-no_reorder-no_prefetch",
                                                                       2.0, "certain", False)
     assert make_system("spec_gqa", alpha=0.8).alpha == 0.8 and make_system("spec", alpha=0.8).name == "spec"
     with pytest.raises(SpecjaxError, match="alpha must be >= 0"):
@@ -651,7 +651,7 @@ def test_always_speculate_guesses_every_layer_whatever_a_guess_costs(model):
     the measured rule says it would not pay; same answers; named so in results; refused beside no_prefetch."""
     req = _request(model, prefix_len=96, seed=5)
     system = make_system("spec", always_speculate=True)
-    assert system.name == "spec-always_speculate" and system.speculate_always
+    assert system.name == "spec-always_speculate" and system.prefetch.always
     assert make_system("as_h2o_lfu", always_speculate=True) == make_system("as_h2o_lfu")  # nothing to guess there
     with pytest.raises(SpecjaxError, match="contradict"):
         make_system("spec", always_speculate=True, no_prefetch=True)

@@ -255,6 +255,7 @@ def test_every_eval_flag_is_one_setting_of_the_tree():
     from absl import flags
     from absl.testing import flagsaver
 
+    from specjax.engine.systems import SystemOptions
     from specjax.eval import settings
     from specjax.eval.errors import EvalError
 
@@ -267,10 +268,15 @@ def test_every_eval_flag_is_one_setting_of_the_tree():
     with flagsaver.flagsaver(), pytest.raises(flags.IllegalFlagValueError, match="outside 0-100"):
         cli.FLAGS.gpu_cache = "150%"
     with pytest.raises(EvalError, match=r"gpu_cache '150%'.*outside 0-100"):
-        settings.checked({**cli._values(), "gpu_cache": "150%"})  # as a preset would set it
+        settings.EvalSettings.from_values({**cli._values(), "gpu_cache": "150%"})  # as a preset would set it
     with pytest.raises(EvalError, match="needle_facts 2: must be at least 4"):
-        settings.checked({"needle_facts": 2})
-    assert settings.checked(cli._values()) == cli._values()
+        settings.EvalSettings.from_values({"needle_facts": 2})
+    with pytest.raises(EvalError, match="has no setting gpu_cache_size"):
+        settings.EvalSettings.from_values({"gpu_cache_size": "15%"})
+    tree = cli.flag_settings()
+    assert tree.values() == cli._values() and list(tree.values()) == list(cli.OUR_FLAGS)
+    assert tree.store.cpu_cache == cli.FLAGS["cpu_cache"].value and tree.options == SystemOptions()
+    assert tree.replace(cpu_cache="20%").store.cpu_cache == "20%" != tree.store.cpu_cache
 
 
 @pytest.mark.parametrize("flag", ["--store", "--output_dir"])

@@ -107,8 +107,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_engines_imports():
     edges = graph()
-    assert {"specjax.engine.layer_io", "specjax.engine.identify", "specjax.stores.prefetch"} <= \
-        edges["specjax.engine.engine"]
+    assert {"specjax.engine.layer_io", "specjax.engine.identify", "specjax.connector"} <= edges["specjax.engine.engine"]
+    assert "specjax.stores.prefetch" in edges["specjax.connector"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -144,3 +144,36 @@ def test_the_connector_sees_the_store_and_no_model_or_engine():
                 todo.append(module)
     assert "specjax.stores.prefetch" in below
     assert not [m for m in below if m.startswith(("specjax.engine", "specjax.models", "specjax.eval"))]
+
+
+def _below(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    below, todo = set(), [start]
+    while todo:
+        for module in edges.get(todo.pop(), ()):
+            if module not in below:
+                below.add(module)
+                todo.append(module)
+    return below
+
+
+def test_the_engine_reaches_the_stores_only_through_the_connector():
+    edges = graph()
+    engine = [name for name in edges if name.startswith("specjax.engine.")]
+    assert "specjax.engine.layer_io" in engine and "specjax.engine.engine" in engine
+    known = modules()
+    direct = {name: sorted(m for m, _ in imports(name, known[name], known) if m.split(".")[:2] == ["specjax", "stores"])
+              for name in engine}  # the package's own `__init__` counts too
+    assert {name: found for name, found in direct.items() if found} == {}
+    assert all("specjax.stores.prefetch" in _below(edges, name) for name in ("specjax.engine.layer_io",
+                                                                                "specjax.engine.engine"))
+
+
+def test_the_stores_see_no_model_no_engine_and_no_connector():
+    edges = graph()
+    known = modules()
+    stores = [name for name in known if name.split(".")[:2] == ["specjax", "stores"]]
+    reached = set().union(*(_below(edges, name) for name in stores), *(
+        {m for m, _ in imports(name, known[name], known)} for name in stores))
+    assert not [m for m in reached if m.startswith(("specjax.engine", "specjax.models", "specjax.eval",
+                                                    "specjax.connector"))]

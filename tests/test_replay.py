@@ -215,7 +215,7 @@ def test_results_label_replayed_selections(tmp_path):
 def test_recording_and_replaying_at_once_is_refused():
     from specjax.eval import __main__ as cli
     from specjax.eval.errors import EvalError
+    from specjax.eval.settings import EvalSettings
 
     with pytest.raises(EvalError, match="exclude each other"):
-        cli._selection_setting({"record_selections": "a", "replay_selections": "b", "task": "needle",
-                                "prefix_tokens": None})
+        cli._selection_setting(EvalSettings.from_values({"record_selections": "a", "replay_selections": "b"}))

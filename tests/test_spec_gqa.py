@@ -320,7 +320,6 @@ def test_on_a_grouped_query_model_a_shared_set_must_keep_every_heads_share():
 def test_the_host_tier_gives_the_key_summaries_their_bytes():
     """Summaries live in host memory: with its candidate stage spec_gqa's host cache budget is --cpu_cache less
     their bytes (1/16 of K at 16-token chunks); other systems keep the whole budget."""
-    from specjax.stores.caches import HOST
 
     model = specjax.load_model("tiny-llama", init="random", seed=1)
     req = _request(model, prefix_len=160, seed=3)
@@ -330,10 +329,10 @@ def test_the_host_tier_gives_the_key_summaries_their_bytes():
     lay = store.layout
     assert store.summary_bytes == 10 * lay.num_layers * lay.kv_heads * 2 * lay.head_dim * 4  # 10 chunks
     config = EngineConfig(cpu_cache_bytes=1 << 20)
-    assert Engine(model, make_system("spec_gqa", gqa_candidates=2), store, config).cache.tiers[HOST].budget_bytes == \
+    assert Engine(model, make_system("spec_gqa", gqa_candidates=2), store, config).cache.cpu_cache_bytes == \
         (1 << 20) - store.summary_bytes
     for other in ("spec", "spec_gqa"):  # spec_gqa without its candidate stage reads no summary
-        assert Engine(model, make_system(other), store, config).cache.tiers[HOST].budget_bytes == 1 << 20
+        assert Engine(model, make_system(other), store, config).cache.cpu_cache_bytes == 1 << 20
 
 
 def test_retention_is_reported_of_the_whole_prefix_not_of_the_candidates():

@@ -41,17 +41,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding as sh
+from specjax.connector import K, V
 from specjax.engine import events
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill, fingerprint
 from specjax.engine.clock import Clock
 from specjax.engine.layer_io import LayerIO
+from specjax.engine.policies import Blend, runs
 from specjax.engine.types import LayerKV, LayerRecord
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket, padded
-from specjax.stores import K, V
 
 CHECK_LAYER = 1  # cacheblend computes layers 0..CHECK_LAYER in full and first selects on this one
 FILTER_SPREAD = 0.25  # the schedule's ratios go from (1 + s) r down to (1 - s) r (s scaled down near r = 1)
@@ -129,6 +130,8 @@ def _blend_layer(cfg, lp, h, rows, reused_k, reused_v, rotation, total, deviatio
     total: real tokens. Returns the next hidden states [C, D], the mixed keys and values attended to
     [H_kv, S, d], and each row's deviation [C]: the squared distance between its recomputed and reused values,
     keys (both at the request position) or both, summed over heads.
+
+    The rows' own rotary table is computed here, not given (`T.Tokens.rotary`): the rows shrink from layer to layer.
     """
     keys = T.rotate(reused_k, *rotation)
     q, k, v = T.project(cfg, lp, h, rows)
@@ -200,11 +203,12 @@ def _gather_rows(h, idx):
     return h[idx]
 
 
+@runs(Blend)
 class BlendEngine(Engine):
     """Runs `full_reuse` / `cacheblend` requests (`Request.chunks`) over a store of independently cached chunks."""
 
     def __init__(self, model, system, store, config=None):
-        if system.schedule != "blend":
+        if not isinstance(system.schedule, Blend):
             raise SpecjaxError(f"system {system.name!r} is not a chunk-reuse system")
         if not model.config.uses_rope:
             raise SpecjaxError(
@@ -240,7 +244,8 @@ class BlendEngine(Engine):
         size = bucket(total)
         keys = chunk_keys(chunks, self.sink)
         shift, read = _placement(chunks, keys, size)
-        counts = recompute_counts(cfg.num_layers, m, self.system.blend_ratio, filtering=self.system.blend_filter)
+        counts = recompute_counts(cfg.num_layers, m, self.system.schedule.ratio,
+                                  filtering=self.system.schedule.filter)
         loads = _loads(counts, m)
         parts = [opened.enter_context(self._match_or_store(key)) for key in keys]
         match = opened.enter_context(self.store.join(parts))
@@ -252,7 +257,7 @@ class BlendEngine(Engine):
         rows = np.concatenate([recomputed, np.arange(m, total)])
         rows_pad = bucket(len(rows))
         rows_dev = jnp.asarray(padded(rows, rows_pad, size))
-        h = T.embed_step(cfg, params, jnp.asarray(padded(tokens[rows], rows_pad, 0)), rows_dev)
+        h = T.embed_rows(cfg, params, padded(tokens[rows], rows_pad, 0), rows_dev, with_table=False).hidden
         zeros = jnp.zeros((cfg.num_kv_heads, size, cfg.head_dim), self.model.dtype)
         rotation = T.rotary_step(cfg, jnp.asarray(shift))  # see reposition_keys
         layers_kv, traced = [], []
@@ -265,7 +270,7 @@ class BlendEngine(Engine):
                 reused_k = reused_v = zeros
             dispatched = time.monotonic()
             h, mixed_k, mixed_v, deviation = _blend_layer(cfg, lp, h, rows_dev, reused_k, reused_v,
-                                                         rotation, total, self.system.blend_deviation)
+                                                         rotation, total, self.system.schedule.deviation)
             clock.device_work(dispatched, h)  # the layer's compute, which the host goes on past
             for instead in events.emit("blend_layer", layer=layer, reused_k=reused_k, reused_v=reused_v,
                                        rotation=rotation, rows=rows_dev, deviation=deviation):
@@ -276,9 +281,9 @@ class BlendEngine(Engine):
                 recomputed, rows, rows_dev, h = _keep_deviating(clock, deviation, keep, recomputed, rows, n, size, h)
             pace.step(h)
         logits = clock.device_wait(S.head_row(cfg, params, h, len(rows) - 1))
-        return Prefill(logits, _context(layers_kv, size, total), 0, reused_tokens=m, computed_tokens=n + len(traced[-1]),
-                       layers=_layer_record(counts, loads, m), prefetch=io.prefetch_report,
-                       then=[io.after_first_token], selections=traced)
+        return Prefill(logits, _context(layers_kv, size, total), 0, reused_tokens=m,
+                       computed_tokens=n + len(traced[-1]), layers=_layer_record(counts, loads, m),
+                       prefetch=io.prefetch_report, then=[io.after_first_token], selections=traced)
 
     def stored_keys(self, request) -> list[list[int]]:
         """Each text chunk's key (`chunk_keys`): the store holds chunks, not the request's prefix."""

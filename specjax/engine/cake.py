@@ -18,27 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding as sh
+from specjax.connector import K, V
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill
+from specjax.engine.policies import Cake, runs
 from specjax.engine.clock import Clock
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket
-from specjax.stores import K, V
 
 # Layers of a chunk the loader keeps in flight: enough to keep the (emulated) disk busy between reads, few enough
 # that little is left queued on it when the device finishes the chunk first.
 LOADER_WINDOW_LAYERS = 4
 _POLL_S = 0.005  # how often a waiting loader looks whether the device made its chunk unnecessary
-
-
-def check_chunk_tokens(cake_chunk_tokens: int, store_chunk_tokens: int) -> None:
-    if cake_chunk_tokens <= 0 or cake_chunk_tokens % store_chunk_tokens:
-        raise SpecjaxError(f"cake chunks of {cake_chunk_tokens} tokens must be a positive multiple of the store's "
-                           f"{store_chunk_tokens}-token chunks: set --cake_chunk_tokens to a multiple of "
-                           f"--chunk_tokens ({store_chunk_tokens})")
 
 
 # ---- jitted device steps -----------------------------------------------------------------------
@@ -174,12 +168,13 @@ class _Loader(threading.Thread):
 # ---- the engine ---------------------------------------------------------------------------------
 
 
+@runs(Cake)
 class CakeEngine(Engine):
     """The engine with Cake's schedule for the stored prefix; storing prefixes, caches and scoring are the engine's."""
 
     def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
         super().__init__(model, system, store, config)
-        check_chunk_tokens(config.cake_chunk_tokens, store.layout.chunk_tokens)
+        system.schedule.check(config, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
@@ -263,12 +258,7 @@ class CakeEngine(Engine):
         """(first-token logits, every layer's `LayerKV`): the new tokens (unstored prefix tail + query) over the whole
         stored prefix `keys`/`values` of m tokens, as the engine does for as_full; the tail's KV written behind."""
         cfg, params, n = self.cfg, self.model.params, len(new_tokens)
-        n_pad = bucket(n)
-        ids = np.zeros(n_pad, np.int32)
-        ids[:n] = new_tokens
-        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
-        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(cfg, positions)
+        h, positions, rotary = T.tokens_at(cfg, params, new_tokens, m, bucket(n))
         selection = SharedIndices(jnp.asarray(np.arange(width, dtype=np.int32)), m)
         layers_kv = []
         pace = sh.Pace(self.mesh, clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
@@ -307,11 +297,7 @@ class CakeEngine(Engine):
         cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
         lo = j * c
         count = min(c, m - lo)
-        ids = np.zeros(c, np.int32)
-        ids[:count] = prefix[lo:lo + count]
-        positions = jnp.asarray(np.arange(lo, lo + c, dtype=np.int32))
-        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(cfg, positions)
+        h, positions, rotary = T.tokens_at(cfg, params, prefix[lo:lo + count], lo, c)
         for layer, lp in enumerate(params["layers"]):
             if meeting.loaded_from(j):
                 return False
@@ -343,14 +329,14 @@ class CakeEngine(Engine):
         lay = self.store.layout  # the loader's decoding of a chunk's low-bit rows, if it reads them
         rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
         jax.block_until_ready(self.precision.decode(kind, rows))
-        positions = jnp.asarray(np.arange(c, dtype=np.int32))
-        rotary = T.rotary_step(cfg, positions)
+        chunk = T.tokens_at(cfg, self.model.params, [], 0, c)  # a chunk of padding: only its shapes matter
+        positions, rotary = chunk.positions, chunk.rotary
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
         buffers = S.zero_buffers(cfg.num_layers, shape, dtype)
         pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         for j in range(n_chunks):
-            h = T.embed_step(cfg, self.model.params, jnp.zeros(c, jnp.int32), positions)
-            for lp in self.model.params["layers"][:2]:  # the first layer's input comes from embed_step, later ones not
+            h = chunk.hidden
+            for lp in self.model.params["layers"][:2]:  # the first layer's input is an embedding, later ones not
                 h, buffers[0], buffers[1] = self._chunk_layer(j, lp, h, positions, rotary, buffers[0], buffers[1],
                                                               c)
                 pace.step(h)
@@ -358,4 +344,4 @@ class CakeEngine(Engine):
         jax.block_until_ready(_put_chunk(buffers, rows, 0))
 
 
-__all__ = ["CakeEngine", "check_chunk_tokens"]
+__all__ = ["CakeEngine"]

@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding as sh
+from specjax.connector import LOW_BIT_FORMAT, KVStore, Prefetcher, Reorderer, StoreError, TieredCache
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.identify import policy
 from specjax.engine.policy_steps import Facts, probe_kv_heads
+from specjax.engine.policies import Layers, runs
 from specjax.engine.precision import Precision, WithRest, check_store
 from specjax.engine.clock import Clock
 from specjax.engine.layer_io import BadChunk, LayerIO, ReadPath
@@ -37,10 +39,6 @@ from specjax.idsets import distinct
 from specjax.kernels import SharedIndices
 from specjax.models import transformer as T
 from specjax.models.inference import bucket, log_softmax
-from specjax.stores import KVStore, StoreError
-from specjax.stores.caches import TieredCache
-from specjax.stores.kvarray import LOW_BIT_FORMAT
-from specjax.stores.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +98,7 @@ def _continuation_bucket(tokens: int) -> int:
     return bucket(tokens, minimum=8)
 
 
+@runs(Layers)
 class Engine:
     """Runs requests for one system over one store; owns that system's caches and prefetcher."""
 
@@ -131,7 +130,7 @@ class Engine:
                           if store is not None else None)
         self.probe_kv = np.asarray(self.facts.probe_kv)  # the KV heads whose keys the store's probe kind holds
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
-        self._host_cache_bytes = config.cpu_cache_bytes
+        self._cpu_cache_bytes = config.cpu_cache_bytes
         self.requests_run = 0
         # a selection trace identification records its scores into or replays them from (specjax.engine.replay)
         self.selections: Recorder | Replay | None = None
@@ -147,7 +146,7 @@ class Engine:
                                for kind in store.layout.kinds()})
             # key summaries (spec_gqa's candidates) live in host memory: the host tier gives up their bytes
             if system.candidates is not None:
-                self._host_cache_bytes = max(0, self._host_cache_bytes - store.summary_bytes)
+                self._cpu_cache_bytes = max(0, self._cpu_cache_bytes - store.summary_bytes)
             self.empty_caches()
             # queues each layer's reads ahead (LayerIO._read_ahead_of) while the request's thread goes on
             self.io_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-read-ahead")
@@ -173,9 +172,9 @@ class Engine:
 
     def _new_caches(self) -> tuple[TieredCache, Prefetcher, Speculator | None]:
         store, system, config = self.store, self.system, self.config
-        cache = TieredCache(config.gpu_cache_bytes, self._host_cache_bytes, system.cache_policy, metrics=store.metrics)
+        cache = TieredCache(config.gpu_cache_bytes, self._cpu_cache_bytes, system.cache_policy, metrics=store.metrics)
         prefetcher = Prefetcher(store, cache, pcie_bandwidth=config.pcie_bandwidth)
-        speculator = (Speculator(store, cache, always=system.speculate_always) if system.prefetch == "speculative"
+        speculator = (Speculator(store, cache, always=system.prefetch.always) if system.prefetch.speculative
                       else None)
         return cache, prefetcher, speculator
 
@@ -210,11 +209,7 @@ class Engine:
             return False
         writer = self.store.begin_insert(prefix, base=match)
         n = len(prefix)
-        ids = np.zeros(bucket(n), np.int32)
-        ids[:n] = prefix
-        positions = jnp.arange(len(ids), dtype=jnp.int32)
-        h = T.embed_step(self.cfg, self.model.params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(self.cfg, positions)
+        h, positions, rotary = T.tokens_at(self.cfg, self.model.params, prefix, width=bucket(n))
         start = match.length
         pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         with writer:
@@ -305,8 +300,6 @@ class Engine:
 
     def reorder(self) -> int:
         """Repack every radix node whose importance has been observed (SPEC's KV reordering)."""
-        from specjax.stores.reorder import Reorderer
-
         return Reorderer(self.store).run_once()
 
     def _run(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
@@ -391,17 +384,9 @@ class Engine:
         n_pad = bucket(n)
         if m:
             io.plan_reads(range(cfg.num_layers))
-        if head:
-            head_ids = np.zeros(bucket(head), np.int32)
-            head_ids[:head] = tokens[:head]
-            head_positions = jnp.arange(len(head_ids), dtype=jnp.int32)
-            h_head = T.embed_step(cfg, params, jnp.asarray(head_ids), head_positions)
-            head_rotary = T.rotary_step(cfg, head_positions)
-        ids = np.zeros(n_pad, np.int32)
-        ids[:n] = tokens[m:]
-        positions = jnp.arange(m, m + n_pad, dtype=jnp.int32)
-        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(cfg, positions)
+        if head:  # the computed head of the stored prefix: its own causal block from position 0
+            h_head, head_positions, head_rotary = T.tokens_at(cfg, params, tokens[:head], 0, bucket(head))
+        h, positions, rotary = T.tokens_at(cfg, params, tokens[m:], m, n_pad)
         pace = sh.Pace(self.mesh, io.clock.device_wait)  # on a CPU mesh, a layer ahead at most (sharding.Pace)
         layers_kv, importance, traced = [], [], []
         for layer, lp in enumerate(params["layers"]):
@@ -440,12 +425,9 @@ class Engine:
     # -- chunked prefill (nothing reused) ----------------------------------------------------------------
 
     def _prefill_layer(self, lp, h, positions, rotary, keys, values, lo: int, count: int):
-        """One layer of a chunk of new tokens at token `lo` (`count` valid rows): its K/V rows are written into this
-        layer's buffers keys / values [H_kv, W, d], and it attends causally to rows [0, lo + count) of them.
-        Returns (next hidden, keys, values)."""
-        q, own_k, own_v = S.project(self.cfg, lp, h, positions, rotary)
-        keys, values = S.put_rows(keys, own_k, lo), S.put_rows(values, own_v, lo)
-        return S.finish_plain(self.cfg, lp, h, q, keys, values, positions, lo + count), keys, values
+        """One layer of a chunk of new tokens at token `lo` (`count` valid rows) over this layer's buffers keys /
+        values (`S.layer_over_buffers`). Returns (next hidden, keys, values)."""
+        return S.layer_over_buffers(self.cfg, lp, h, positions, rotary, keys, values, lo, count)
 
     def _prefill_chunked(self, tokens, writer, new_prefix, clock: Clock):
         """Chunked prefill of all tokens (none reused): chunk by chunk through every layer, each chunk's K/V
@@ -463,11 +445,7 @@ class Engine:
             lo = j * c
             count = min(c, n - lo)
             size = min(c, bucket(count))  # a partial last chunk is padded only to its bucket
-            ids = np.zeros(size, np.int32)
-            ids[:count] = tokens[lo:lo + count]
-            positions = jnp.asarray(np.arange(lo, lo + size, dtype=np.int32))
-            h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-            rotary = T.rotary_step(cfg, positions)
+            h, positions, rotary = T.tokens_at(cfg, params, tokens[lo:lo + count], lo, size)
             for layer, lp in enumerate(params["layers"]):
                 h, keys[layer], values[layer] = self._prefill_layer(lp, h, positions, rotary, keys[layer],
                                                                     values[layer], lo, count)
@@ -489,12 +467,7 @@ class Engine:
         if not cont:
             raise SpecjaxError("cannot score an empty continuation")
         c = len(cont)
-        c_pad = _continuation_bucket(c)
-        ids = np.zeros(c_pad, np.int32)
-        ids[:c] = cont
-        positions = jnp.arange(m + n, m + n + c_pad, dtype=jnp.int32)
-        h = T.embed_step(cfg, params, jnp.asarray(ids), positions)
-        rotary = T.rotary_step(cfg, positions)
+        h, positions, rotary = T.tokens_at(cfg, params, cont, m + n, _continuation_bucket(c))
         pace = sh.Pace(self.mesh)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
         for lp, (prefix_k, prefix_v, selection) in zip(params["layers"], contexts):
             q, own_k, own_v = S.project(cfg, lp, h, positions, rotary)

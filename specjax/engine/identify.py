@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.connector import PROBE, K, V
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.policy_steps import (Credit, Facts, Layer, Locate, PlanPeriod, Score, Selected, Steps, Summaries,
@@ -36,7 +37,6 @@ from specjax.errors import SpecjaxError
 from specjax.idsets import distinct
 from specjax.kernels import PerHeadIndices, SharedIndices, quest
 from specjax.shapes import bucket, padded
-from specjax.stores import K, PROBE, V
 
 
 @functools.lru_cache(maxsize=64)
@@ -67,6 +67,8 @@ def _scored(logits, columns: PerHeadIndices) -> S.ScoredLogits | None:
 
 class LoadAll:
     """No identification: every prefix token's K and V (AttentionStore, and CacheBlend's full reuse)."""
+
+    prunes = False
 
     def certain_reads(self, f: Facts) -> tuple:
         return (K, V)
@@ -112,6 +114,8 @@ class ITF(H2O):
     When the probe keys are every KV head's (`Facts.probe_is_k`), they are the layer's K: the shared set's keys are
     gathered from them, and only its V read."""
 
+    threshold = True
+
     def certain_reads(self, f: Facts) -> tuple:
         return (PROBE,)
 
@@ -146,6 +150,8 @@ class Chunks:
     """ContiguousKV (docs/systems.md): a period's first layer scores every head on all keys and keeps the best whole
     chunks; the period's other layers reuse that set and its importance from the state and find it prefetched
     (`PlanPeriod` plans every read, so nothing is certain ahead of it)."""
+
+    periods = True
 
     def certain_reads(self, f: Facts) -> tuple:
         return ()
@@ -197,6 +203,9 @@ class GroupedITF:
 
     Probe keys come from the store's probe kind when its heads are these probe KV heads (one query head per KV
     head), else from K (grouped-query models: the candidates' keys of every KV head come with the chunk files)."""
+
+    threshold = True
+    candidate_stage = True
 
     def certain_reads(self, f: Facts) -> tuple:
         """Without a candidate stage every position is a candidate: its probe keys are read whatever the layer then
@@ -344,6 +353,17 @@ def _importance_now(scores, n: int, positions: np.ndarray | None, m: int | None)
 
 # identification name -> policy class, what a `System`'s `identify` names; `register` adds one
 POLICIES = {"none": LoadAll, "h2o": H2O, "itf": ITF, "chunks": Chunks, "gqa_itf": GroupedITF}
+
+# What a policy class may declare about itself as class attributes, and the value a class that does not declare one
+# has: `prunes`, it keeps a share of the prefix (--retention); `threshold`, ITF's agreement test (its alpha and SPEC's
+# ablations apply); `candidate_stage`, spec_gqa's key-summary candidates; `periods`, ContiguousKV's period plan
+# (its chunk, period and sub-period sizes apply, and it goes with the `periods` prefetch).
+TRAITS = {"prunes": True, "threshold": False, "candidate_stage": False, "periods": False}
+
+
+def trait(name: str, what: str) -> bool:
+    """What the identification `name` declares about itself (`TRAITS`)."""
+    return bool(getattr(POLICIES[name], what, TRAITS[what]))
 
 
 def register(name: str):

@@ -12,14 +12,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from specjax.connector import PROBE, K, KVStore, Locations, Prefetcher, TieredCache, V
 from specjax.engine import events
 from specjax.engine import policy_steps as P
 from specjax.engine.clock import Clock
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
-from specjax.stores import K, PROBE, V, KVStore, Locations
-from specjax.stores.caches import TieredCache
-from specjax.stores.prefetch import Prefetcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +106,7 @@ class LayerIO:
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
         that prefetch them."""
-        if self.path.system.prefetch in ("none", "periods"):
+        if not self.path.system.prefetch.ahead:
             return
         for kind in self.path.identification.certain_reads(self.path.facts):
             self._request(layer, kind, self.all_positions)
@@ -117,15 +115,16 @@ class LayerIO:
         """The request's read plan: what each of `layers` reads whatever it selects (as_full: all K and V; H2O: all
         keys; SPEC: probe keys), at demand priority in layer order, so the disk works through them at its queue depth
         while the layers compute; selective reads are issued as each layer's set is known. The plan is issued by the
-        engine's I/O worker, layer by layer, while this thread goes on to compute the first layer (issuing a 7B
-        model's 56 reads is tens of ms of host work); a layer's take waits until its planned reads are issued.
+        engine's I/O worker, layer by layer, while this thread goes on to compute the first layer (issuing every
+        layer's reads is host work the first layer need not wait for); a layer's take waits until its planned reads
+        are issued.
         ContiguousKV reads its first period's keys here and plans every later read itself (`plan_period`); a system
-        that does not prefetch (`prefetch="none"`) reads each layer when it takes it."""
+        that does not read ahead (`Prefetch.ahead`) reads each layer when it takes it."""
         layers = list(layers)
-        if self.path.system.prefetch == "periods" and layers:
+        if self.path.system.prefetch.periods and layers:
             self._request(layers[0], K, self.all_positions)
             return
-        if self.path.io_worker is None or self.path.system.prefetch == "none" or not layers:
+        if self.path.io_worker is None or not self.path.system.prefetch.ahead or not layers:
             for layer in layers:
                 self._request_certain(layer)
             return
@@ -358,9 +357,8 @@ class LayerIO:
     def identify(self, fn, *args, **kwargs):
         """An identification step fn(*args, **kwargs), timed as "identify" once the device has done the work its
         inputs come from. That wait is the engine's pacing, not the clock's (an untimed engine waits too): without
-        it the request's thread runs on to the next take while the device still computes, and on the 2-core CPU
-        spec_gqa then made twice the reads and took 1.25x as long (timing-qwen2.5-7b, needle 4k, O_DIRECT, caches
-        off: 1,694 reads and 2,582 ms against 837 and 2,027 ms with the wait, `benchmarks/results/cpu/data_path`)."""
+        it the request's thread runs on to the next take while the device still computes, and on a CPU with few
+        cores a selective system then makes more reads and takes longer (`benchmarks/results/cpu/data_path`)."""
         self.clock.device_wait(args)
         return self.clock.timed("identify", fn, *args, **kwargs)
 

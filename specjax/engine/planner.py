@@ -34,11 +34,12 @@ import time
 import numpy as np
 
 from specjax.compiles import CompileCounter
+from specjax.connector import K, V
 from specjax.engine.engine import Engine
 from specjax.engine.identify import policy
+from specjax.engine.policies import CERTAIN, Planner, runs
 from specjax.engine.precision import Precision
 from specjax.engine.types import EngineConfig, LayerRecord, Request, RequestResult
-from specjax.stores.kvarray import K, V
 
 # The heads a plan may compute, as fractions of the stored prefix (rounded down to whole store chunks); 1.0 is
 # recompute. Few, so that calibration compiles and measures each once per prefix.
@@ -226,6 +227,7 @@ class CostModel:
                 "crossover_bytes_per_s": {str(m): self.crossover_rate(m) for m in ms}}
 
 
+@runs(Planner)
 class PlannerEngine(Engine):
     """SPEC's engine that computes a planned head of each stored prefix instead of loading it (`Engine._run`'s
     `head`), or loads it whole, as the cost model says per request."""
@@ -349,7 +351,7 @@ class PlannerEngine(Engine):
         """This request loads every stored token's K and V (the `none` identification, its certain reads planned at
         the start) through the same store, caches and scheduler; speculation sits it out."""
         saved = self.system, self.identification, self.speculator
-        self.system = dataclasses.replace(self.system, identify="none", prefetch="certain")
+        self.system = dataclasses.replace(self.system, identify="none", prefetch=CERTAIN)
         self.identification, self.speculator = policy("none"), None
         try:
             yield

@@ -18,14 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.connector import PROBE, K, Layout, V, bits_of, low_bit
 from specjax.engine.identify import iota
 from specjax.engine.policy_steps import Facts, Layer, Selected, Steps, Take
 from specjax.errors import SpecjaxError
 from specjax.idsets import distinct
 from specjax.kernels import PerHeadIndices, SharedIndices, quant
 from specjax.shapes import bucket, padded
-from specjax.stores import K, PROBE, V
-from specjax.stores.kvarray import Layout, bits_of, low_bit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from specjax.stores import K, V
+from specjax.connector import K, V
 
 
 class ChunkUsage:

@@ -86,6 +86,15 @@ def finish_plain(cfg, lp, h, q, keys, values, positions, visible, *, self_causal
     return T.attend_and_mlp(cfg, lp, h, q, keys, values, positions, slots, slots < visible, self_causal=self_causal)
 
 
+def layer_over_buffers(cfg, lp, h, positions, rotary_table, keys, values, lo: int, count: int):
+    """One layer of new tokens at token `lo` (`count` valid rows) over a layer's buffers keys / values [H_kv, W, d]
+    (row i holding position i): its K/V rows are written into them in place, and it attends causally to rows
+    [0, lo + count) of them. Returns (next hidden, keys, values)."""
+    q, own_k, own_v = project(cfg, lp, h, positions, rotary_table)
+    keys, values = put_rows(keys, own_k, lo), put_rows(values, own_v, lo)
+    return finish_plain(cfg, lp, h, q, keys, values, positions, lo + count), keys, values
+
+
 # the most a scoring pass's logits may hold to be kept for the layer's attention (`scores(..., with_logits=True)`):
 # the reference scoring makes them anyway; kept, they live until the layer's attention has used them
 LOGITS_KEPT_BYTES = 256 << 20

@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.connector import CACHE_POLICIES, LOW_BITS
+from specjax.engine import policies
 from specjax.engine.identify import POLICIES as IDENTIFY
+from specjax.engine.identify import trait
+from specjax.engine.policies import BLEND_DEVIATIONS, BLEND_FILTERS, CERTAIN, NO_PREFETCH, PERIODS, SPECULATIVE
+from specjax.engine.policies import Blend, Cake, Layers, Planner, Prefetch, Schedule
 from specjax.errors import SpecjaxError
-from specjax.stores.caches import POLICIES
-from specjax.stores.kvarray import LOW_BITS
 
 # How a layer chooses its tokens (`IDENTIFY`, specjax.engine.identify's policies by name): load all | per-head H2O |
-# SPEC's ITF | ContiguousKV's chunks | spec_gqa's ITF over KV-head probes | any a new file registers
-# what is read for layer i+1 while layer i computes: nothing | its certain reads | those and a speculative guess of
-# its selection | ContiguousKV's intra- and inter-period plan
-PREFETCH = ("none", "certain", "speculative", "periods")
-# the engine's layer loop | Cake's two-ended chunk schedule (specjax.engine.cake) | the layer loop computing a planned
-# head of the stored prefix (specjax.engine.planner) | CacheBlend's: the prefix is independently cached text chunks,
-# all their KV is loaded and a share of context tokens recomputed per layer (specjax.engine.blend)
-SCHEDULES = ("layers", "cake", "planner", "blend")
-# CacheBlend's token selection: what deviation ranks tokens (recomputed vs reused vectors), and whether later layers
-# keep filtering the set (the paper) or keep the check layer's set (the authors' reference code)
-BLEND_DEVIATIONS = ("value", "key", "key_value")
-BLEND_FILTERS = ("gradual", "fixed")
+# SPEC's ITF | ContiguousKV's chunks | spec_gqa's ITF over KV-head probes | any a new file registers.
+# What is read ahead and how requests are scheduled: `specjax.engine.policies`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +26,8 @@ class System:
     name: str
     reuse: bool = True  # False: recompute the whole prefix, never touch the store
     identify: str = "none"
-    prefetch: str = "none"  # what is read for layer i+1 while layer i computes
+    # what is read for layer i+1 while layer i computes (a `policies.Prefetch`; its name is read as one)
+    prefetch: Prefetch = NO_PREFETCH
     cache_policy: str = "lru"  # stores.caches policy of the device and host tiers
     reorder: bool = False  # repack each radix node's chunks by importance between requests
     alpha: float = 0.6  # ITF threshold exponent, t = j ** alpha
@@ -41,36 +35,27 @@ class System:
     chunk_tokens: int | None = None  # the store chunk this system needs (None: the run's --chunk_tokens)
     period_layers: int = 8  # "chunks": layers sharing the chunk set chosen at the period's first layer
     subperiod_layers: int = 4  # "periods" prefetch: layers of a period loaded before the period computes
-    schedule: str = "layers"
-    # the "blend" schedule: the fraction of context tokens recomputed per layer (0: full KV reuse)
-    blend_ratio: float = 0.15
-    blend_deviation: str = "value"
-    blend_filter: str = "gradual"
+    schedule: Schedule = Layers()  # what runs its requests (`policies`: Layers, Cake, Planner, Blend)
     # spec_gqa: only the chunks whose key summaries bound the most attention, at least this many times the kept
     # tokens, are scored and read (None: every position)
     candidates: float | None = None
     # spec_gqa on grouped-query models: a shared set must keep at least this share of every query head's own
     # top-k attention, else the layer falls back (None: SPEC's test alone)
     min_head_share: float | None = None
-    # "speculative" prefetch: guess every layer's next set, as the SPEC paper does (False: only where a guess pays for
-    # its host time, `speculation.Speculator.pays`)
-    speculate_always: bool = False
     # prefix K and V loaded at these bits, from a store that holds them so (None: the store's dtype; specjax.engine.
     # precision)
     kv_bits: int | None = None
     # the prefix tokens the identification does not select load at these bits instead of being dropped (spec_mixed)
     rest_bits: int | None = None
-    # the planner: the low precisions it may also load a whole stored prefix at, besides kv_bits (the accuracy it may
-    # give up is the user's to bound: the fewest bits allowed)
-    plan_bits: tuple[int, ...] = ()
     description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
-        for field, value, known in (("identify", self.identify, IDENTIFY), ("prefetch", self.prefetch, PREFETCH),
-                                    ("schedule", self.schedule, SCHEDULES),
-                                    ("cache_policy", self.cache_policy, POLICIES),
-                                    ("blend_deviation", self.blend_deviation, BLEND_DEVIATIONS),
-                                    ("blend_filter", self.blend_filter, BLEND_FILTERS)):
+        object.__setattr__(self, "prefetch", policies.prefetch(self.prefetch))
+        if not isinstance(self.schedule, Schedule):
+            raise SpecjaxError(f"system {self.name!r}: schedule must be a specjax.engine.policies.Schedule, got "
+                               f"{self.schedule!r}")
+        for field, value, known in (("identify", self.identify, IDENTIFY), ("cache_policy", self.cache_policy,
+                                                                              CACHE_POLICIES)):
             if value not in known:
                 raise SpecjaxError(f"system {self.name!r}: unknown {field} {value!r}; choose one of "
                                    f"{', '.join(known)}")
@@ -88,19 +73,19 @@ class System:
         if self.rest_bits is not None and self.rest_bits == self.kv_bits:
             raise SpecjaxError(f"system {self.name!r}: its selection and the rest both at {self.kv_bits} bits load "
                                f"every token at them: run a system that loads everything at kv_bits instead")
-        if self.plan_bits and (self.schedule != "planner" or any(b not in LOW_BITS for b in self.plan_bits)):
-            raise SpecjaxError(f"system {self.name!r}: plan_bits are the planner's precisions, some of {LOW_BITS}; "
-                               f"got {self.plan_bits} for a system with schedule {self.schedule!r}")
+        if isinstance(self.schedule, Planner) and any(b not in LOW_BITS for b in self.schedule.bits):
+            raise SpecjaxError(f"system {self.name!r}: the planner's precisions must be some of {LOW_BITS}; got "
+                               f"{self.schedule.bits}")
         if self.rest_bits is not None and self.candidates is not None:
             raise SpecjaxError(f"system {self.name!r}: rest_bits with a candidate stage is not built (the rest's "
                                f"rows are laid over every position's)")
-        if (self.prefetch == "periods") != (self.identify == "chunks"):
+        if self.prefetch.periods != trait(self.identify, "periods"):
             raise SpecjaxError(f"system {self.name!r}: 'periods' prefetch goes with 'chunks' identification only")
 
     @property
     def prunes(self) -> bool:
         """It keeps a share of the stored prefix (`--retention`): accuracy and TTFT depend on the retention."""
-        return self.identify != "none"
+        return trait(self.identify, "prunes")
 
     @property
     def store_bits(self) -> tuple[int, ...]:
@@ -108,46 +93,51 @@ class System:
         return tuple(sorted({b for b in (self.kv_bits, self.rest_bits, *self.plan_bits) if b is not None},
                             reverse=True))
 
+    @property
+    def plan_bits(self) -> tuple[int, ...]:
+        """The planner's low precisions (`policies.Planner.bits`); () for every other schedule."""
+        return self.schedule.bits if isinstance(self.schedule, Planner) else ()
+
 
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("recompute", reuse=False,
                description="full prefill of prefix + query (ReComp)"),
-        System("as_full", identify="none", prefetch="certain", cache_policy="lru",
+        System("as_full", identify="none", prefetch=CERTAIN, cache_policy="lru",
                description="AttentionStore-like: load all prefix KV, LRU caches"),
-        System("as_h2o_lru", identify="h2o", prefetch="certain", cache_policy="lru",
+        System("as_h2o_lru", identify="h2o", prefetch=CERTAIN, cache_policy="lru",
                description="AS + H2O: all keys, important values, LRU"),
-        System("as_h2o_lfu", identify="h2o", prefetch="certain", cache_policy="lfu",
+        System("as_h2o_lfu", identify="h2o", prefetch=CERTAIN, cache_policy="lfu",
                description="AS + H2O: all keys, important values, LFU"),
-        System("impress", identify="itf", prefetch="certain", cache_policy="spec_score", reorder=True,
+        System("impress", identify="itf", prefetch=CERTAIN, cache_policy="spec_score", reorder=True,
                description="IMPRESS: probe-head keys, important KV, score cache"),
-        System("spec", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+        System("spec", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                description="SPEC: IMPRESS + layer-aware speculative prefetch"),
         # SPEC whose unselected tokens are loaded at 4 bits instead of dropped (specjax.engine.precision)
-        System("spec_mixed", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+        System("spec_mixed", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                rest_bits=4,
                description="SPEC loading the tokens it does not select at low precision (--rest_bits)"),
         # grouped-query-aware identification: probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
-        System("spec_gqa", identify="gqa_itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
+        System("spec_gqa", identify="gqa_itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                min_head_share=0.9, chunk_tokens=16,
                description="SPEC with KV-head probes and a per-query-head guard (grouped-query models)"),
-        System("contiguous_kv", identify="chunks", prefetch="periods", cache_policy="attention_score",
+        System("contiguous_kv", identify="chunks", prefetch=PERIODS, cache_policy="attention_score",
                chunk_tokens=16,
                description="ContiguousKV: 16-token chunks, periods, I x F cache"),
-        System("cake", identify="none", cache_policy="lru", schedule="cake",
+        System("cake", identify="none", cache_policy="lru", schedule=Cake(),
                description="Cake: compute from the front, load from the back"),
         # SPEC, computing per request the head of the stored prefix a cost model of measured rates says to (design
         # 5.2): head 0 is spec, the whole prefix recompute
-        System("planner", identify="itf", prefetch="speculative", cache_policy="spec_score", reorder=True,
-               schedule="planner",
+        System("planner", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
+               schedule=Planner(),
                description="SPEC computing the head of the prefix a cost model of measured rates picks"),
         # CacheBlend and its lower bound: every chunk's KV, re-rotated to its place; prefetch the next layer's KV
-        System("cacheblend", prefetch="certain", cache_policy="lru", schedule="blend", blend_ratio=0.15,
+        System("cacheblend", prefetch=CERTAIN, cache_policy="lru", schedule=Blend(ratio=0.15),
                description="CacheBlend: reuse chunk KV, recompute deviating tokens (--blend_ratio)"),
-        System("full_reuse", prefetch="certain", cache_policy="lru", schedule="blend", blend_ratio=0.0,
+        System("full_reuse", prefetch=CERTAIN, cache_policy="lru", schedule=Blend(ratio=0.0),
                description="reuse all cached chunk KV, re-rotated, no recompute (CacheBlend's lower bound)"),
     )
 }
@@ -171,7 +161,7 @@ def register(system: System) -> System:
 
 # SPEC's ablations (paper Fig. 18): option no_NAME sets the System field to the value (AS+H2O+LFU's, the baseline's)
 ABLATIONS = {"itf": ("identify", "h2o"), "reorder": ("reorder", False), "score_cache": ("cache_policy", "lfu"),
-             "prefetch": ("prefetch", "certain")}
+             "prefetch": ("prefetch", CERTAIN)}
 
 
 def _option(default, help: str, choices: tuple[str, ...] | None = None):
@@ -264,9 +254,7 @@ class SystemOptions:
         if self.rest_bits is not None and system.rest_bits is not None:
             system = dataclasses.replace(system, rest_bits=int(self.rest_bits),
                                          name=f"{system.name}-rest{self.rest_bits}")
-        if self.plan_bits is not None and system.schedule == "planner":
-            bits = tuple(b for b in LOW_BITS if b >= self.plan_bits and b != system.kv_bits)
-            system = dataclasses.replace(system, plan_bits=bits, name=f"{system.name}-plan{self.plan_bits}")
+        system = system.schedule.apply(self, system)
         return self._apply(system)
 
     def _apply(self, system: System) -> System:
@@ -275,23 +263,20 @@ class SystemOptions:
         filtering, speculation on every layer (`always_speculate`, named `NAME-always_speculate`), and spec_gqa's
         candidate stage (`gqa_candidates` x the kept tokens, named
         `spec_gqa-candidatesB`)."""
-        if system.schedule == "blend":  # full_reuse is CacheBlend at ratio 0 whatever the ratio asked for
-            chosen = {"blend_ratio": self.blend_ratio if system.blend_ratio else None,
-                      "blend_deviation": self.blend_deviation, "blend_filter": self.blend_filter}
-            system = dataclasses.replace(system, **{k: v for k, v in chosen.items() if v is not None})
-        if system.identify == "chunks":
+        if trait(system.identify, "periods"):
             return _with_chunk_sizes(system, self.ckv_chunk_tokens, self.period_layers, self.subperiod_layers)
-        if system.identify in ("itf", "gqa_itf") and self.alpha is not None:
+        if trait(system.identify, "threshold") and self.alpha is not None:
             system = dataclasses.replace(system, alpha=float(self.alpha))
-        if self.always_speculate and system.prefetch == "speculative":
-            system = dataclasses.replace(system, speculate_always=True, name=f"{system.name}-always_speculate")
-        if system.identify == "gqa_itf" and self.gqa_candidates:
+        if self.always_speculate and system.prefetch.speculative:
+            system = dataclasses.replace(system, prefetch=dataclasses.replace(system.prefetch, always=True),
+                                         name=f"{system.name}-always_speculate")
+        if trait(system.identify, "candidate_stage") and self.gqa_candidates:
             system = dataclasses.replace(system, candidates=float(self.gqa_candidates),
                                          name=f"{system.name}-candidates{self.gqa_candidates:g}")
-        if system.identify not in ("itf", "gqa_itf"):
+        if not trait(system.identify, "threshold"):
             return system
         on = [name for name in ABLATIONS if getattr(self, f"no_{name}")
-              and (name != "prefetch" or system.prefetch == "speculative")]  # no speculation: nothing to turn off
+              and (name != "prefetch" or system.prefetch.speculative)]  # no speculation: nothing to turn off
         if not on:
             return system
         return dataclasses.replace(system, name=system.name + "".join(f"-no_{name}" for name in on),

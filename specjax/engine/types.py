@@ -12,8 +12,8 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     retention: float = 0.25  # fraction of the reused prefix kept per layer (k = ceil(r * |R|))
-    gpu_cache_bytes: int = 0
-    cpu_cache_bytes: int = 0
+    gpu_cache_bytes: int = 0  # the device cache tier's budget (the eval's --gpu_cache, in bytes)
+    cpu_cache_bytes: int = 0  # the host cache tier's budget (--cpu_cache, in bytes)
     pcie_bandwidth: float | None = None  # bytes/s of emulated host->device copies (None: not throttled)
     kernel_impl: str = "auto"  # kernels: "auto" (Pallas on GPU), "pallas", "reference"
     reorder_every: int = 0  # run a reordering pass after every N requests (systems with reorder); 0: never

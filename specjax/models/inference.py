@@ -38,12 +38,8 @@ def forward_hidden(cfg: ModelConfig, params: dict, ids) -> tuple[jnp.ndarray, in
     if n == 0:
         raise SpecjaxError("cannot run the model on an empty token sequence")
     _check_length(cfg, n)
-    padded = np.zeros(bucket(n), np.int32)
-    padded[:n] = ids
-    positions = jnp.arange(len(padded), dtype=jnp.int32)
+    h, positions, rotary = T.tokens_at(cfg, params, ids, width=bucket(n))
     valid = positions < n
-    h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
-    rotary = T.rotary_step(cfg, positions)
     pace = sharding.Pace(h)  # on a CPU mesh, at most a layer ahead of the devices (sharding.Pace)
     for lp in params["layers"]:
         h, _, _ = T.self_attention_layer(cfg, lp, h, positions, valid, rotary)
@@ -96,11 +92,7 @@ def extend(cfg: ModelConfig, params: dict, cache: KVCache, ids) -> np.ndarray:
         raise SpecjaxError(f"KV cache of {cache.capacity} positions cannot hold {start + n} tokens")
     _check_length(cfg, start + n)
     width = min(bucket(n, minimum=1 if n == 1 else 16), cache.capacity - start)
-    padded = np.zeros(width, np.int32)
-    padded[:n] = ids
-    positions = jnp.arange(start, start + width, dtype=jnp.int32)
-    h = T.embed_step(cfg, params, jnp.asarray(padded), positions)
-    rotary = T.rotary_step(cfg, positions)
+    h, positions, rotary = T.tokens_at(cfg, params, ids, start, width)
     pace = sharding.Pace(h)  # as forward_hidden's
     for i, lp in enumerate(params["layers"]):
         h, cache.k[i], cache.v[i] = T.cached_layer(

@@ -6,11 +6,17 @@ matrix) attends over the keys a token may see (the engine substitutes gathered a
 when it reuses one); `output_and_mlp` finishes the layer.
 Shapes are per sequence: hidden `[T, D]`, heads-major q `[H, T, d]`, k/v `[H_kv, T, d]`.
 Queries are returned unscaled; attention applies `head_dim ** -0.5`.
+
+Every loop over layers (plain inference, the engine's schedules, observe) starts from `tokens_at`: the tokens it
+computes as the layer steps take them (`Tokens`: embedded hidden states, positions, rotary table). What differs
+between the model families (learned or rotary positions, norms, biases) is decided here, from the config.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.models.attention import attention
+from specjax.shapes import padded
 
 
 def layer_norm(x, scale, bias, eps):
@@ -64,9 +71,9 @@ def rope(x, positions, theta: float):
 
 def rotary(cfg: ModelConfig, positions):
     """The `rotary_table` a layer step takes: the angles' (cos, sin) at `positions`, or None for a model without
-    rotary embeddings. A forward computes them once (`rotary_step`) and passes them to every layer: computed inside a layer
-    step, XLA:CPU fuses cos and sin into each consumer and evaluates them for every element of every head (12 ms
-    of a ~330 ms smollm2 layer at 4096 tokens on 2 cores, against ~1.6 ms for applying a table)."""
+    rotary embeddings. A forward computes them once (`rotary_step`) and passes them to every layer: computed inside a
+    layer step, XLA:CPU fuses cos and sin into each consumer and evaluates them for every element of every head, a
+    cost several times that of applying a table (docs/models.md)."""
     return rotary_angles(positions, cfg.head_dim, cfg.rope_theta) if cfg.uses_rope else None
 
 
@@ -93,7 +100,7 @@ def project(cfg: ModelConfig, lp: dict, h, positions, *, fused: bool = True, rot
     """Hidden [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d]; keys position-encoded.
 
     rotary_table: `rotary(cfg, positions)` computed beforehand (faster, see `rotary`); None computes it here.
-    fused: one matmul for q, k and v (on a 2-core CPU ~20% faster than three); False: three, for weights split
+    fused: one matmul for q, k and v (on a CPU faster than three); False: three, for weights split
     by head over devices (the fused weight's columns would not line up with each device's heads, and its
     product would be moved between devices)."""
     x = norm(cfg, h, lp, "attn_norm") if cfg.pre_layer_norm else h
@@ -169,6 +176,34 @@ def embed_step(cfg: ModelConfig, params: dict, ids, positions):
 
 
 rotary_step = jax.jit(rotary, static_argnums=0)
+
+
+class Tokens(NamedTuple):
+    """Token rows as every layer step takes them: hidden states [W, D] out of the embedding, their absolute
+    positions int32 [W], and the `rotary_table` at those positions, computed once for all layers (None for a model
+    without rotary embeddings, or for a layer step that rotates by itself: `embed_rows(..., with_table=False)`)."""
+
+    hidden: jax.Array
+    positions: jax.Array
+    rotary: tuple | None
+
+
+def tokens_at(cfg: ModelConfig, params: dict, ids: Sequence[int] | np.ndarray, start: int = 0,
+              width: int | None = None) -> Tokens:
+    """The tokens a loop computes: host token ids at positions start, start + 1, ..., followed by id 0 up to `width`
+    rows (None: as many as ids). Callers pad to a bucket (specjax.shapes.bucket) so each width compiles once; the
+    padding rows come after every real token, so causal attention keeps them out of the real tokens' results."""
+    width = len(ids) if width is None else width
+    positions = jnp.asarray(np.arange(start, start + width, dtype=np.int32))
+    return embed_rows(cfg, params, padded(ids, width, 0), positions)
+
+
+def embed_rows(cfg: ModelConfig, params: dict, ids, positions, *, with_table: bool = True) -> Tokens:
+    """Token ids [W] at any absolute positions [W] (host or device arrays) as `Tokens`. with_table=False leaves the
+    rotary table out, for a layer step that rotates at these positions itself."""
+    positions = jnp.asarray(positions)
+    hidden = embed_step(cfg, params, jnp.asarray(ids), positions)
+    return Tokens(hidden, positions, rotary_step(cfg, positions) if with_table else None)
 
 
 def self_attention_layer(cfg: ModelConfig, lp: dict, h, positions, valid, rotary_table=None):
