@@ -105,7 +105,7 @@ def run_traced(traces: pathlib.Path, eval_args: list[str]) -> None:
         finally:
             timed[0] = False
 
-    prefill, count = engine_lib.Engine._prefill, itertools.count()
+    prefill, count = engine_lib.Engine.prefill, itertools.count()
 
     def traced_prefill(self, *args, **kwargs):
         if not timed[0]:
@@ -115,7 +115,7 @@ def run_traced(traces: pathlib.Path, eval_args: list[str]) -> None:
             jax.block_until_ready(out.logits)
         return out
 
-    runner._time, engine_lib.Engine._prefill = traced_time, traced_prefill
+    runner._time, engine_lib.Engine.prefill = traced_time, traced_prefill
     from specjax.eval.__main__ import run
 
     sys.argv = ["specjax.eval", *eval_args]

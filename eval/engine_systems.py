@@ -114,8 +114,7 @@ class EngineSystem:
         self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
                                       disk_bandwidth=self.settings.disk_bandwidth,
                                       max_inflight_bytes=self.settings.inflight_bytes)
-        self.engine = make_engine(self.model, self.system, self.store, self.config)
-        self.engine.selections = self.selections
+        self.engine = make_engine(self.model, self.system, self.store, self.config, selections=self.selections)
 
     def warm(self, requests) -> None:
         """Compile every shape the run will use and fill the caches (`warm_up`; the planner measures each of its

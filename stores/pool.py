@@ -84,8 +84,8 @@ def staged_size(size: int, rows: int) -> int:
 def staging(shape: tuple, dtype, n: int, buffers=BUFFERS) -> np.ndarray:
     """The host rows `[heads, size, d]` of a take of `n` tokens: a landing buffer of `buffers` (page-aligned and
     faulted in once, `stores.landing`; a CPU device aliases it rather than copy it), zeros after row n. Rows the take
-    fills from the device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` would fault its pages in
-    as it is written and cross as one more copy, a slower take: `benchmarks/results/cpu/host-exposed`.)"""
+    fills from the device's pages are left as they are: the gather does not read them. (A fresh `np.zeros` would fault
+    its pages in as it is written and cross as one more copy, a slower take: `benchmarks/results/cpu/host-exposed`.)"""
     staged = buffers.empty(shape, dtype)
     staged[:, n:] = 0
     return staged

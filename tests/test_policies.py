@@ -57,7 +57,7 @@ class _Twice(Schedule):
 
 def test_a_new_schedule_is_an_engine_bound_to_its_type():
     """A schedule of one's own: a `Schedule` type and an engine class bound to it; `make_engine` builds that engine
-    for a system with the schedule, and it runs requests (here the layer loop's own `_prefill`)."""
+    for a system with the schedule, and it runs requests (here the layer loop's own `prefill`)."""
     model = specjax.load_model("tiny-llama", init="random", seed=1)
     request = Request([3, 5, 7, 9], [11, 13], [[2, 4]])
     try:

@@ -30,9 +30,7 @@ def _engine(model, name, selections=None, retention=0.25):
     spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
     store = KVStore.open(spec, fingerprint(model, 16), context=ts.Context())
     config = EngineConfig(retention=retention, gpu_cache_bytes=32 << 10, cpu_cache_bytes=32 << 10, trace=True)
-    engine = Engine(model, make_system(name), store, config)
-    engine.selections = selections
-    return engine
+    return Engine(model, make_system(name), store, config, selections=selections)
 
 
 def _run_all(engine, requests):

@@ -1,4 +1,4 @@
-"""Every system runs the engine's one request loop (`Engine._run`); a schedule is its `_prefill`. What a schedule
+"""Every system runs the engine's one request loop (`Engine.attempt`); a schedule is its `prefill`. What a schedule
 opened is closed when it fails part-way, and every schedule reports the same result fields."""
 
 import dataclasses
@@ -54,9 +54,9 @@ def _open_matches(store) -> int:
 
 def test_every_engine_runs_the_one_request_loop():
     for engine in (CakeEngine, BlendEngine, PlannerEngine):
-        assert engine._run is Engine._run or engine is PlannerEngine  # the planner only plans around it
-        assert engine._prefill is not Engine._prefill or engine is PlannerEngine
-    assert "_run" not in vars(CakeEngine) and "_run" not in vars(BlendEngine)
+        assert engine.attempt is Engine.attempt or engine is PlannerEngine  # the planner only plans around it
+        assert engine.prefill is not Engine.prefill or engine is PlannerEngine
+    assert "attempt" not in vars(CakeEngine) and "attempt" not in vars(BlendEngine)
 
 
 @pytest.mark.parametrize("name", ["as_full", "spec", "cake", "full_reuse"])

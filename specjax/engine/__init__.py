@@ -10,10 +10,12 @@ from specjax.engine.systems import SYSTEMS, System, SystemOptions, make_system, 
 from specjax.engine.types import EngineConfig, Request, RequestResult
 
 
-def make_engine(model, system: System, store=None, config: EngineConfig = EngineConfig()) -> Engine:
+def make_engine(model, system: System, store=None, config: EngineConfig = EngineConfig(), *,
+                selections=None) -> Engine:
     """The engine that runs `system`'s schedule (`specjax.engine.policies`): the layer loop, Cake's two-ended
-    schedule, CacheBlend's chunk blending, the planner's layer loop with a computed head, or one a plugin binds."""
-    return engine_for(system)(model, system, store, config)
+    schedule, CacheBlend's chunk blending, the planner's layer loop with a computed head, or one a plugin binds;
+    `selections`: the selection trace it records into or replays (`Engine`)."""
+    return engine_for(system)(model, system, store, config, selections=selections)
 
 
 __all__ = ["BlendEngine", "CakeEngine", "Engine", "EngineConfig", "ImportanceState", "PlannerEngine", "Request",

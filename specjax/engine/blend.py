@@ -207,7 +207,7 @@ def _gather_rows(h, idx):
 class BlendEngine(Engine):
     """Runs `full_reuse` / `cacheblend` requests (`Request.chunks`) over a store of independently cached chunks."""
 
-    def __init__(self, model, system, store, config=None):
+    def __init__(self, model, system, store, config=None, **kwargs):
         if not isinstance(system.schedule, Blend):
             raise SpecjaxError(f"system {system.name!r} is not a chunk-reuse system")
         if not model.config.uses_rope:
@@ -222,15 +222,15 @@ class BlendEngine(Engine):
                 f"but the store at {store.where} was written with chunk_sink="
                 f"{store.fingerprint.get('chunk_sink')!r} (none: chunks computed alone, the earlier protocol); "
                 f"open a store with specjax.engine.blend.blend_fingerprint, in a new directory")
-        super().__init__(model, system, store, *(() if config is None else (config,)))
+        super().__init__(model, system, store, *(() if config is None else (config,)), **kwargs)
 
-    def _prefill(self, request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
+    def prefill(self, request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
         """CacheBlend's schedule: every chunk's stored KV loaded per layer, re-rotated to the request's positions,
         and a share of the context tokens recomputed in it (none for full_reuse)."""
         if head:
             raise SpecjaxError(f"{self.system.name} computes no planned head of a stored prefix")
         if not reuse:  # a chunk failed its checksum: recompute the whole request as the engine does
-            return super()._prefill(request, reuse, head, clock, opened)
+            return super().prefill(request, reuse, head, clock, opened)
         cfg, params = self.cfg, self.model.params
         prefix, query = [int(t) for t in request.prefix], [int(t) for t in request.query]
         chunks = _chunks(request)

@@ -172,20 +172,20 @@ class _Loader(threading.Thread):
 class CakeEngine(Engine):
     """The engine with Cake's schedule for the stored prefix; storing prefixes, caches and scoring are the engine's."""
 
-    def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
-        super().__init__(model, system, store, config)
+    def __init__(self, model, system, store, config: EngineConfig = EngineConfig(), **kwargs):
+        super().__init__(model, system, store, config, **kwargs)
         system.schedule.check(config, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
         self._no_prefix = jnp.zeros((self.cfg.num_kv_heads, 16, self.cfg.head_dim), model.dtype)
 
-    def _prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
+    def prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened) -> Prefill:
         """Cake's schedule: the stored prefix computed from the front and loaded from the back until they meet, then
         the new tokens over all of it, their KV written behind."""
         if head:
             raise SpecjaxError("cake chooses its own split of the stored prefix: it computes no planned head")
         if not reuse:
-            return super()._prefill(request, reuse, head, clock, opened)
+            return super().prefill(request, reuse, head, clock, opened)
         cfg, c = self.cfg, self.chunk_tokens
         prefix = [int(t) for t in request.prefix]
         tokens = prefix + [int(t) for t in request.query]
@@ -193,7 +193,7 @@ class CakeEngine(Engine):
         m = match.length
         if m == 0:  # a cold request: nothing stored to load, so the engine's (chunked) prefill, written behind
             match.close()
-            prefill = super()._prefill(request, reuse, head, clock, opened)
+            prefill = super().prefill(request, reuse, head, clock, opened)
             prefill.split = {"stored_tokens": 0, "computed_prefix_tokens": 0, "loaded_prefix_tokens": 0,
                              "chunk_tokens": self.chunk_tokens, "chunks": 0, "computed_chunks": 0,
                              "loaded_chunks": 0, "device_gave_up_chunk": False, "loader_gave_up_chunk": False,

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Prefill:
-    """What a schedule (`Engine._prefill` and its overrides) hands the request loop once the first token's logits
+    """What a schedule (`Engine.prefill` and its overrides) hands the request loop once the first token's logits
     are dispatched."""
 
     logits: jax.Array
@@ -102,7 +102,10 @@ def _continuation_bucket(tokens: int) -> int:
 class Engine:
     """Runs requests for one system over one store; owns that system's caches and prefetcher."""
 
-    def __init__(self, model, system: System, store: KVStore | None, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, system: System, store: KVStore | None, config: EngineConfig = EngineConfig(), *,
+                 selections: Recorder | Replay | None = None):
+        """`selections`: a selection trace its identification records its scores into or replays them from
+        (`specjax.engine.replay`; None: neither)."""
         if system.reuse and store is None:
             raise SpecjaxError(f"system {system.name!r} reuses prefix KV and needs a store")
         if config.prefill_chunk_tokens < 0:
@@ -132,8 +135,7 @@ class Engine:
         self.cache = self.prefetcher = self.speculator = self.io_worker = None
         self._cpu_cache_bytes = config.cpu_cache_bytes
         self.requests_run = 0
-        # a selection trace identification records its scores into or replays them from (specjax.engine.replay)
-        self.selections: Recorder | Replay | None = None
+        self.selections = selections
         self.repaired: list[tuple[int, ...]] = []  # stored sequences whose chunks failed and were stored anew
         # what damaged stored KV cost beyond the system's own I/O, over the engine's life (`repair_io`)
         self.repair_io = dict.fromkeys(REPAIR_COUNTS, 0)
@@ -230,10 +232,10 @@ class Engine:
         spent = dict(self.repair_io)
         start = served_from = self._io_counts()
         try:
-            result = self._run(request, reuse=self.system.reuse)
+            result = self.attempt(request, reuse=self.system.reuse)
         except BadChunk:
             served_from = self._abandon(start)
-            result = self._run(request, reuse=False)
+            result = self.attempt(request, reuse=False)
             result.recomputed_bad_chunks = True
         if start is not None:
             self._measure(result, start, served_from)
@@ -302,8 +304,8 @@ class Engine:
         """Repack every radix node whose importance has been observed (SPEC's KV reordering)."""
         return Reorderer(self.store).run_once()
 
-    def _run(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
-        """The request loop every system runs: its schedule (`_prefill`) computes the first token from the stored
+    def attempt(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
+        """The request loop every system runs: its schedule (`prefill`) computes the first token from the stored
         prefix, registering what it opened (matches, the writer, reads) on one stack that closes them whatever
         happens; the clock stops at the first token; then what needs no answer before it (`Prefill.then`: commits,
         feedback), the continuations against the same KV, and one result shape.
@@ -311,7 +313,7 @@ class Engine:
         `head`: the first stored tokens to compute instead of loading (the planner's plan; fewer than stored)."""
         clock = Clock()
         with contextlib.ExitStack() as opened:
-            prefill = self._prefill(request, reuse, head, clock, opened)
+            prefill = self.prefill(request, reuse, head, clock, opened)
             ttft, breakdown = clock.finish()
             exposed = clock.exposed_host_ms(self.store.scheduler.busy_intervals(clock.start_monotonic)
                                             if self.store is not None else [])
@@ -330,7 +332,7 @@ class Engine:
             selections=prefill.selections if self.config.trace else None, split=prefill.split,
             host_exposed_ms=exposed, cpu_ms=clock.cpu_ms)
 
-    def _prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened: contextlib.ExitStack) -> Prefill:
+    def prefill(self, request: Request, reuse: bool, head: int, clock: Clock, opened: contextlib.ExitStack) -> Prefill:
         """The layer loop's schedule: each layer's stored KV is loaded (what its identification selects, read through
         `LayerIO`), after a computed `head` of the stored prefix; the new prefix tokens' KV is written behind. The
         system's identification then chooses among the other r = m - head stored tokens, and every head token is

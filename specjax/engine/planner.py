@@ -229,11 +229,11 @@ class CostModel:
 
 @runs(Planner)
 class PlannerEngine(Engine):
-    """SPEC's engine that computes a planned head of each stored prefix instead of loading it (`Engine._run`'s
+    """SPEC's engine that computes a planned head of each stored prefix instead of loading it (`Engine.attempt`'s
     `head`), or loads it whole, as the cost model says per request."""
 
-    def __init__(self, model, system, store, config: EngineConfig = EngineConfig()):
-        super().__init__(model, system, store, config)
+    def __init__(self, model, system, store, config: EngineConfig = EngineConfig(), **kwargs):
+        super().__init__(model, system, store, config, **kwargs)
         # what a plan's takes of K and V read, by its bits: the system's precision (0), or the plan's low-bit rows
         self._precisions = {0: self.precision, **{b: Precision(store.layout, b, model.dtype, self.facts.probe_is_k)
                                                   for b in system.plan_bits}}
@@ -307,9 +307,9 @@ class PlannerEngine(Engine):
             return Plan(0), predicted, shares
         return min(known, key=known.get), predicted, shares
 
-    def _run(self, request: Request, *, reuse: bool) -> RequestResult:
+    def attempt(self, request: Request, *, reuse: bool) -> RequestResult:
         if not reuse:
-            return super()._run(request, reuse=False)
+            return super().attempt(request, reuse=False)
         started, started_cpu = time.perf_counter(), time.process_time()
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
@@ -317,7 +317,7 @@ class PlannerEngine(Engine):
         planning_ms = (time.perf_counter() - started) * 1e3
         planning_cpu_ms = (time.process_time() - started_cpu) * 1e3
         if m and plan.head >= m:
-            result = super()._run(request, reuse=False)
+            result = super().attempt(request, reuse=False)
             result.reused_tokens = m  # stored, and computed instead of loaded (as cake reports a computed share)
             result.layers = LayerRecord.split(self.cfg.num_layers, m, m)
         else:
@@ -325,9 +325,9 @@ class PlannerEngine(Engine):
             try:
                 if plan.load_all:
                     with self._loading_all():
-                        result = super()._run(request, reuse=True)
+                        result = super().attempt(request, reuse=True)
                 else:
-                    result = super()._run(request, reuse=True, head=plan.head)
+                    result = super().attempt(request, reuse=True, head=plan.head)
             finally:
                 self.precision = self._precisions[0]
         # the request arrived before it was planned: planning is host work on its path to the first token
