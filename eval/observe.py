@@ -34,9 +34,16 @@ from absl import flags
 from specjax.eval import settings as settings_lib
 from specjax.eval.observe_analysis import analyse
 from specjax.eval.observe_figures import write_figures
-from specjax.eval.observe_measure import collect, engine_measurements, ordered_by_prefix
+from specjax.eval.observe_measure import (
+    MeasureSettings,
+    collect,
+    engine_measurements,
+    ordered_by_prefix,
+    stored_kv_bytes,
+)
 from specjax.eval.observe_report import engine_section, verdicts, write_markdown
 from specjax.eval.settings import setting
+from specjax.eval.units import cache_bytes
 
 FLAGS = flags.FLAGS
 
@@ -164,18 +171,20 @@ def _device() -> str:
     return f"{len(jax.devices())}x {d.platform} ({getattr(d, 'device_kind', d.platform)})"
 
 
-def _analysis_settings(settings: ObserveRun) -> dict:
-    """What the measurements take (`observe_measure`, `observe_analysis`): retentions (the main one among them),
-    alphas, chunk sizes, the cache budgets as the flags give them."""
-    own = settings.observe
+def measure_settings(settings: ObserveRun, store_bytes: int) -> MeasureSettings:
+    """What the measurements read (`observe_measure`, `observe_analysis`), parsed from the tree: the retentions as
+    the flag lists them, or sorted with the main one added where they lack it, the alphas, the chunk sizes, and the
+    cache budgets in bytes (a percentage taken of the `store_bytes` of stored prefix KV, as specjax.eval does)."""
+    own, store = settings.observe, settings.store
     retentions = _floats(own.retentions, "retentions")
     if own.main_retention not in retentions:
         retentions = sorted(set(retentions) | {own.main_retention})
-    return {"retentions": retentions, "main_retention": own.main_retention, "alphas": _floats(own.alphas, "alphas"),
-            "density_retention": own.density_retention, "chunk_tokens": settings.store.chunk_tokens,
-            "period_chunk_tokens": own.period_chunk_tokens, "period_layers": own.period_layers,
-            "accuracy": own.accuracy, "reorder_every": own.reorder_every,
-            "gpu_cache": settings.store.gpu_cache, "cpu_cache": settings.store.cpu_cache}
+    return MeasureSettings(
+        retentions=tuple(retentions), main_retention=own.main_retention, alphas=tuple(_floats(own.alphas, "alphas")),
+        density_retention=own.density_retention, chunk_tokens=store.chunk_tokens,
+        period_chunk_tokens=own.period_chunk_tokens, period_layers=own.period_layers, accuracy=own.accuracy,
+        reorder_every=own.reorder_every, gpu_cache_bytes=cache_bytes(store.gpu_cache, store_bytes),
+        cpu_cache_bytes=cache_bytes(store.cpu_cache, store_bytes))
 
 
 def _requests(model, workload: settings_lib.WorkloadSettings):
@@ -204,21 +213,21 @@ def run(settings: ObserveRun | Mapping, progress=print) -> dict:
     results dict."""
     started = time.time()
     settings = settings if isinstance(settings, ObserveRun) else ObserveRun.from_values(settings)
-    analysis = _analysis_settings(settings)
     model = _load_model(settings.model.model, settings.model.init, settings.workload.seed)
     cfg, task_name = model.config, settings.workload.task
     wl, requests = _requests(model, settings.workload)
+    measure = measure_settings(settings, stored_kv_bytes(model, wl.requests))
     out = pathlib.Path(settings.observe.output_dir
                        or f"results/observe-{pathlib.Path(settings.model.model).name}-{task_name}")
     out.mkdir(parents=True, exist_ok=True)
     progress(f"{len(requests)} requests, {len({r.prefix_id for r in requests})} prefixes, "
              f"prefix {np.mean([len(r.prefix_ids) for r in requests]):.0f} tokens on average")
-    records = collect(model, requests, analysis, progress)
-    res = analyse(records, cfg, analysis)
-    res["engine"] = (engine_measurements(model, wl.requests, analysis, progress) if settings.observe.engine
+    records = collect(model, requests, measure, progress)
+    res = analyse(records, cfg, measure)
+    res["engine"] = (engine_measurements(model, wl.requests, measure, progress) if settings.observe.engine
                      else {"error": "not run (--noengine)"})
     label = (f"{model.name} ({model.weights}), {task_name}, n={len(records)} requests, "
-             f"main retention {analysis['main_retention']:.0%}")
+             f"main retention {measure.main_retention:.0%}")
     figures = write_figures(res, out, label)
     meta = {"cfg": cfg, "model": model.name, "weights": model.weights, "task": task_name,
             "command": settings.command, "device": _device(),

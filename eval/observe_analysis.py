@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from specjax.eval.observe_measure import (
+    MeasureSettings,
     Record,
     identify_layers,
     itf_selection,
@@ -303,19 +304,20 @@ def accuracy(records: list[Record]) -> dict:
     return out
 
 
-def analyse(records: list[Record], cfg, settings: dict) -> dict:
-    """Every analysis of the collected records, keyed as the report and figures read them."""
-    rets, main = settings["retentions"], settings["main_retention"]
-    density_rets = sorted(set(rets) | {settings["density_retention"]})
+def analyse(records: list[Record], cfg, settings: MeasureSettings) -> dict:
+    """Every analysis of the collected records, keyed as the report and figures read them (retentions and alphas
+    as lists)."""
+    rets, main, alphas = list(settings.retentions), settings.main_retention, list(settings.alphas)
+    density_rets = sorted(set(rets) | {settings.density_retention})
     return {
-        "retentions": rets, "main_retention": main, "alphas": settings["alphas"],
-        "middle_layer": cfg.num_layers // 2, "chunk_tokens": settings["chunk_tokens"],
+        "retentions": rets, "main_retention": main, "alphas": alphas,
+        "middle_layer": cfg.num_layers // 2, "chunk_tokens": settings.chunk_tokens,
         "heads": head_similarity(records, cfg, rets),
         "probes": probe_choice(records, cfg, main),
-        "layers": layer_similarity(records, cfg, main, settings["period_chunk_tokens"], settings["period_layers"]),
+        "layers": layer_similarity(records, cfg, main, settings.period_chunk_tokens, settings.period_layers),
         "spi": static_preidentification(records, cfg, rets),
-        "density": density(records, cfg, density_rets, settings["chunk_tokens"]),
-        "itf": itf_sweep(records, cfg, main, settings["alphas"]),
-        "kv_heads": kv_head_test(records, cfg, main, settings["alphas"]),
-        "accuracy": accuracy(records) if settings["accuracy"] else {},
+        "density": density(records, cfg, density_rets, settings.chunk_tokens),
+        "itf": itf_sweep(records, cfg, main, alphas),
+        "kv_heads": kv_head_test(records, cfg, main, alphas),
+        "accuracy": accuracy(records) if settings.accuracy else {},
     }

@@ -9,6 +9,8 @@
   `specjax.kernels.probe_scores`, gathered attention over the selected prefix tokens).
 - Collection: every request's importance scores and its choices' log-likelihoods under each selection.
 - The engine itself on the workload (items 5b-6): its counters for the alpha sweep, reordering and cache policy.
+
+What these read of the command's settings is one `MeasureSettings`, which `specjax.eval.observe` builds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from specjax.engine import EngineConfig, fingerprint, make_engine, make_system, 
 from specjax.engine import policy_steps
 from specjax.engine import state as st
 from specjax.eval.engine_systems import warm_up
-from specjax.eval.units import cache_bytes
 from specjax.kernels import PerHeadIndices, itf
 from specjax.models import inference
 from specjax.models import transformer as T
@@ -36,6 +37,33 @@ from specjax.models.inference import bucket
 from specjax.stores import KVStore
 
 KERNEL_IMPL = "auto"  # as EngineConfig.kernel_impl: Pallas on GPU, reference elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasureSettings:
+    """What the measurements read (`collect`, `engine_measurements`, `observe_analysis.analyse`), one field per
+    quantity, values already parsed; `specjax.eval.observe` builds it once from its settings."""
+
+    retentions: tuple[float, ...]  # retentions of the similarity measurements, `main_retention` among them
+    main_retention: float  # single-retention measurements (layers, ITF) and the engine runs' EngineConfig.retention
+    alphas: tuple[float, ...]  # ITF threshold exponents to sweep
+    density_retention: float  # chunk density's extra retention
+    chunk_tokens: int  # the store's chunk size: chunk density and the engine runs' store
+    period_chunk_tokens: int  # ContiguousChunk size for period coverage
+    period_layers: int  # layers per period
+    accuracy: bool  # whether `collect` also scores the choices under every selection
+    reorder_every: int  # the engine runs' EngineConfig.reorder_every (the runs that reorder)
+    gpu_cache_bytes: int  # the engine runs' cache budgets in bytes (EngineConfig's), parsed against the stored KV
+    cpu_cache_bytes: int
+
+
+def stored_kv_bytes(model, requests) -> int:
+    """Bytes of prefix KV the workload stores (every distinct prefix once, all layers, K and V): what percentage
+    cache budgets are shares of."""
+    cfg = model.config
+    unique = {r.prefix_id: len(r.prefix_ids) for r in requests}
+    return int(sum(unique.values()) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+               * jnp.dtype(model.dtype).itemsize)
 
 
 # ---------------------------------------------------------------- probe heads
@@ -262,7 +290,7 @@ def _same_tokens_key(selections, num_heads: int) -> tuple:
     return tuple(np.sort(np.broadcast_to(s, (num_heads, np.shape(s)[-1])), axis=-1).tobytes() for s in selections)
 
 
-def collect(model, requests, settings: dict, progress=print) -> list[Record]:
+def collect(model, requests, settings: MeasureSettings, progress=print) -> list[Record]:
     """Importance for every request, then choice scores under every selection asked for: "full", per-head H2O
     sets of the request itself ("own@r") and of another request on its prefix ("spi@r"), ITF with spread
     probes ("itf-spread@alpha") and, on a grouped-query model, spec_gqa's test ("itf-kvheads@alpha")."""
@@ -278,7 +306,7 @@ def collect(model, requests, settings: dict, progress=print) -> list[Record]:
         records.append(Record(r.request_id, r.prefix_id, r.gold, query_importance(model, kv, r.query_ids)))
         by_id[r.request_id] = r
     progress(f"importance of {len(records)} requests: {time.time() - started:.1f} s")
-    if not settings["accuracy"]:
+    if not settings.accuracy:
         return records
     partners = partner_of(records)
     probes = spread_probe_heads(cfg)
@@ -290,13 +318,13 @@ def collect(model, requests, settings: dict, progress=print) -> list[Record]:
         kv = kv_cache[r.prefix_id]
         m = kv.length
         modes = {"full": None}
-        for ret in settings["retentions"]:
+        for ret in settings.retentions:
             k = keep_count(ret, m)
             modes[f"own@{ret}"] = list(top_k(rec.scores, k))
             if i in partners:
                 modes[f"spi@{ret}"] = list(top_k(records[partners[i]].scores, k))
-        k = keep_count(settings["main_retention"], m)
-        for alpha in settings["alphas"]:
+        k = keep_count(settings.main_retention, m)
+        for alpha in settings.alphas:
             modes[f"itf-spread@{alpha}"] = itf_selection(rec.scores, k, probes, alpha)[0]
             if cfg.q_per_kv > 1:
                 modes[f"itf-kvheads@{alpha}"] = kv_itf_selection(rec.scores, cfg, k, alpha)[0]
@@ -322,46 +350,44 @@ def keys_fraction(probe_kv_heads: int, kv_heads: int, m: int, k: int, fallback: 
     return (probe_kv_heads * m + (kv_heads - probe_kv_heads) * k) / (kv_heads * m)
 
 
-def engine_measurements(model, requests, settings: dict, progress=print) -> dict:
+def engine_measurements(model, requests, settings: MeasureSettings, progress=print) -> dict:
     """SPEC Fig. 11/19/22 (alpha sweep) and Fig. 20/21 (reordering, score cache vs LFU) with the
     engine's own counters. Requests run in arrival order over an in-memory store (counts, not
-    timings). Returns {"runs": {label: summary}}, with "error" when a run failed."""
+    timings). Returns {"runs": {label: summary}} with the budgets and the stored KV's bytes, and "error" when a
+    run failed."""
     cfg = model.config
     requests = sorted(requests, key=lambda r: r.request_id)
-    unique = {r.prefix_id: len(r.prefix_ids) for r in requests}
-    kv_bytes = sum(unique.values()) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * \
-        jnp.dtype(model.dtype).itemsize
-    gpu, cpu = cache_bytes(settings["gpu_cache"], kv_bytes), cache_bytes(settings["cpu_cache"], kv_bytes)
+    gpu, cpu = settings.gpu_cache_bytes, settings.cpu_cache_bytes
     out = {}
     for label, system, reorder in _engine_runs(settings):
         started = time.time()
         probe_q = policy_steps.probe_query_heads(cfg, system.num_probe_heads)
         try:
             engine = _warmed_engine(model, requests, settings, system, EngineConfig(
-                retention=settings["main_retention"], gpu_cache_bytes=gpu, cpu_cache_bytes=cpu,
-                reorder_every=settings["reorder_every"] if reorder else 0))
-            counts = _engine_counts(engine, requests, settings["main_retention"])
+                retention=settings.main_retention, gpu_cache_bytes=gpu, cpu_cache_bytes=cpu,
+                reorder_every=settings.reorder_every if reorder else 0))
+            counts = _engine_counts(engine, requests, settings.main_retention)
         except Exception as e:  # an engine in progress: report it, keep items 1-5
             return {"error": f"engine run '{label}' failed: {type(e).__name__}: {str(e)[:300]}", "runs": out}
         out[label] = {**_run_summary(counts), "wall_s": time.time() - started, "probe_heads": list(probe_q)}
         progress(f"engine {label}: {time.time() - started:.1f} s")
-    return {"runs": out, "gpu_cache_bytes": gpu, "cpu_cache_bytes": cpu, "store_bytes": int(kv_bytes),
-            "reorder_every": settings["reorder_every"]}
+    return {"runs": out, "gpu_cache_bytes": gpu, "cpu_cache_bytes": cpu,
+            "store_bytes": stored_kv_bytes(model, requests), "reorder_every": settings.reorder_every}
 
 
-def _engine_runs(settings: dict) -> list[tuple[str, object, bool]]:
+def _engine_runs(settings: MeasureSettings) -> list[tuple[str, object, bool]]:
     """(label, system, whether it reorders) of every engine run: spec at each alpha, then spec without reordering
     and spec with an LFU cache in place of the score cache."""
-    runs = [(f"spec alpha={a}", make_system("spec", alpha=a), True) for a in settings["alphas"]]
+    runs = [(f"spec alpha={a}", make_system("spec", alpha=a), True) for a in settings.alphas]
     return runs + [("spec no reorder", make_system("spec", no_reorder=True), False),
                    ("spec LFU cache", make_system("spec", no_score_cache=True), True)]
 
 
-def _warmed_engine(model, requests, settings: dict, system, config: EngineConfig):
+def _warmed_engine(model, requests, settings: MeasureSettings, system, config: EngineConfig):
     """An engine for `system` over a new in-memory store, warmed as specjax.eval warms every run: each prefix
     stored once, then two passes over its first request; the store's counters then start from zero."""
     store = KVStore.open({"driver": "memory", "path": f"observe{time.time_ns()}/"},
-                         fingerprint(model, settings["chunk_tokens"]), context=ts.Context())
+                         fingerprint(model, settings.chunk_tokens), context=ts.Context())
     engine = make_engine(model, system, store, config)
     first: dict = {}
     for r in requests:

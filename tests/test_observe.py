@@ -161,8 +161,9 @@ def test_kv_head_test_is_not_passed_by_kv_heads_agreeing_while_their_query_heads
 def test_reported_engine_probes_are_the_engines(tmp_path):
     rng = np.random.default_rng(0)
     records = [M.Record(i, i % 2, 0, rng.gamma(0.3, size=(3, 9, 64)).astype(np.float32)) for i in range(4)]
-    settings = {"retentions": [0.25], "main_retention": 0.25, "alphas": [0.6], "density_retention": 0.5,
-                "chunk_tokens": 16, "period_chunk_tokens": 8, "period_layers": 1, "accuracy": False}
+    settings = M.MeasureSettings(retentions=(0.25,), main_retention=0.25, alphas=(0.6,), density_retention=0.5,
+                                 chunk_tokens=16, period_chunk_tokens=8, period_layers=1, accuracy=False,
+                                 reorder_every=0, gpu_cache_bytes=0, cpu_cache_bytes=0)
     res = A.analyse(records, GqaCfg, settings)
     engine = list(probe_query_heads(GqaCfg))
     assert res["probes"]["engine"]["probes"] == engine
@@ -268,8 +269,9 @@ def test_engine_measurements_run_every_system_after_the_eval_warm_up():
                         query_ids=tuple(rng.integers(0, 500, 5).tolist()),
                         choice_ids=(tuple(rng.integers(0, 500, 2).tolist()), (7, 8)), choices=("a", "b"), gold=0)
                 for i in range(5)]
-    settings = {"gpu_cache": "10%", "cpu_cache": "30%", "main_retention": 0.25, "alphas": [0.6], "chunk_tokens": 16,
-                "reorder_every": 0}
+    tree = observe.ObserveRun.from_values({"gpu_cache": "10%", "cpu_cache": "30%", "main_retention": 0.25,
+                                           "alphas": "0.6", "chunk_tokens": 16, "reorder_every": 0})
+    settings = observe.measure_settings(tree, M.stored_kv_bytes(model, requests))
     res = M.engine_measurements(model, requests, settings, progress=lambda *_: None)
     assert "error" not in res, res.get("error")
     # budgets as the eval's --gpu_cache / --cpu_cache take them: shares of the stored prefix KV
