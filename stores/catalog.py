@@ -136,10 +136,7 @@ class Catalog:
         old = self.tree
         self.tree = RadixTree.from_records([dict(r, tokens=decode_array(r["tokens"])) for r in body["nodes"]],
                                            body.get("next_node", 0))
-        self.tree._clock = old._clock
-        for node_id, node in self.tree.nodes.items():
-            if node_id in old.nodes:
-                node.last_access = old.nodes[node_id].last_access
+        self.tree.keep_recency_of(old)
         self._recount()
         self._settle(ours=False)
         self._set_stamp(stamp)

@@ -58,6 +58,14 @@ class RadixTree:
         self.next_id += 1
         return self.next_id - 1
 
+    def keep_recency_of(self, old: "RadixTree") -> None:
+        """Take over `old`'s access clock and the last access of the nodes both trees hold (a tree rebuilt from the
+        manifest keeps the eviction order this process has seen)."""
+        self._clock = old._clock
+        for node_id, node in self.nodes.items():
+            if node_id in old.nodes:
+                node.last_access = old.nodes[node_id].last_access
+
     def match(self, tokens, touch: bool = True) -> list[PathStep]:
         """Longest stored prefix of `tokens` as path steps (the last step may cover part of its node)."""
         tokens = np.asarray(tokens, np.int64)
