@@ -60,10 +60,8 @@ class MeasureSettings:
 def stored_kv_bytes(model, requests) -> int:
     """Bytes of prefix KV the workload stores (every distinct prefix once, all layers, K and V): what percentage
     cache budgets are shares of."""
-    cfg = model.config
     unique = {r.prefix_id: len(r.prefix_ids) for r in requests}
-    return int(sum(unique.values()) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-               * jnp.dtype(model.dtype).itemsize)
+    return sum(unique.values()) * model.config.kv_bytes_per_token(jnp.dtype(model.dtype).itemsize)
 
 
 # ---------------------------------------------------------------- probe heads

@@ -12,7 +12,7 @@ save -> finish (the shape of vLLM's KV connector).
     conn.finish()                               # commits what was saved (every layer, or nothing), lets go
 
 This module is also the one way the engine reaches storage: `specjax.engine` imports nothing of `specjax.stores`
-but what is named here (`ENGINE_SIDE`: the store and its match, reads and writes, the device and host tiers, the
+but what this module imports from them (the store and its match, reads and writes, the device and host tiers, the
 prefetcher over them, the store kinds and their precisions, reordering), so the import graph runs engine ->
 connector -> stores, and the stores import no model and no engine (`tests/test_imports.py`).
 
@@ -37,12 +37,10 @@ from specjax.stores.kvarray import LOW_BIT_FORMAT, LOW_BITS, Layout, bits_of, lo
 from specjax.stores.prefetch import Prefetcher
 from specjax.stores.reorder import Reorderer
 
-# What the engine uses of the storage below it: the store (`KVStore`: match, locate, key summaries, writes, metrics),
-# where positions lie (`Locations`), its errors, the kinds a chunk holds (K, V, PROBE) and their low-bit forms
-# (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `LOW_BIT_FORMAT`), the device and host tiers and their scoring
-# policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
-ENGINE_SIDE = ("KVStore", "StoreError", "Locations", "K", "V", "PROBE", "Layout", "LOW_BITS", "low_bit", "bits_of",
-               "LOW_BIT_FORMAT", "TieredCache", "CACHE_POLICIES", "Prefetcher", "Reorderer")
+# The imports above are what the engine uses of the storage below it: the store (`KVStore`: match, locate, key
+# summaries, writes, metrics), where positions lie (`Locations`), its errors, the kinds a chunk holds (K, V, PROBE)
+# and their low-bit forms (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `LOW_BIT_FORMAT`), the device and host tiers
+# and their scoring policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
 
 
 class CorruptPrefixError(StoreError):

@@ -83,13 +83,6 @@ class Layers(Schedule):
     """The engine's layer loop (`specjax.engine.engine.Engine`)."""
 
 
-def check_chunk_tokens(cake_chunk_tokens: int, store_chunk_tokens: int) -> None:
-    if cake_chunk_tokens <= 0 or cake_chunk_tokens % store_chunk_tokens:
-        raise SpecjaxError(f"cake chunks of {cake_chunk_tokens} tokens must be a positive multiple of the store's "
-                           f"{store_chunk_tokens}-token chunks: set --cake_chunk_tokens to a multiple of "
-                           f"--chunk_tokens ({store_chunk_tokens})")
-
-
 @dataclasses.dataclass(frozen=True)
 class Cake(Schedule):
     """Cake's two-ended chunk schedule: compute from the front, load from the back (`specjax.engine.cake`)."""
@@ -97,7 +90,11 @@ class Cake(Schedule):
     name: ClassVar[str] = "cake"
 
     def check(self, config, chunk_tokens: int) -> None:
-        check_chunk_tokens(config.cake_chunk_tokens, chunk_tokens)
+        cake = config.cake_chunk_tokens
+        if cake <= 0 or cake % chunk_tokens:
+            raise SpecjaxError(f"cake chunks of {cake} tokens must be a positive multiple of the store's "
+                               f"{chunk_tokens}-token chunks: set --cake_chunk_tokens to a multiple of "
+                               f"--chunk_tokens ({chunk_tokens})")
 
 
 @dataclasses.dataclass(frozen=True)
