@@ -88,3 +88,66 @@ def to_host(x) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# -- an engine on a mesh over several processes (specjax.engine.Engine) ---------------------------------------------
+
+
+def spans_processes(mesh) -> bool:
+    """Whether `mesh` (or None: one device) has devices of several processes."""
+    return mesh is not None and mesh.is_multi_process
+
+
+def own_parts(mesh) -> range:
+    """The positions along the mesh (its one axis) of this process's devices: one contiguous run, since a mesh
+    lists every process's devices together (`jax.devices()` order)."""
+    mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    if not mine or mine != list(range(mine[0], mine[-1] + 1)):
+        raise SpecjaxError(f"process {jax.process_index()}'s devices lie at mesh positions {mine}: they must be one "
+                           "contiguous run (build the mesh from jax.devices() in its order)")
+    return range(mine[0], mine[-1] + 1)
+
+
+def from_own_rows(local, sharding):
+    """A global array of `local`'s shape on `sharding`, each of this process's devices given its slice of `local`:
+    an array (host or on one local device) of which this process holds valid data only where its own devices' slices
+    lie (e.g. its KV heads). Nothing crosses between processes."""
+    indices = sharding.addressable_devices_indices_map(local.shape)
+    shards = [jax.device_put(local[index], device) for device, index in indices.items()]
+    return jax.make_array_from_single_device_arrays(local.shape, sharding, shards)
+
+
+def local_replica(x):
+    """`x` as an array on this process's first device: a global array every device holds whole (a decision of a
+    step over the mesh) gives its copy there; any other array is returned as it is."""
+    if getattr(x, "is_fully_addressable", True):
+        return x
+    if not x.is_fully_replicated:
+        raise SpecjaxError(f"an array split over several processes ({x.sharding}) has no whole copy on this one")
+    first = jax.local_devices()[0]
+    for shard in x.addressable_shards:
+        if shard.device == first:
+            return shard.data
+    return jax.device_put(x.addressable_data(0), first)
+
+
+def join_parts(own: np.ndarray, axis: int) -> np.ndarray:
+    """This process's part of a host array (along `axis`, processes in order) joined with every other process's
+    into the whole, the same in every process (every process must call this with its part)."""
+    every = np.asarray(multihost_utils.process_allgather(np.ascontiguousarray(own)))  # [processes, ...]
+    return np.concatenate(list(every), axis=axis)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` holds on any process (every process must call this)."""
+    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([bool(flag)]))).any())
+
+
+def process_zeros(value):
+    """Process 0's `value` (an array or a tree of them), in every process (every process must call this)."""
+    return multihost_utils.broadcast_one_to_all(value)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process has reached the barrier `name`."""
+    multihost_utils.sync_global_devices(name)

@@ -134,9 +134,10 @@ class StoreIndex:
         """The chunk-id ranges [lo, hi) live writers have reserved (their inserts may still commit)."""
         return [tuple(r) for entry in self.catalog.writers.values() for r in entry.get("ranges", [])]
 
-    def refresh(self) -> bool:
-        """Adopt what other handles committed since (at most every `refresh_s`); True if anything was new."""
-        if self.refresh_s:
+    def refresh(self, force: bool = False) -> bool:
+        """Adopt what other handles committed since (at most every `refresh_s`, unless `force`); True if anything was
+        new."""
+        if self.refresh_s and not force:
             now = time.monotonic()
             if now - self._refreshed_at < self.refresh_s:
                 return False

@@ -210,7 +210,7 @@ class KVArrays:
         return extent_key(seg_first, seg_chunks, layer, kind), (chunk - seg_first) * self.layout.chunk_nbytes(kind)
 
     def read_runs(self, layer: int, kind: int, runs: list[tuple], *, speculative: bool = False,
-                  background: bool = False, head_parts: int = 1) -> Read:
+                  background: bool = False, head_parts: int = 1, own_parts: range | None = None) -> Read:
         """Queue one disk request (at the scheduler's priority `speculative` / `background`) for `runs`, each
         `(segment's first chunk, its chunk count, first chunk, n_chunks, into)`: n_chunks adjacent chunks of one
         segment, one byte range of its extent. Its future resolves, once the scheduler has issued it and (on an
@@ -221,48 +221,51 @@ class KVArrays:
 
         `head_parts` > 1: each chunk is read as that many byte ranges of equal head counts, one per device of a
         tensor-parallel mesh (a chunk holds its heads one after another), as each device's reader would read its own
-        heads; the parts are joined in head order.
+        heads; the parts are joined in head order. `own_parts` (default: all): the parts read, those of this
+        process's devices on a mesh over several processes; a chunk's other heads are left as `into` (or a new
+        buffer) held them.
 
         `into` (or None): `[n_chunks, heads, chunk_tokens, head_dim]` (a slice of a preallocated, aligned host buffer)
         that the run's bytes land in; its result is then `into`."""
         lay = self.layout
         chunk_bytes = lay.chunk_nbytes(kind)
-        reads = []  # (key, byte ranges, shape, into) per run
+        own = range(head_parts) if own_parts is None or head_parts == 1 else own_parts
+        reads = []  # (key, byte ranges, where each lands in the run's bytes, shape, into) per run
         for seg_first, seg_chunks, first_chunk, n_chunks, into in runs:
             key, offset = self.extent_of(layer, kind, seg_first, seg_chunks, first_chunk)
             if head_parts == 1:
-                ranges = [slice(offset, offset + n_chunks * chunk_bytes)]
+                ranges, at = [slice(offset, offset + n_chunks * chunk_bytes)], [0]
             else:
                 part = chunk_bytes // head_parts
-                ranges = [slice(offset + j * chunk_bytes + p * part, offset + j * chunk_bytes + (p + 1) * part)
-                          for j in range(n_chunks) for p in range(head_parts)]
-            reads.append((key, ranges, (n_chunks, *lay.chunk_shape(kind)), into, lay.dtype_of(kind)))
+                at = [j * chunk_bytes + p * part for j in range(n_chunks) for p in own]
+                ranges = [slice(offset + a, offset + a + part) for a in at]
+            reads.append((key, ranges, at, (n_chunks, *lay.chunk_shape(kind)), into, lay.dtype_of(kind)))
 
         def issue() -> concurrent.futures.Future:
             if self._files is not None:
-                return self._files.read_many([(key, ranges, into if into is not None else BUFFERS.empty(shape, dtype))
-                                              for key, ranges, shape, into, dtype in reads])
+                return self._files.read_many([(key, ranges, at, BUFFERS.empty(shape, dtype) if into is None else into)
+                                              for key, ranges, at, shape, into, dtype in reads])
             futures = [[self._kvs.read(key.encode(), byte_range=r) for r in ranges] for key, ranges, *_ in reads]
             return when_all([f for fs in futures for f in fs], functools.partial(self._decode_all, reads))
 
-        nbytes = sum(run[3] for run in runs) * chunk_bytes
+        nbytes = sum(run[3] for run in runs) * chunk_bytes // head_parts * len(own)
         return self.scheduler.submit(Read(issue, nbytes, speculative, background, order=layer))
 
     def _decode_all(self, reads: list[tuple], results: list) -> list:
         """Per run of `read_runs`, its array decoded from its ranges' kvstore reads, or the exception that raised."""
         out, at = [], 0
-        for key, ranges, shape, into, dtype in reads:
+        for key, ranges, lands, shape, into, dtype in reads:
             try:
-                out.append(self._decode(key, shape, dtype, results[at:at + len(ranges)], ranges, into))
+                out.append(self._decode(key, shape, dtype, results[at:at + len(ranges)], ranges, lands, into))
             except Exception as e:  # noqa: BLE001 -- this run's failure, delivered with the others' data
                 out.append(e)
             at += len(ranges)
         return out
 
-    def _decode(self, key: str, shape: tuple, dtype: np.dtype, results: list, ranges: list,
+    def _decode(self, key: str, shape: tuple, dtype: np.dtype, results: list, ranges: list, lands: list,
                 into: np.ndarray | None = None) -> np.ndarray:
-        """`[n_chunks, heads, chunk_tokens, head_dim]` from the reads of the extent's byte `ranges` (copied into
-        `into` if given)."""
+        """`[n_chunks, heads, chunk_tokens, head_dim]` from the reads of the extent's byte `ranges`, each at its byte
+        offset in `lands` (copied into `into` if given)."""
         for result, byte_range in zip(results, ranges):
             if result.state == "missing":
                 raise ValueError(f"extent kv/{key} is missing")
@@ -272,8 +275,15 @@ class KVArrays:
         if into is not None and len(results) == 1:
             into.reshape(-1).view(np.uint8)[:] = np.frombuffer(results[0].value, np.uint8)
             return into
-        data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
-        return np.frombuffer(data, dtype).reshape(shape)
+        whole = sum(r.stop - r.start for r in ranges) == int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if into is None and whole:
+            data = results[0].value if len(results) == 1 else b"".join(r.value for r in results)
+            return np.frombuffer(data, dtype).reshape(shape)
+        out = into if into is not None else BUFFERS.empty(shape, dtype)
+        dest = out.reshape(-1).view(np.uint8)
+        for result, at in zip(results, lands):
+            dest[at:at + len(result.value)] = np.frombuffer(result.value, np.uint8)
+        return out
 
     def write_range(self, layer: int, kind: int, first_chunk: int, data: np.ndarray):
         """Write a whole segment's `[heads, n_chunks * chunk_tokens, head_dim]` of one layer and kind as its extent;

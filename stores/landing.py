@@ -190,29 +190,27 @@ class LocalFiles:
         is shorter than a range."""
         return _read_pool().submit(self._read, key, ranges, out)
 
-    def read_many(self, reads: list[tuple[str, list[slice], np.ndarray]]) -> concurrent.futures.Future:
-        """`read` of several (key, ranges, out), one after another on one disk thread: a future of the list of their
-        results, each its `out` or the exception its read raised (the others are read all the same)."""
+    def read_many(self, reads: list[tuple[str, list[slice], list[int], np.ndarray]]) -> concurrent.futures.Future:
+        """`read` of several (key, ranges, where each range lands in out's bytes, out), one after another on one disk
+        thread: a future of the list of their results, each its `out` or the exception its read raised (the others
+        are read all the same)."""
         return _read_pool().submit(self._read_many, reads)
 
     def _read_many(self, reads) -> list:
         results = []
-        for key, ranges, out in reads:
+        for key, ranges, lands, out in reads:
             try:
-                results.append(self._read(key, ranges, out))
+                results.append(self._read(key, ranges, lands, out))
             except Exception as e:  # noqa: BLE001 -- this read's failure, delivered with the others' data
                 results.append(e)
         return results
 
-    def _read(self, key: str, ranges: list[slice], out: np.ndarray) -> np.ndarray:
+    def _read(self, key: str, ranges: list[slice], lands: list[int], out: np.ndarray) -> np.ndarray:
         dest = out.reshape(-1).view(np.uint8)
         fd = os.open(self.path(key), os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0))
         try:
-            at = 0
-            for r in ranges:
-                n = r.stop - r.start
-                self._read_range(fd, key, r.start, dest[at:at + n])
-                at += n
+            for r, at in zip(ranges, lands):
+                self._read_range(fd, key, r.start, dest[at:at + r.stop - r.start])
         finally:
             os.close(fd)
         return out

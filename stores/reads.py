@@ -159,30 +159,51 @@ class ChunkReader:
         self.max_read_bytes = max_read_bytes
         self._arrays = index.arrays
         self._head_parts: dict[int, int] | None = None  # `split_reads`; None: whole chunk files
+        self._own: dict[int, range] = {}  # `split_reads`: per kind, the head parts this process reads (absent: all)
+        self._by_process: frozenset = frozenset()  # `split_reads`: kinds split among processes, not devices
         self._reads_started = False
         self._lock = threading.Lock()  # the head parts, what runs' shared disk requests still want, the live buffers
         # (layer, kind, segment's first chunk) -> its landing buffer while a run holds it (`_extents`); chunk ids are
         # never used again, so a buffer found here holds, where a read has landed, what any read of it would
         self._extents_alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def split_reads(self, devices: dict[int, int]) -> None:
+    def split_reads(self, devices: dict[int, int], own: dict[int, range] | None = None,
+                    by_process: frozenset = frozenset()) -> None:
         """Read kind `k`'s chunks as `devices[k]` byte ranges of equal head counts, one per device of a mesh that
-        splits those heads (1, or a kind left out: whole chunk files). Set once per store handle; an engine on
-        another mesh needs its own handle."""
+        splits those heads (1, or a kind left out: whole chunk files). `own[k]`: the parts this handle reads, its
+        process's on a mesh over several processes (a kind left out, or None: every part); a chunk read then holds
+        only those heads, the others' rows are left as they were, and only those heads are checked and counted.
+        `by_process`: kinds whose parts are the processes' (each process's devices all hold its part), not the
+        devices': their bytes are not counted per device. Set once per store handle; an engine on another mesh needs
+        its own handle."""
         parts = {kind: int(devices.get(kind, 1)) for kind in self.layout.kinds()}
         for kind, n in parts.items():
             if n < 1 or self.layout.heads(kind) % n:
                 raise ValueError(f"{kvarray.KIND_NAMES[kind]}: {self.layout.heads(kind)} heads cannot be read in "
                                  f"{n} equal parts")
+            mine = (own or {}).get(kind)
+            if mine is not None and not 0 <= mine.start < mine.stop <= n:
+                raise ValueError(f"{kvarray.KIND_NAMES[kind]}: parts {mine.start}..{mine.stop - 1} of {n} to read")
+        own = {kind: r for kind, r in (own or {}).items() if r != range(parts[kind])}
         with self._lock:
             current = self._head_parts or {kind: 1 for kind in self.layout.kinds()}
-            if current != parts and self._reads_started:
+            if (current, self._own) != (parts, own) and self._reads_started:
                 raise ValueError(f"this store handle has read its chunks in head parts {current}; "
                                  f"open another handle for parts {parts}")
-            self._head_parts = parts
+            self._head_parts, self._own, self._by_process = parts, own, frozenset(by_process)
 
     def _parts(self, kind: int) -> int:
         return 1 if self._head_parts is None else self._head_parts[kind]
+
+    def own_parts(self, kind: int) -> range:
+        """The head parts of `kind` this handle reads (`split_reads`)."""
+        parts = self._parts(kind)
+        return self._own.get(kind, range(parts))
+
+    def own_heads(self, kind: int) -> slice:
+        """The heads of `kind` this handle reads (`split_reads`): every head, or its process's."""
+        own, per_part = self.own_parts(kind), self.layout.heads(kind) // self._parts(kind)
+        return slice(own.start * per_part, own.stop * per_part)
 
     @property
     def scheduler(self):
@@ -215,7 +236,7 @@ class ChunkReader:
                         extent.array[first - extent.first_chunk:first - extent.first_chunk + n])
                 pieces.append((seg.first_chunk, seg.n_chunks, first, n, into))
             read = self._arrays.read_runs(layer, kind, pieces, speculative=speculative, background=background,
-                                          head_parts=head_parts)
+                                          head_parts=head_parts, own_parts=self.own_parts(kind))
             shared = DiskRequest(sum(n for _, _, n in request))
             runs_read = [Run(weakref.ref(read), first, n, request=shared, extent=extents.get(seg.seg_id))
                          for seg, first, n in request]
@@ -298,13 +319,13 @@ class ChunkReader:
             self.metrics.add(bad_chunks=run.n_chunks)
             run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
             return
-        nbytes = arrays.nbytes
+        devices, own, heads = self._parts(kind), self.own_parts(kind), self.own_heads(kind)
+        nbytes = arrays.nbytes // devices * len(own)
         self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if kvarray.base_of(kind) == kvarray.PROBE else 0,
                          chunks_read=run.n_chunks, read_requests=1)
-        devices = self._parts(kind)
-        if devices > 1:  # each device read its own heads' byte range of every chunk
-            self.metrics.add_device_bytes([nbytes // devices] * devices)
-        ok = (chunk_checksums(arrays) == expected).all(axis=1)
+        if devices > 1 and kind not in self._by_process:  # each device read its own heads' bytes of every chunk
+            self.metrics.add_device_bytes([nbytes // len(own) if i in own else 0 for i in range(devices)])
+        ok = (chunk_checksums(arrays[:, heads]) == expected[:, heads]).all(axis=1)
         if not ok.all():
             for j in np.flatnonzero(~ok):
                 log.warning("chunk %d layer %d %s fails its checksum", run.first_chunk + j, layer,

@@ -133,8 +133,8 @@ class KVStore:
     def writer_ranges(self) -> list[tuple[int, int]]:
         return self.index.writer_ranges()
 
-    def refresh(self) -> bool:
-        return self.index.refresh()
+    def refresh(self, force: bool = False) -> bool:
+        return self.index.refresh(force)
 
     def match(self, tokens) -> Match:
         return self.index.match(tokens)
@@ -196,8 +196,12 @@ class KVStore:
         """The disk's read queue (stores.scheduler): its measured rate, what waits in it."""
         return self.reader.scheduler
 
-    def split_reads(self, devices: dict[int, int]) -> None:
-        self.reader.split_reads(devices)
+    def split_reads(self, devices: dict[int, int], own: dict[int, range] | None = None,
+                    by_process: frozenset = frozenset()) -> None:
+        self.reader.split_reads(devices, own, by_process)
+
+    def own_heads(self, kind: int) -> slice:
+        return self.reader.own_heads(kind)
 
     def read_runs(self, layer: int, kind: int, chunks, *, speculative: bool = False,
                   background: bool = False) -> list[Run]:

@@ -81,8 +81,6 @@ def case(path: str, process_id: int, out: pathlib.Path) -> dict:
         "short_mesh_error": _error(lambda: specjax.load_model(path, init="random", seed=1, tensor_parallel=2)),
         "other_seed_error": _error(lambda: specjax.load_model(path, init="random", seed=1 + process_id,
                                                               tensor_parallel=tp)),
-        # refused when built, before any store is touched (the store does not run across processes yet)
-        "store_system_error": _error(lambda: Engine(model, make_system("as_full"), object())),
         "seconds": time.perf_counter() - start,
     }
 

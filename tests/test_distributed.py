@@ -6,12 +6,7 @@ this process computes the same outputs on one device and compares.
 """
 
 import dataclasses
-import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -24,42 +19,15 @@ from specjax.configs.models import MODEL_SHAPES
 from specjax.errors import SpecjaxError
 
 import distributed_worker  # tests/ is on the path; its `outputs` is what both sides compute
+from processes import DEVICES_PER_PROCESS, PROCESSES, free_port, needs_cpu_collectives, run_workers
 
 EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
-PROCESSES, DEVICES_PER_PROCESS = 2, 2
 TIMEOUT_S = 300
-
-needs_cpu_collectives = pytest.mark.skipif(not distributed.cpu_collectives_supported(),
-                                           reason=f"jax {jax.__version__} cannot run collectives between CPU "
-                                                  "processes")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _run_processes(models: list[str], out: pathlib.Path) -> list[dict]:
-    """Both workers' reports, in process order; both are killed if they outlive TIMEOUT_S."""
-    address = f"localhost:{_free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                          + f" --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}").strip())
-    workers = [subprocess.Popen([sys.executable, str(WORKER), address, str(PROCESSES), str(i), str(out), *models],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=WORKER.parent.parent) for i in range(PROCESSES)]
-    try:
-        done = [w.communicate(timeout=TIMEOUT_S) for w in workers]
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-    for w, (stdout, stderr) in zip(workers, done):
-        assert w.returncode == 0, stderr[-4000:]
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done]
+    return run_workers(WORKER, out, models, TIMEOUT_S)
 
 
 def _cut(name: str, layers: int, folder: pathlib.Path) -> str:
@@ -90,7 +58,6 @@ def _check_placement(reports: list[dict], model: str, sharded_axes: list[str]) -
         assert all(s["shape"][1] == c["w_up_shape"][1] // tp for s in c["w_up"]), model
         assert "every process needs some" in c["short_mesh_error"], model
         assert "differ from process 0's" in c["other_seed_error"], model
-        assert "does not run across processes yet" in c["store_system_error"], model
     units = sorted(tuple(s["index"][1]) for c in cases for s in c["w_up"])  # the MLP's hidden units
     width = cases[0]["w_up_shape"][1]
     assert units == [(i * width // tp, (i + 1) * width // tp) for i in range(tp)], model
@@ -142,7 +109,7 @@ def test_initialize_errors():
         distributed.initialize("localhost:1234", 0, 0)
     jax.devices()  # JAX has started in this process
     with pytest.raises(SpecjaxError, match="before JAX starts"):
-        distributed.initialize(f"localhost:{_free_port()}", 2, 0)
+        distributed.initialize(f"localhost:{free_port()}", 2, 0)
 
 
 def test_one_process_is_unchanged():

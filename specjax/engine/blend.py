@@ -280,6 +280,7 @@ class BlendEngine(Engine):
             if keep < len(recomputed):
                 recomputed, rows, rows_dev, h = _keep_deviating(clock, deviation, keep, recomputed, rows, n, size, h)
             pace.step(h)
+        io.agree_on_bad_chunks()
         logits = clock.device_wait(S.head_row(cfg, params, h, len(rows) - 1))
         return Prefill(logits, _context(layers_kv, size, total), 0, reused_tokens=m,
                        computed_tokens=n + len(traced[-1]), layers=_layer_record(counts, loads, m),

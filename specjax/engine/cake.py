@@ -174,6 +174,9 @@ class CakeEngine(Engine):
 
     def __init__(self, model, system, store, config: EngineConfig = EngineConfig(), **kwargs):
         super().__init__(model, system, store, config, **kwargs)
+        if self.processes:  # where its two sides meet is a race each process would run apart
+            raise SpecjaxError(f"system {system.name!r} (Cake's schedule) does not run on a mesh over several "
+                               "processes: its split of the prefix is timed by each process alone")
         system.schedule.check(config, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)

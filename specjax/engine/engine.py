@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import distributed
 from specjax import sharding as sh
 from specjax.connector import LOW_BIT_FORMAT, KVStore, Prefetcher, Reorderer, StoreError, TieredCache
 from specjax.engine import state as st
@@ -28,6 +29,7 @@ from specjax.engine.identify import policy
 from specjax.engine.policy_steps import Facts, probe_kv_heads
 from specjax.engine.policies import Layers, runs
 from specjax.engine.precision import Precision, WithRest, check_store
+from specjax.engine import processes
 from specjax.engine.clock import Clock
 from specjax.engine.layer_io import BadChunk, LayerIO, ReadPath
 from specjax.engine.replay import Recorder, Replay
@@ -117,9 +119,8 @@ class Engine:
                                f"holds {store.layout.chunk_tokens}-token chunks; give it a store of its own")
         self.model, self.cfg, self.system, self.store, self.config = model, model.config, system, store, config
         self.mesh = getattr(model, "mesh", None)  # tensor parallel (specjax.sharding); None: one device
-        if store is not None and self.mesh is not None and self.mesh.is_multi_process:
-            raise SpecjaxError(f"system {system.name!r} reads and writes the KV store, which does not run across "
-                               "processes yet: a model split over several processes runs `recompute` only")
+        # the mesh spans several processes: each reads and holds its own KV heads (specjax.engine.processes)
+        self.processes = distributed.spans_processes(self.mesh)
         # how a layer chooses its tokens, and what it knows deciding (`LayerIO.select` carries its steps out)
         self.identification = policy(system.identify)
         if system.rest_bits is not None:  # what it does not select, loaded at low precision (spec_mixed)
@@ -144,8 +145,11 @@ class Engine:
         self._no_selection = SharedIndices(jnp.arange(16, dtype=jnp.int32), 0)
         if store is not None:
             # each device reads its own heads' bytes of every chunk file (one device, or replicated heads: whole)
-            store.split_reads({kind: sh.kv_parts(self.cfg, self.mesh, store.layout.heads(kind))
-                               for kind in store.layout.kinds()})
+            if self.processes:  # each process its own heads (specjax.engine.processes)
+                store.split_reads(**processes.read_split(self.cfg, self.mesh, store.layout))
+            else:
+                store.split_reads({kind: sh.kv_parts(self.cfg, self.mesh, store.layout.heads(kind))
+                                   for kind in store.layout.kinds()})
             # key summaries (spec_gqa's candidates) live in host memory: the host tier gives up their bytes
             if system.candidates is not None:
                 self._cpu_cache_bytes = max(0, self._cpu_cache_bytes - store.summary_bytes)
@@ -191,14 +195,26 @@ class Engine:
     def read_path(self) -> ReadPath:
         """What a request's reads go through now (a `LayerIO`'s: it sees these parts, not the engine)."""
         return ReadPath(self.store, self.prefetcher, self.cache, self.speculator, self.io_worker, self.identification,
-                        self.facts, self.system, self.selections, self.place_kv, self.precision)
+                        self.facts, self.system, self.selections, self.place_kv, self.precision, self.processes)
 
     def place_kv(self, array):
         """K/V `[heads, tokens, head_dim]` as the model's mesh holds them: each device its own KV heads (a few probe
-        heads' keys, or KV heads that do not divide the mesh: replicated). Unchanged without a mesh."""
+        heads' keys, or KV heads that do not divide the mesh: replicated). Unchanged without a mesh. On a mesh over
+        several processes `array` need hold only this process's heads (what it read): each device gets its slice."""
         if self.mesh is None:
             return array
-        return jax.device_put(array, sh.kv_sharding(self.cfg, self.mesh, array.shape[0]))
+        sharding = sh.kv_sharding(self.cfg, self.mesh, array.shape[0])
+        if self.processes:
+            sharding = processes.by_process(self.cfg, self.mesh, array.shape[0]) or sharding
+            return distributed.from_own_rows(array, sharding)
+        return jax.device_put(array, sharding)
+
+    def begin_insert(self, prefix, match):
+        """A writer of `prefix`'s new KV over `match` (it owns the match from here): the store's, or on a mesh over
+        several processes one that gathers each layer for process 0 to write (`processes.SharedWriter`)."""
+        if self.processes:
+            return processes.SharedWriter(self.store, prefix, match)
+        return self.store.begin_insert(prefix, base=match)
 
     # -- storing prefixes ------------------------------------------------------------------------
 
@@ -209,7 +225,7 @@ class Engine:
         if match.length == len(prefix):
             match.close()
             return False
-        writer = self.store.begin_insert(prefix, base=match)
+        writer = self.begin_insert(prefix, match)
         n = len(prefix)
         h, positions, rotary = T.tokens_at(self.cfg, self.model.params, prefix, width=bucket(n))
         start = match.length
@@ -239,8 +255,8 @@ class Engine:
             result.recomputed_bad_chunks = True
         if start is not None:
             self._measure(result, start, served_from)
-        if result.recomputed_bad_chunks and not self.store.read_only:
-            self._try_repair(request)
+        if result.recomputed_bad_chunks and not self.store.read_only and not self.processes:
+            self._try_repair(request)  # across processes, the damage stays for fsck (`repair` is one process's)
         result.repair_io = {k: self.repair_io[k] - spent[k] for k in spent}
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
@@ -301,8 +317,9 @@ class Engine:
         return dropped
 
     def reorder(self) -> int:
-        """Repack every radix node whose importance has been observed (SPEC's KV reordering)."""
-        return Reorderer(self.store).run_once()
+        """Repack every radix node whose importance has been observed (SPEC's KV reordering; on a mesh over several
+        processes, `processes.reorder`)."""
+        return processes.reorder(self.store) if self.processes else Reorderer(self.store).run_once()
 
     def attempt(self, request: Request, *, reuse: bool, head: int = 0) -> RequestResult:
         """The request loop every system runs: its schedule (`prefill`) computes the first token from the stored
@@ -352,7 +369,7 @@ class Engine:
         state = st.ImportanceState.init(cfg.num_layers, m_pad)
         writer = None
         if reuse and new_prefix > 0:  # it owns `match` from here, and releases it when it commits or aborts
-            writer = self.store.begin_insert(request.prefix, base=match)
+            writer = self.begin_insert(request.prefix, match)
             opened.callback(writer.abort)  # a no-op once committed
         io = LayerIO(self.read_path(), match, r, m_pad, clock, first=head)
         opened.callback(io.close)
@@ -363,6 +380,7 @@ class Engine:
         else:
             logits, layers_kv, state, importance, traced = self._prefill_block(
                 io, m, n, k, k_cap, state, tokens, writer, new_prefix, head)
+            io.agree_on_bad_chunks()
             own_tokens = n
         # After the first token: what the selections tell later requests, importance feedback for reordering (of the
         # whole stored prefix, as an identification measured it: none when a head was computed or every token was
@@ -484,9 +502,10 @@ class Engine:
 
 def _layer_record(state: st.ImportanceState, r: int, head: int) -> LayerRecord:
     """The record of a request whose layers identified among the r loaded stored tokens (after a computed `head`)."""
-    retained = np.asarray(state.retained)
-    loaded = np.asarray(state.count) / max(r, 1)
+    host = distributed.to_host
+    retained, count = host(state.retained), host(state.count)
+    loaded = count / max(r, 1)
     recomputed = [head / (head + r) if head + r else 1.0] * len(retained)
-    return LayerRecord(r, np.where(np.isnan(retained), loaded, retained).tolist(), np.asarray(state.count).tolist(),
-                       recomputed, np.asarray(state.fallback).tolist(), np.asarray(state.jaccard).tolist(),
-                       np.asarray(state.threshold).tolist(), np.asarray(state.head_share).tolist())
+    return LayerRecord(r, np.where(np.isnan(retained), loaded, retained).tolist(), count.tolist(), recomputed,
+                       host(state.fallback).tolist(), host(state.jaccard).tolist(), host(state.threshold).tolist(),
+                       host(state.head_share).tolist())

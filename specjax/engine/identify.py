@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.connector import PROBE, K, V
+from specjax.distributed import to_host
 from specjax.engine import state as st
 from specjax.engine import steps as S
 from specjax.engine.policy_steps import (Credit, Facts, Layer, Locate, PlanPeriod, Score, Selected, Steps, Summaries,
@@ -100,7 +101,7 @@ class H2O:
         keys = (yield Take(K)) if keys is None else keys
         scores, logits = yield _every_head_scores(f, layer, keys, logits=True)
         state, per_head = yield decide(st.per_head_select, state, layer.index, scores, k, m, k_cap=layer.k_cap)
-        chosen = np.asarray(per_head)[:, :k]
+        chosen = to_host(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(chosen), lambda slots: slots)
         selection = PerHeadIndices(per_head, k)
         return Selected(state, keys, values, selection, _importance(scores, m), chosen, _scored(logits, selection))
@@ -170,14 +171,14 @@ class Chunks:
             state, positions, count, importance = yield decide(
                 st.chunk_select, state, layer.index, scores, n_chunks, m, chunk_tokens=c,
                 chunk_cap=bucket(n_chunks, minimum=4), k_cap=k_cap)
-            chosen, importance = np.asarray(positions)[: int(count)], np.asarray(importance)[:m]
+            chosen, importance = to_host(positions)[: int(count)], to_host(importance)[:m]
             yield Credit(K, chosen, importance[chosen])
             yield PlanPeriod(chosen)
             keys = S.gather_tokens(keys, positions)
         else:
             state = st.reuse_selection(state, layer.index, first)
-            chosen = np.asarray(state.selected[layer.index])[: int(state.count[layer.index])]
-            importance = np.asarray(state.period_importance)[:m]
+            chosen = to_host(state.selected[layer.index])[: int(state.count[layer.index])]
+            importance = to_host(state.period_importance)[:m]
             keys = yield Take(K, chosen, k_cap, importance=importance[chosen])
         values = yield Take(V, chosen, k_cap, importance=importance[chosen])
         selection = SharedIndices(iota(k_cap), len(chosen))
@@ -241,7 +242,7 @@ class GroupedITF:
         summaries[: len(chunks)] = got
         mass = yield decide(quest.chunk_mass, layer.q, jnp.asarray(summaries), layer.n, len(chunks),
                             kv_of_head=f.kv_of_head)
-        keep = covering(ranked_chunks(np.asarray(mass)[:, : len(chunks)]), np.bincount(slot_of),
+        keep = covering(ranked_chunks(to_host(mass)[:, : len(chunks)]), np.bincount(slot_of),
                         math.ceil(budget * layer.k))
         return layer.positions[np.isin(slot_of, keep)]
 
@@ -297,7 +298,7 @@ class GroupedITF:
             return Selected(state, keys, values, selection, _importance(probes, c, cand, m), chosen[None])
         if per_head is None:
             state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
-        per_head_np = np.asarray(per_head)[:, :k]
+        per_head_np = to_host(per_head)[:, :k]
         state, values = yield from _union_values(layer, state, keys, distinct(per_head_np), lambda slots: cand[slots])
         selection = PerHeadIndices(per_head, k)
         return Selected(state, keys, values, selection, _importance(every, c, cand, m), cand[per_head_np],

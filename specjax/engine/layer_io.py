@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from specjax import distributed
 from specjax.connector import PROBE, K, KVStore, Locations, Prefetcher, TieredCache, V
 from specjax.engine import events
 from specjax.engine import policy_steps as P
@@ -27,7 +28,9 @@ class ReadPath:
     has none), the identification and what it knows (`identify.Facts`), the system the request runs (the planner's
     load-all plan runs another than `facts.system`), the selection trace being recorded or replayed, and `place_kv`,
     which puts a take's array where the layer attends to it (the engine's mesh), and `precision`, which store kind a
-    take of K or V reads and how its rows are decoded (`specjax.engine.precision.Precision`)."""
+    take of K or V reads and how its rows are decoded (`specjax.engine.precision.Precision`). `processes`: the
+    engine's mesh spans several processes (`specjax.engine.processes`): each holds only its own KV heads, and a bad
+    chunk is agreed on at the end of the layer loop (`LayerIO.agree_on_bad_chunks`)."""
 
     store: KVStore
     prefetcher: Prefetcher | None
@@ -40,6 +43,7 @@ class ReadPath:
     selections: Any  # a `replay.Recorder` or `replay.Replay`, or None
     place_kv: Callable[[Any], Any]
     precision: Any  # a `specjax.engine.precision.Precision`
+    processes: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -77,6 +81,7 @@ class LayerIO:
                                  if path.speculator is not None else ())
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
         self._chosen_takes: list = []  # (Residents, rows, count) taken on the device, not yet accounted for
+        self._bad_chunk = False  # a take found one, on a mesh over several processes (`agree_on_bad_chunks`)
 
     def locate(self, layer: int, positions) -> Locations:
         """Where `positions` lie at `layer`: the store locates every position of the match once per layer and
@@ -270,13 +275,27 @@ class LayerIO:
         taken = self.clock.timed(phase, self.path.prefetcher.take, self.match, layer, kind, positions,
                                  importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
         if not taken.ok.all():
-            raise BadChunk()
+            self.bad_chunk()
         if taken.dispatched_at is not None:  # its gather: device work, whichever thread runs it
             self.clock.device_work(taken.dispatched_at, taken.array)
         if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
             self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
                                                  * self.path.store.layout.chunk_nbytes(kind))
         return self.path.place_kv(self.path.precision.decode(kind, taken.array))
+
+    def bad_chunk(self) -> None:
+        """A read found a bad chunk: the request's reuse is abandoned (BadChunk). On a mesh over several processes
+        the others found none, perhaps, and would go on with the layer's steps: this process goes on with them too,
+        and every process learns at the end of the layer loop (`agree_on_bad_chunks`)."""
+        if not self.path.processes:
+            raise BadChunk()
+        self._bad_chunk = True
+
+    def agree_on_bad_chunks(self) -> None:
+        """The end of the layer loop, on a mesh over several processes: BadChunk in every process if any found a bad
+        chunk (every process must call this; one process: a bad chunk has raised already)."""
+        if self.path.processes and distributed.any_process(self._bad_chunk):
+            raise BadChunk()
 
     def take_chosen(self, layer: int, step: P.TakeChosen):
         """`step`'s kinds' rows gathered on the device from the caches' pages by the block table of every position of
@@ -298,9 +317,11 @@ class LayerIO:
                     return None
                 residents.append(resident)
             dispatched = time.monotonic()
-            arrays, holds = [], step.when
+            # the device step's choice, as this process's device that holds the pages has it
+            rows, count, holds = map(distributed.local_replica, (step.rows, step.count, step.when))
+            arrays = []
             for resident in residents:
-                array, holds = pf.pool.gather_rows(resident.kind, resident.table, step.rows, step.count, holds)
+                array, holds = pf.pool.gather_rows(resident.kind, resident.table, rows, count, holds)
                 arrays.append(array)
             self.clock.device_work(dispatched, arrays)
             if not bool(self.clock.device_wait(holds)):
@@ -405,7 +426,9 @@ class LayerIO:
             case P.Summaries():
                 got = self.clock.timed("probe_io", self.path.store.key_summaries, layer, step.chunks)
                 if not got.ok.all():
-                    raise BadChunk()
+                    self.bad_chunk()
+                if self.path.processes:  # each process summarised its own heads' keys: joined, every head's
+                    return distributed.join_parts(got.array[:, self.path.store.own_heads(K)], axis=1)
                 return got.array
             case P.Credit():
                 return self.credit(layer, step.kind, step.positions, step.importance)

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from specjax import distributed
 from specjax.compiles import CompileCounter
 from specjax.connector import K, V
 from specjax.engine.engine import Engine
@@ -314,6 +315,10 @@ class PlannerEngine(Engine):
         with self.store.match([int(t) for t in request.prefix]) as match:
             m = match.length
             plan, predicted, shares = self.plan(m, self.held_by_precision(match)) if m else (Plan(0), {}, {})
+            if self.processes:  # each process measured its own rates: every one runs process 0's plan
+                head, load_all, bits = map(int, distributed.process_zeros(np.asarray(
+                    [plan.head, plan.load_all, plan.bits], np.int64)))
+                plan = Plan(head, bool(load_all), bits)
         planning_ms = (time.perf_counter() - started) * 1e3
         planning_cpu_ms = (time.process_time() - started_cpu) * 1e3
         if m and plan.head >= m:

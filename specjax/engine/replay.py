@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.distributed import to_host
 from specjax.errors import SpecjaxError
 from specjax.shapes import padded
 
@@ -81,7 +82,7 @@ class Recorder:
     def scores(self, layer: int, heads, role: str, columns: np.ndarray, r: int, scores):
         """Keep `scores` [len(heads), >= len(columns)] (columns: positions of the reused prefix, of r); returns
         them unchanged."""
-        host = np.asarray(scores, np.float32)[:, : len(columns)]
+        host = to_host(scores).astype(np.float32)[:, : len(columns)]
         rows = self.rows[self._request]
         self.reused[self._request] = r
         for i, head in enumerate(heads):

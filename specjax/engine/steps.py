@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from specjax import sharding as sh
+from specjax.distributed import to_host
 from specjax.engine import state as st
 from specjax.engine.types import LayerKV
 from specjax.kernels import PerHeadIndices, SharedIndices, attention_over_logits, gathered_attention, probe_scores
@@ -164,7 +165,7 @@ def gather_tokens(x, idx):
 
 def normalised_importance(scores, m: int) -> np.ndarray:
     """Per-token importance of R averaged over heads, each head normalised to sum 1 (for reordering)."""
-    s = np.asarray(scores, np.float64)[:, :m]
+    s = to_host(scores).astype(np.float64)[:, :m]
     return (s / np.maximum(s.sum(1, keepdims=True), 1e-30)).mean(0).astype(np.float32)
 
 
@@ -207,8 +208,8 @@ def context_for_continuation(kv: LayerKV, n: int):
         keys, values = join(kv.prefix_k, kv.own_k, width), join(kv.prefix_v, kv.own_v, width)
     own = np.arange(M, M + n, dtype=np.int32)
     sel = kv.selection
-    count = int(np.max(np.asarray(sel.count))) if sel.count is not None else sel.idx.shape[-1]
-    rows = np.atleast_2d(np.asarray(sel.idx))[:, :count]
+    count = int(np.max(to_host(sel.count))) if sel.count is not None else sel.idx.shape[-1]
+    rows = np.atleast_2d(to_host(sel.idx))[:, :count]
     idx = np.concatenate([rows, np.broadcast_to(own, (rows.shape[0], n))], axis=1)
     padded = np.zeros((idx.shape[0], width), np.int32)
     padded[:, : idx.shape[1]] = idx

@@ -1,0 +1,119 @@
+"""One of several processes that run the store's systems together on one sharded model and one shared store
+(specjax.engine.processes), for tests/test_store_processes.py.
+
+    python tests/store_processes_worker.py HOST:PORT NUM_PROCESSES PROCESS_ID OUT_DIR MODEL STORE SYSTEM...
+
+Each process joins the runtime, loads MODEL (a registered shape or a folder with its config.json; the test's has 4 KV
+heads, one per device of 2 processes x 2 devices) with random weights (seed 1) split over every process's devices,
+and per SYSTEM runs `requests` on a store of its own under STORE (a folder, or a kvstore URL to which the system's
+name is added) that every process opens. It writes
+OUT_DIR/<system>.process<ID>.npz (`results_arrays`) and, as its last stdout line, a JSON object of what each system
+read per process. Process 0 writes the store; every process reads only its own heads.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py: fp32 references
+
+import numpy as np  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax import distributed  # noqa: E402
+from specjax.engine import EngineConfig, Request, make_engine, make_system  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.engine.blend import blend_fingerprint  # noqa: E402
+from specjax.reuse import chunk_tokens_of, open_store  # noqa: E402
+from specjax.stores import KVStore  # noqa: E402
+
+RETENTION = 0.25
+PREFIX_TOKENS = (96, 128)
+# every system's options as the test runs them: without speculation, whose guesses (and bytes) follow each process's
+# measured host time
+OPTIONS = {"spec": {"no_prefetch": True}, "spec_gqa": {"no_prefetch": True}, "planner": {"no_prefetch": True}}
+
+
+def requests(vocab: int) -> list[Request]:
+    """Two prefixes: the first stored before (`warm`), the second stored by its first request (written behind); each
+    asked twice, every request with a query and two continuations; CacheBlend's chunks are the prefix's halves."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in PREFIX_TOKENS:
+        prefix = rng.integers(0, vocab, n).tolist()
+        for _ in range(2):
+            conts = [rng.integers(0, vocab, 3).tolist() for _ in range(2)]
+            out.append(Request(prefix, rng.integers(0, vocab, 9).tolist(), conts,
+                               chunks=[prefix[:n // 2], prefix[n // 2:]], index=len(out)))
+    return out
+
+
+def run_system(model, name: str, location) -> tuple[dict, dict]:
+    """(arrays to compare, counts) of `name`'s requests on a store at `location`."""
+    system = make_system(name, **OPTIONS.get(name, {}))
+    store = None
+    if system.reuse:
+        if jax.process_index() == 0:  # made once, then opened by the others
+            store = _open(model, location, name)
+        if jax.process_count() > 1:
+            distributed.barrier(f"open {name}")
+        if store is None:
+            store = _open(model, location, name)
+    config = EngineConfig(retention=RETENTION, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
+    engine = make_engine(model, system, store, config)
+    reqs = requests(model.config.vocab_size)
+    if store is not None and name != "cacheblend":
+        engine.warm(reqs[0].prefix)
+    arrays, counts = {}, {"disk_bytes": [], "by_device": [], "reused": []}
+    for i, req in enumerate(reqs):
+        result = engine.run(req)
+        arrays[f"first{i}"] = result.first_token_logits
+        arrays[f"continuations{i}"] = np.asarray([lp for lp, _ in result.continuation_logprobs])
+        for layer, chosen in enumerate(result.selections or []):
+            arrays[f"selection{i}_{layer}"] = np.asarray(chosen)
+        counts["disk_bytes"].append(int(result.io.get("disk_bytes", 0)))
+        counts["by_device"].append([int(n) for n in result.disk_bytes_by_device])
+        counts["reused"].append(int(result.reused_tokens))
+    if store is not None:
+        store.close()
+    return arrays, counts
+
+
+def _open(model, location, name: str) -> KVStore:
+    if name == "cacheblend":  # its chunks are stored after a sink, which its fingerprint records
+        return KVStore.open(location, blend_fingerprint(model, chunk_tokens_of(name)))
+    return open_store(model, location, system=name)
+
+
+def location_of(store: str, name: str):
+    """The store of system `name` under STORE: a subfolder, or for a kvstore URL ("file:///x", "file:///x|ocdbt")
+    the system's name added to its first part's path."""
+    if "://" not in store:
+        return str(pathlib.Path(store) / name)
+    base, bar, driver = store.partition("|")
+    return f"{base.rstrip('/')}/{name}/{bar}{driver}"
+
+
+def main(coordinator: str, num_processes: str, process_id: str, out: str, model: str, store: str,
+         *systems: str) -> None:
+    process_id = int(process_id)
+    distributed.initialize(coordinator, int(num_processes), process_id, timeout_s=120)
+    model = specjax.load_model(model, init="random", seed=1, tensor_parallel=jax.device_count())
+    report = {"process_index": jax.process_index(), "systems": {}, "errors": {}}
+    for name in systems:
+        try:
+            arrays, counts = run_system(model, name, location_of(store, name))
+        except SpecjaxError as e:
+            report["errors"][name] = str(e)
+            continue
+        np.savez(pathlib.Path(out) / f"{name}.process{process_id}.npz", **arrays)
+        report["systems"][name] = counts
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,78 @@
+"""The store's systems on a model split over two processes on localhost (2 forced CPU devices each), sharing one
+store (specjax.engine.processes), against one process: the same answers, log-probabilities and selections, and each
+process reads its own heads' half of the bytes.
+
+Each process runs tests/store_processes_worker.py (a process joins the runtime before JAX starts, so not this one);
+this process runs the same requests on one device and compares.
+"""
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.config import from_hf_config, save_config
+from specjax.configs.models import MODEL_SHAPES
+
+import store_processes_worker as worker  # tests/ is on the path
+from processes import DEVICES_PER_PROCESS, needs_cpu_collectives, run_workers
+
+EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
+WORKER = pathlib.Path(__file__).with_name("store_processes_worker.py")
+TIMEOUT_S = 600
+# every system the store serves; Cake is refused across processes (its split is each process's own race)
+SYSTEMS = ("recompute", "as_full", "as_h2o_lru", "as_h2o_lfu", "impress", "spec", "spec_mixed", "spec_gqa",
+           "contiguous_kv", "planner", "cacheblend")
+
+
+def _model(folder: pathlib.Path) -> str:
+    """tiny-llama with 8 query heads over 4 KV heads (one KV head per device), RoPE for CacheBlend."""
+    path = folder / "tiny-llama-kv4"
+    path.mkdir()
+    cfg = dataclasses.replace(from_hf_config(MODEL_SHAPES["tiny-llama"]), num_heads=8, num_kv_heads=4, head_dim=8,
+                              bos_token_id=1)
+    save_config(cfg, path / "config.json")
+    return str(path)
+
+
+def _check(reports: list[dict], out: pathlib.Path, model_path: str, store: pathlib.Path, systems) -> None:
+    """Each process's answers equal one process's; each read its own heads' half of what one process reads."""
+    model = specjax.load_model(model_path, init="random", seed=1)
+    for name in systems:
+        one, counts = worker.run_system(model, name, worker.location_of(str(store), name))
+        for process, report in enumerate(reports):
+            assert report["process_index"] == process
+            got = np.load(out / f"{name}.process{process}.npz")
+            assert sorted(got.files) == sorted(one), (name, process)
+            for key, want in one.items():
+                if key.startswith("selection"):  # the same tokens chosen, on every layer
+                    np.testing.assert_array_equal(got[key], want, err_msg=f"{name} {process} {key}")
+                else:
+                    diff = float(np.abs(got[key] - want).max())
+                    assert diff <= EXACT, (name, process, key, diff)
+            mine = report["systems"][name]
+            assert mine["reused"] == counts["reused"], (name, process)
+            # its heads: half of the bytes (K and V by its own two devices, the probe heads' keys split by process)
+            assert [2 * n for n in mine["disk_bytes"]] == counts["disk_bytes"], (name, process, mine, counts)
+            for by_device, n in zip(mine["by_device"], mine["disk_bytes"]):
+                own = by_device[process * DEVICES_PER_PROCESS:(process + 1) * DEVICES_PER_PROCESS]
+                assert not by_device or sum(own) == sum(by_device) <= n, (name, process, by_device)
+        assert any(counts["reused"]) == (name != "recompute"), name
+        if name in ("as_full", "spec"):  # read from disk (CacheBlend's chunks are in its caches from storing them)
+            assert all(counts["disk_bytes"][i] for i in (0, 3)), name
+
+
+@pytest.mark.slow
+@needs_cpu_collectives
+def test_two_processes_share_one_store(tmp_path):
+    """as_full and spec (the test every CI run has), then every other system, over one shared store folder."""
+    model = _model(tmp_path)
+    out, store = tmp_path / "out", tmp_path / "store"
+    out.mkdir()
+    reports = run_workers(WORKER, out, [model, str(store), *SYSTEMS, "cake"], TIMEOUT_S)
+    for report in reports:
+        assert "does not run on a mesh over several processes" in report["errors"].pop("cake")
+        assert report["errors"] == {}
+    _check(reports, out, model, tmp_path / "one", SYSTEMS)
