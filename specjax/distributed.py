@@ -9,6 +9,12 @@ gathered before it reaches the host (`to_host`). One process (no `initialize`) i
 
 from __future__ import annotations
 
+import atexit
+import inspect
+import os
+import sys
+import threading
+import time
 import zlib
 
 import jax
@@ -18,6 +24,11 @@ from jax.experimental import multihost_utils
 from specjax.errors import SpecjaxError
 
 CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"
+# `initialize`'s watch over the other processes: each process shows a sign of life every BEAT_S seconds through the
+# runtime's key-value store; one silent for `peer_timeout_s` is taken for dead, and this process stops with one line
+# on stderr and this exit status, rather than wait in a collective that will never complete
+BEAT_S = 2.0
+PEER_LOST_EXIT = 3
 
 
 def cpu_collectives_supported() -> bool:
@@ -26,13 +37,18 @@ def cpu_collectives_supported() -> bool:
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *, cpu_collectives: str = "gloo",
-               timeout_s: int = 300) -> None:
+               timeout_s: int = 300, peer_timeout_s: float = 30.0) -> None:
     """Join this process to the `num_processes` processes whose process 0 listens at `coordinator_address`
     ("host:port", the same in every process), as process `process_id`.
 
     It must come before anything that starts JAX's backends (a computation, `jax.devices()`, loading a model),
     because the devices a backend sees are fixed when it starts. CPU devices exchange their collectives over
     `cpu_collectives` ("gloo": TCP, nothing to install); GPUs use NCCL whatever it says.
+
+    A process that dies (killed, out of memory, its host lost) would leave the others waiting in a collective: a
+    process that hears nothing from another for `peer_timeout_s` seconds exits with status PEER_LOST_EXIT and one
+    line on stderr that names it (JAX's own heartbeat check, which aborts every process with a stack trace, is set
+    later than that).
     """
     host, _, port = str(coordinator_address).rpartition(":")
     if not host or not port.isdigit():
@@ -48,14 +64,87 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         raise SpecjaxError(f"jax {jax.__version__} cannot run collectives between CPU processes "
                            f"(no {CPU_COLLECTIVES_OPTION} option); upgrade jax")
     jax.config.update(CPU_COLLECTIVES_OPTION, cpu_collectives)
+    later = {"heartbeat_timeout_seconds": int(peer_timeout_s + 30)}
+    if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+        later = {}
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=timeout_s)
+                                   initialization_timeout=timeout_s, **later)
     except RuntimeError as e:
         if "before any JAX calls" in str(e):
             raise SpecjaxError("specjax.distributed.initialize must run before JAX starts (before any computation, "
                                "jax.devices() or load_model): call it first thing in the program") from e
         raise
+    if num_processes > 1:
+        _watch_peers(process_id, num_processes, peer_timeout_s)
+        _stop_on_errors(process_id, num_processes)
+
+
+def _runtime_client():
+    """The runtime's client of process 0's key-value store (JAX has no public name for it)."""
+    from jax._src import distributed as runtime  # noqa: PLC0415
+
+    return runtime.global_state.client
+
+
+def _watch_peers(me: int, n: int, silent_s: float) -> None:
+    """A daemon thread: this process's sign of life (a counter it increments) every BEAT_S seconds, and the others'
+    read; a process whose counter stays still for `silent_s` seconds without having said it is done (at exit), or a
+    store that no longer answers (process 0's), ends this process (`_peer_lost`)."""
+    client = _runtime_client()
+    done = threading.Event()
+    atexit.register(lambda: (done.set(), _try(client.key_value_set, f"specjax/done/{me}", "1", True)))
+
+    def watch() -> None:
+        seen = {p: (None, time.monotonic()) for p in range(n) if p != me}
+        while not done.wait(BEAT_S):
+            try:
+                client.key_value_increment(f"specjax/alive/{me}", 1)
+                for p, (count, since) in seen.items():
+                    now = _try(client.key_value_try_get, f"specjax/alive/{p}")  # None: not set yet
+                    if now != count:
+                        seen[p] = (now, time.monotonic())
+                    elif time.monotonic() - since > silent_s and not _try(client.key_value_try_get,
+                                                                          f"specjax/done/{p}"):
+                        _peer_lost(me, n, f"process {p} has shown no sign of life for {silent_s:.0f} s")
+            except Exception as e:  # noqa: BLE001 -- process 0's store gone: process 0 died
+                if not done.is_set():
+                    _peer_lost(me, n, f"process 0 (the coordinator) stopped answering ({type(e).__name__})")
+
+    threading.Thread(target=watch, name="specjax-peers", daemon=True).start()
+
+
+def _try(fn, *args):
+    """fn(*args), or None where it raises (a key not set yet)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _stop_on_errors(me: int, n: int) -> None:
+    """An error no one caught ends this process at once, without JAX's exit barrier, which waits for every process
+    and, when one is gone, aborts after its heartbeat timeout with a stack trace. A failed step across processes
+    (another process gone) is said in one line (`_peer_lost`); any other error as Python says it, then that line."""
+    said = sys.excepthook
+
+    def hook(kind, error, trace) -> None:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            _peer_lost(me, n, f"a step across processes failed: {first}")
+        said(kind, error, trace)
+        _peer_lost(me, n, f"{kind.__name__}: {first}", status=1, cause="")
+
+    sys.excepthook = hook
+
+
+def _peer_lost(me: int, n: int, why: str, status: int = PEER_LOST_EXIT,
+               cause: str = " (another process killed or crashed?)") -> None:
+    """Say in one line why this process stops, and stop it at once: nothing it has not committed is kept."""
+    sys.stdout.flush()
+    sys.stderr.write(f"specjax: process {me} of {n} stops: {why}{cause}; its uncommitted work is dropped\n")
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def global_arrays(host_tree, shardings):

@@ -26,16 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str], timeout_s: float) -> list[dict]:
-    """`python WORKER HOST:PORT PROCESSES PROCESS_ID OUT ARGS...` in PROCESSES processes: their reports (each one's last
-    stdout line, a JSON object), in process order; every worker is killed if it outlives `timeout_s`."""
+def start_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str]) -> list[subprocess.Popen]:
+    """`python WORKER HOST:PORT PROCESSES PROCESS_ID OUT ARGS...` started in PROCESSES processes (pipes for their
+    stdout and stderr)."""
     address = f"localhost:{free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
                           + f" --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}").strip())
-    workers = [subprocess.Popen([sys.executable, str(worker), address, str(PROCESSES), str(i), str(out), *args],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=worker.parent.parent) for i in range(PROCESSES)]
+    return [subprocess.Popen([sys.executable, str(worker), address, str(PROCESSES), str(i), str(out), *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=worker.parent.parent) for i in range(PROCESSES)]
+
+
+def run_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str], timeout_s: float) -> list[dict]:
+    """`start_workers`' reports (each one's last stdout line, a JSON object), in process order; every worker is
+    killed if it outlives `timeout_s`."""
+    workers = start_workers(worker, out, args)
     try:
         done = [w.communicate(timeout=timeout_s) for w in workers]
     finally:

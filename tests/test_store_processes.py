@@ -8,6 +8,9 @@ this process runs the same requests on one device and compares.
 
 import dataclasses
 import pathlib
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from specjax.config import from_hf_config, save_config
 from specjax.configs.models import MODEL_SHAPES
 
 import store_processes_worker as worker  # tests/ is on the path
-from processes import DEVICES_PER_PROCESS, needs_cpu_collectives, run_workers
+from processes import DEVICES_PER_PROCESS, needs_cpu_collectives, run_workers, start_workers
 
 EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
 WORKER = pathlib.Path(__file__).with_name("store_processes_worker.py")
@@ -76,3 +79,35 @@ def test_two_processes_share_one_store(tmp_path):
         assert "does not run on a mesh over several processes" in report["errors"].pop("cake")
         assert report["errors"] == {}
     _check(reports, out, model, tmp_path / "one", SYSTEMS)
+
+
+@pytest.mark.slow
+@needs_cpu_collectives
+def test_a_process_killed_mid_run(tmp_path):
+    """Process 1 killed once the first store is made: process 0 stops within 60 s with one line naming what happened
+    (its watch over the others, or the step across processes that failed), and the store passes fsck."""
+    model = _model(tmp_path)
+    out, store = tmp_path / "out", tmp_path / "store"
+    out.mkdir()
+    survivor, victim = start_workers(WORKER, out, [model, str(store), "as_full", "spec", "contiguous_kv"])
+    try:
+        deadline = time.monotonic() + 300
+        while not (store / "as_full").is_dir() and time.monotonic() < deadline and survivor.poll() is None:
+            time.sleep(0.2)
+        assert (store / "as_full").is_dir(), survivor.communicate(timeout=60)[1][-3000:]
+        victim.kill()
+        killed = time.monotonic()
+        _, stderr = survivor.communicate(timeout=90)
+        took = time.monotonic() - killed
+    finally:
+        for w in (survivor, victim):
+            if w.poll() is None:
+                w.kill()
+            w.communicate()
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+    assert survivor.returncode not in (0, None) and took < 60, (survivor.returncode, took, lines[-5:])
+    assert lines[-1].startswith("specjax: process 0 of 2 stops: "), lines[-5:]
+    for folder in sorted(store.iterdir()):
+        fsck = subprocess.run([sys.executable, "-m", "specjax.stores.fsck", str(folder)], capture_output=True,
+                              text=True)
+        assert fsck.returncode == 0, fsck.stdout + fsck.stderr
