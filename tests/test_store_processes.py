@@ -70,7 +70,7 @@ def _check(reports: list[dict], out: pathlib.Path, model_path: str, store: pathl
 @pytest.mark.slow
 @needs_cpu_collectives
 def test_two_processes_share_one_store(tmp_path):
-    """as_full and spec (the test every CI run has), then every other system, over one shared store folder."""
+    """Every system over one shared store folder; as_full and spec again through a kvstore URL."""
     model = _model(tmp_path)
     out, store = tmp_path / "out", tmp_path / "store"
     out.mkdir()
@@ -79,6 +79,16 @@ def test_two_processes_share_one_store(tmp_path):
         assert "does not run on a mesh over several processes" in report["errors"].pop("cake")
         assert report["errors"] == {}
     _check(reports, out, model, tmp_path / "one", SYSTEMS)
+    # the same store through a TensorStore kvstore URL (an OCDBT database on a file:// path): the same results
+    url_out = tmp_path / "url_out"
+    url_out.mkdir()
+    url = run_workers(WORKER, url_out, [model, f"file://{tmp_path / 'url'}|ocdbt", "as_full", "spec"], TIMEOUT_S)
+    assert (tmp_path / "url" / "spec" / "manifest.ocdbt").is_file()
+    for name in ("as_full", "spec"):
+        for process in range(len(reports)):
+            a, b = np.load(out / f"{name}.process{process}.npz"), np.load(url_out / f"{name}.process{process}.npz")
+            assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files), name
+            assert url[process]["systems"][name] == reports[process]["systems"][name], name
 
 
 @pytest.mark.slow

@@ -375,6 +375,36 @@ def test_each_devices_reader_reads_and_checks_its_own_heads(tmp_path, direct_io)
         np.testing.assert_array_equal(got.array[:, 16:], kv[2][K][:, 16:])
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_process_reads_and_checks_only_its_own_heads(tmp_path, direct_io):
+    """On a mesh over several processes a handle reads only its process's parts (`split_reads(own=...)`): here the
+    second of 2 devices' K/V heads, and the 1 probe head whole; only those bytes are counted (per device: its own
+    device only) and checked, so a flipped byte in another process's head is not its concern."""
+    root, fp, tokens, kv = _stored_prefix(tmp_path, 9)
+    _flip_bit(_chunk_file(root, 2, K, 0), 5, 0x10)  # layer 2, K, tokens 0..15: the first head (the other process's)
+    with KVStore.open(root, fp, direct_io=direct_io) as store:
+        with pytest.raises(ValueError, match="parts 1..2 of 2 to read"):
+            store.split_reads({K: 2, V: 2}, own={K: range(1, 3)})
+        store.split_reads({K: 2, V: 2}, own={K: range(1, 2), V: range(1, 2)})
+        assert store.own_heads(K) == slice(1, 2) and store.own_heads(PROBE) == slice(0, 1)
+        with store.match(tokens) as m:
+            for layer in range(FP["num_layers"]):
+                for kind in (K, V, PROBE):
+                    got = toy_kv.read(store, m, layer, kind).result()
+                    assert got.ok.all(), (layer, kind)
+                    own = slice(1, 2) if kind != PROBE else slice(0, 1)
+                    np.testing.assert_array_equal(got.array[own], kv[layer][kind][own])
+        assert store.metrics.bad_chunks == 0
+        kv_bytes = 2 * 3 * kv[0][K].nbytes  # K and V of 3 layers, 3 chunks each
+        assert store.metrics.device_bytes() == [0, kv_bytes // 2]
+        assert store.metrics.disk_bytes == kv_bytes // 2 + 3 * kv[0][PROBE].nbytes
+    with KVStore.open(root, fp, direct_io=direct_io) as store:  # the first head's process meets the flipped byte
+        store.split_reads({K: 2, V: 2}, own={K: range(0, 1), V: range(0, 1)})
+        with store.match(tokens) as m:
+            got = toy_kv.read(store, m, 2, K).result()
+        assert store.metrics.bad_chunks == 1 and not got.ok[:16].any() and got.ok[16:].all()
+
+
 @pytest.mark.parametrize("older", ["specjax-kvstore/1", "specjax-kvstore/2"])
 def test_a_store_of_an_older_format_is_refused_clearly(tmp_path, older):
     """Format 1 kept one checksum per chunk (a reader of some heads cannot check it), format 2 a file per chunk
