@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pathlib
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -47,8 +48,13 @@ flags.DEFINE_bool("progress", True, "Show a progress bar with ETA on stderr.")
 flags.DEFINE_bool("resume", False, "Reuse the runs an interrupted evaluation finished (kept in <output_dir>/.partial "
                   "until its results are written) and run only the rest; the flags, code and machine must match.")
 
+flags.DEFINE_integer("num_processes", 1, "Processes that run this evaluation together, one model over all their "
+                     "devices (each started with the same flags and its own --process_id; docs/scaling.md).")
+flags.DEFINE_integer("process_id", 0, "This process's number, 0..num_processes-1; process 0 writes the results.")
+flags.DEFINE_string("coordinator", "", "HOST:PORT where process 0 listens for the others (with --num_processes).")
+
 NEEDLE_DEFAULT_LIMIT = settings_lib.NEEDLE_DEFAULT_LIMIT
-COMMAND_FLAGS = ("progress", "resume")
+COMMAND_FLAGS = ("progress", "resume", "num_processes", "process_id", "coordinator")
 HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "-helpshort", "--help=true", "--helpshort=true")
 
 
@@ -154,6 +160,7 @@ def _run_task(model, settings: settings_lib.EvalSettings, out: folders.OutputFol
         done = runner.run_all(model, workload, runs, resolved, store_dir, progress, partial,
                               interleave=settings.run.interleave)
     progress.close()
+    per_process = _per_process_io(done)
 
     notes = _notes(model, settings.run, resolved, done, traces, len(runs), tokenizer_source, partial.loaded,
                    out.moved_from, output_dir)
@@ -179,10 +186,24 @@ def _run_task(model, settings: settings_lib.EvalSettings, out: folders.OutputFol
         extras={"workload": summary, "notes": notes, "stores": report.store_summary(done),
                 "command": shlex.join(sys.argv), "code": code, "resumed": partial.loaded,
                 "wall_s": time.time() - started,
-                "selections": _selections_record(settings.run, traces),
+                "selections": _selections_record(settings.run, traces), **per_process,
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))})
     _write_results(results, done, workload, output_dir, partial)
     return results
+
+
+def _per_process_io(done) -> dict:
+    """With several processes: `processes`, what each read for each run (its own heads' share), gathered from all
+    of them; nothing with one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return {}
+    from specjax import distributed
+
+    keys = ("disk_bytes", "probe_disk_bytes", "chunks_read", "read_requests", "host_to_device_bytes")
+    mine = {run.key: {k: float(sum(o.counters.get(k, 0.0) for o in run.outcomes)) for k in keys} for run in done}
+    return {"processes": [{"process": i, "io": io} for i, io in enumerate(distributed.gather_json(mine))]}
 
 
 def _workload(model, settings: settings_lib.WorkloadSettings):
@@ -268,7 +289,8 @@ def _write_results(results: dict, done, workload, output_dir: pathlib.Path, part
                         f"kept in {partial.dir}: free space and run the same command with --resume") from None
     written.append(output_dir / "requests.jsonl")
     partial.discard()
-    _print_summary(results, written)
+    if not FLAGS.process_id:  # the others' results are process 0's, which it writes
+        _print_summary(results, written)
 
 
 def _selection_setting(settings: settings_lib.EvalSettings) -> systems_lib.SelectionTrace | None:
@@ -328,6 +350,7 @@ def _print_summary(results: dict, written: list[pathlib.Path]) -> None:
 def main(argv):
     if len(argv) > 1:
         raise EvalError(f"unexpected arguments {argv[1:]}; flags look like --task piqa")
+    _join_processes()  # before anything starts JAX
     present = {name for name in OUR_FLAGS if FLAGS[name].present}
     preset = presets_lib.load(FLAGS.preset) if FLAGS.preset else None
     values = presets_lib.apply(preset, _values(), present) if preset else _values()  # the command line's win
@@ -342,12 +365,44 @@ def main(argv):
     if settings.store.store:
         folders.store_folder(settings.store.store)
     folders.check_writable("--output_dir", base_dir)
+    if FLAGS.num_processes > 1:
+        _check_processes(settings)
+        if FLAGS.process_id:  # process 0 writes the results; the others' go to a folder removed at the end
+            base_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"specjax-eval-process{FLAGS.process_id}-"))
+            FLAGS.progress = False
     m = settings.model
     model = load_model(m.model, m.dtype, m.init, settings.workload.seed, m.revision, m.tensor_parallel)
     for name in task_list:
         task_settings = settings_lib.EvalSettings.from_values(presets_lib.for_task(preset, values, name, present))
         out = base_dir / name if len(task_list) > 1 else base_dir
         run_task(model, task_settings, out, resume=FLAGS.resume)
+    if FLAGS.process_id:
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def _join_processes() -> None:
+    """With --num_processes N: join this process to the others (`specjax.distributed.initialize`)."""
+    if FLAGS.num_processes == 1:
+        return
+    if not FLAGS.coordinator:
+        raise EvalError("--num_processes needs --coordinator HOST:PORT: where process 0 listens for the others")
+    from specjax import distributed
+    from specjax.errors import SpecjaxError
+
+    try:
+        distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    except SpecjaxError as e:
+        raise EvalError(str(e)) from None
+
+
+def _check_processes(settings: settings_lib.EvalSettings) -> None:
+    """What an evaluation over several processes needs: one store folder they all reach, and no resuming (each
+    process would resume its own)."""
+    if not settings.store.store:
+        raise EvalError("--num_processes needs --store: a folder every process reaches (a shared file system), "
+                        "where process 0 writes the stored prefixes the others read")
+    if FLAGS.resume:
+        raise EvalError("--resume does not run with --num_processes: run the evaluation again whole")
 
 
 def _task_list(task: str, preset: dict | None, present: set[str]) -> list[str]:

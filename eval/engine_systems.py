@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 
 from specjax.engine import Request, fingerprint, make_engine, make_system
-from specjax.engine import blend, replay
+from specjax.engine import blend, processes, replay
 from specjax.engine import systems as engine_systems
 from specjax.engine.policies import Blend
 from specjax.eval.systems import Outcome, SystemSettings
@@ -75,7 +75,7 @@ class EngineSystem:
     def populate(self, store_path: str, prefixes) -> dict:
         """Store every prefix not stored yet; {"written": n, "reused": n} (a store kept from an earlier run
         already holds some or all)."""
-        store = self._open_store(store_path)
+        store = processes.opened_in_turn(lambda: self._open_store(store_path))
         try:
             writer = make_engine(self.model, self.system, store, self.config)
             written = sum(writer.warm(prefix) for prefix in prefixes)
@@ -111,9 +111,9 @@ class EngineSystem:
                 "repair_disk_bytes_written": sum(c.get("disk_bytes_written", 0) for c in both)}
 
     def open(self, store_path: str) -> None:
-        self.store = self._open_store(store_path, direct_io=self.settings.direct_io,
-                                      disk_bandwidth=self.settings.disk_bandwidth,
-                                      max_inflight_bytes=self.settings.inflight_bytes)
+        self.store = processes.opened_in_turn(lambda: self._open_store(
+            store_path, direct_io=self.settings.direct_io, disk_bandwidth=self.settings.disk_bandwidth,
+            max_inflight_bytes=self.settings.inflight_bytes))
         self.engine = make_engine(self.model, self.system, self.store, self.config, selections=self.selections)
 
     def warm(self, requests) -> None:

@@ -28,7 +28,9 @@ import shutil
 import time
 
 import jax
+import numpy as np
 
+from specjax import distributed
 from specjax.engine import shape_key
 from specjax.eval import registry, systems as systems_lib
 from specjax.compiles import CompileCounter
@@ -132,15 +134,16 @@ def _run_all(model, workload, runs, settings, folder: "StoreFolder", progress, p
         else:
             todo.append((name, retention, label))
     for group in ([todo] if interleave else [[run] for run in todo]):
-        opened = []
+        opened, failed = [], True
         try:
             for name, retention, label in group:
                 opened.append(_Opened.prepare(model, warm, compile_only, name, retention, label, settings, folder,
                                               progress))
             _time(workload, opened, progress)
+            failed = False
         finally:
             for run in opened:
-                run.close()
+                run.close(folder, together=not failed)
             # Each compiled program holds memory mappings and a process may have only vm.max_map_count of them;
             # dropping the programs of the runs done keeps a long evaluation of many runs within that. The next
             # runs compile what they need in their own untimed warm-up and compile passes.
@@ -216,15 +219,16 @@ class _Opened:
                 if progress:
                     progress.update()
         except BaseException:
-            opened.close()
+            opened.close(folder, together=False)
             raise
         opened.warm_s = time.perf_counter() - t0
         return opened
 
-    def close(self) -> None:
+    def close(self, folder: "StoreFolder", together: bool = True) -> None:
+        """`together`: every process closes the run (it did not fail in this one; `StoreFolder.remove_copy`)."""
         self.system.close()
         if self.private is not None:
-            shutil.rmtree(self.private, ignore_errors=True)
+            folder.remove_copy(self.private, together)
 
     def result(self, folder, sweep: bool) -> Run:
         repaired = list(getattr(self.system, "repaired", ()))
@@ -250,7 +254,11 @@ class StoreFolder:
     base store (`base-<key>.lock`) makes populating it exclusive and copying it shared, so a copy never catches a
     base store half written; `runs/<id>.lock` is held while the process lives, so a later process removes the
     private copies of one that was killed: only folders named as this class names them that hold its mark
-    (`RUN_MARK`), never another folder of `runs/`."""
+    (`RUN_MARK`), never another folder of `runs/`.
+
+    With several processes running one evaluation (`specjax.distributed`) the folder is one that every process
+    reaches: process 0 takes the locks, populates (every process computes, process 0 writes), makes the private
+    copies and removes them; the others use its copies."""
 
     def __init__(self, root: pathlib.Path):
         self.root = pathlib.Path(root)
@@ -262,7 +270,7 @@ class StoreFolder:
         return self
 
     def __exit__(self, *exc):
-        if self.private is not None:
+        if self.private is not None and _leads():
             shutil.rmtree(self.private, ignore_errors=True)
             pathlib.Path(self._alive.name).unlink(missing_ok=True)  # while held: no one sees it free and stale
             self._alive.close()
@@ -272,7 +280,7 @@ class StoreFolder:
         base = self.root / f"base-{getattr(system, 'store_key', 'default')}"
         if base not in self.bases:
             base.mkdir(parents=True, exist_ok=True)
-            with self._locked(base, fcntl.LOCK_EX):
+            with self._locked(base, fcntl.LOCK_EX) if _leads() else contextlib.nullcontext():
                 counts = system.populate(str(base), stored_sequences(system, warm))
             self.bases[base] = {"base": base.name, **_populated(counts)}
         return base
@@ -287,14 +295,25 @@ class StoreFolder:
         if self.private is None:
             self._make_private()
         copy = self.private / label
-        shutil.rmtree(copy, ignore_errors=True)
-        with self._locked(base, fcntl.LOCK_SH):
-            try:
-                shutil.copytree(base, copy, copy_function=_link_or_copy)
-            except (shutil.Error, OSError) as e:
-                shutil.rmtree(copy, ignore_errors=True)
-                raise EvalError(_copy_failed(base, copy, e)) from None
+        if _leads():
+            shutil.rmtree(copy, ignore_errors=True)
+            with self._locked(base, fcntl.LOCK_SH):
+                try:
+                    shutil.copytree(base, copy, copy_function=_link_or_copy)
+                except (shutil.Error, OSError) as e:
+                    shutil.rmtree(copy, ignore_errors=True)
+                    raise EvalError(_copy_failed(base, copy, e)) from None
+        if jax.process_count() > 1:
+            distributed.barrier("specjax-eval-copy")
         return copy
+
+    def remove_copy(self, copy: pathlib.Path, together: bool = True) -> None:
+        """A run's copy, once its run is closed in every process (with `together`: a run that failed here is not
+        waited for elsewhere, and the process it failed in stops)."""
+        if jax.process_count() > 1 and together:
+            distributed.barrier("specjax-eval-closed")
+        if _leads():
+            shutil.rmtree(copy, ignore_errors=True)
 
     def repair(self, base: pathlib.Path, system, sequences: list) -> None:
         """A run met chunks failing their checksum in its copy (and repaired them there as it went): repair those
@@ -318,14 +337,24 @@ class StoreFolder:
 
     def _make_private(self) -> None:
         runs = self.root / "runs"
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        if jax.process_count() > 1:  # process 0's, for every process
+            name = bytes(distributed.process_zeros(np.frombuffer(name.ljust(64).encode(), np.uint8))).decode().strip()
+            if not _leads():
+                self.private = runs / name
+                return
         runs.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(runs)
-        name = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._alive = open(runs / f"{name}.lock", "a")
         fcntl.flock(self._alive, fcntl.LOCK_EX)
         self.private = runs / name
         self.private.mkdir()
         (self.private / RUN_MARK).write_text(f"private run copies of process {os.getpid()}, removed when it ends\n")
+
+
+def _leads() -> bool:
+    """Whether this process takes the folder's locks and makes its copies (process 0; one process: itself)."""
+    return jax.process_index() == 0
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import json
 import os
 import sys
 import threading
@@ -235,6 +236,17 @@ def any_process(flag: bool) -> bool:
 def process_zeros(value):
     """Process 0's `value` (an array or a tree of them), in every process (every process must call this)."""
     return multihost_utils.broadcast_one_to_all(value)
+
+
+def gather_json(value) -> list:
+    """Every process's `value` (anything `json` writes), in process order, in every process (every process must
+    call this)."""
+    mine = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(mine)], np.int64))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(mine)] = mine
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, lengths)]
 
 
 def barrier(name: str) -> None:

@@ -200,12 +200,15 @@ class LocalFiles:
         results = []
         for key, ranges, lands, out in reads:
             try:
-                results.append(self._read(key, ranges, lands, out))
+                results.append(self._read(key, ranges, out, lands))
             except Exception as e:  # noqa: BLE001 -- this read's failure, delivered with the others' data
                 results.append(e)
         return results
 
-    def _read(self, key: str, ranges: list[slice], lands: list[int], out: np.ndarray) -> np.ndarray:
+    def _read(self, key: str, ranges: list[slice], out: np.ndarray, lands: list[int] | None = None) -> np.ndarray:
+        """`ranges` of the file into `out`'s bytes: each at its offset in `lands` (default: one after another)."""
+        if lands is None:
+            lands = np.cumsum([0] + [r.stop - r.start for r in ranges[:-1]]).tolist()
         dest = out.reshape(-1).view(np.uint8)
         fd = os.open(self.path(key), os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0))
         try:

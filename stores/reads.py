@@ -8,6 +8,7 @@ own heads' byte ranges of every chunk, and each device's bytes are counted (`Sto
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -161,6 +162,7 @@ class ChunkReader:
         self._head_parts: dict[int, int] | None = None  # `split_reads`; None: whole chunk files
         self._own: dict[int, range] = {}  # `split_reads`: per kind, the head parts this process reads (absent: all)
         self._by_process: frozenset = frozenset()  # `split_reads`: kinds split among processes, not devices
+        self._here = threading.local()  # `every_head`, on the thread that reads
         self._reads_started = False
         self._lock = threading.Lock()  # the head parts, what runs' shared disk requests still want, the live buffers
         # (layer, kind, segment's first chunk) -> its landing buffer while a run holds it (`_extents`); chunk ids are
@@ -196,14 +198,25 @@ class ChunkReader:
         return 1 if self._head_parts is None else self._head_parts[kind]
 
     def own_parts(self, kind: int) -> range:
-        """The head parts of `kind` this handle reads (`split_reads`)."""
+        """The head parts of `kind` this handle reads (`split_reads`; every part within `every_head`)."""
         parts = self._parts(kind)
-        return self._own.get(kind, range(parts))
+        return range(parts) if getattr(self._here, "every_head", False) else self._own.get(kind, range(parts))
 
-    def own_heads(self, kind: int) -> slice:
-        """The heads of `kind` this handle reads (`split_reads`): every head, or its process's."""
-        own, per_part = self.own_parts(kind), self.layout.heads(kind) // self._parts(kind)
+    def own_heads(self, kind: int, own: range | None = None) -> slice:
+        """The heads of `kind` this handle reads (`split_reads`), or those of parts `own`: every head, or its
+        process's."""
+        own, per_part = own or self.own_parts(kind), self.layout.heads(kind) // self._parts(kind)
         return slice(own.start * per_part, own.stop * per_part)
+
+    @contextlib.contextmanager
+    def every_head(self):
+        """Within, the reads this thread issues read and check every head, whatever `split_reads` says this process
+        reads (process 0 repacking the store for all: `specjax.engine.processes.reorder`)."""
+        self._here.every_head = True
+        try:
+            yield
+        finally:
+            self._here.every_head = False
 
     @property
     def scheduler(self):
@@ -222,7 +235,7 @@ class ChunkReader:
         self._reads_started = True
         max_bytes = self.max_read_bytes or self._arrays.scheduler.max_read_bytes()
         max_chunks = max(1, max_bytes // self.layout.chunk_nbytes(kind))
-        head_parts = self._parts(kind)
+        head_parts, own = self._parts(kind), self.own_parts(kind)
         runs = self.index.segment_runs(chunks, max_chunks)
         extents = self._extents(layer, kind, runs) if head_parts == 1 else {}
         out = []
@@ -236,11 +249,11 @@ class ChunkReader:
                         extent.array[first - extent.first_chunk:first - extent.first_chunk + n])
                 pieces.append((seg.first_chunk, seg.n_chunks, first, n, into))
             read = self._arrays.read_runs(layer, kind, pieces, speculative=speculative, background=background,
-                                          head_parts=head_parts, own_parts=self.own_parts(kind))
+                                          head_parts=head_parts, own_parts=own)
             shared = DiskRequest(sum(n for _, _, n in request))
             runs_read = [Run(weakref.ref(read), first, n, request=shared, extent=extents.get(seg.seg_id))
                          for seg, first, n in request]
-            read.future.add_done_callback(functools.partial(self._verify, runs_read, layer, kind, expected))
+            read.future.add_done_callback(functools.partial(self._verify, runs_read, layer, kind, own, expected))
             out += runs_read
         return out
 
@@ -286,7 +299,7 @@ class ChunkReader:
             out[seg_id] = extent
         return out
 
-    def _verify(self, runs: list[Run], layer: int, kind: int, expected: list[np.ndarray], f) -> None:
+    def _verify(self, runs: list[Run], layer: int, kind: int, own: range, expected: list[np.ndarray], f) -> None:
         """Check each chunk of the runs one disk request landed against its heads' checksums before any is served
         (on the thread that landed it). Every `run.verified` resolves: a failure here makes a run's chunks misses,
         never a reader that waits forever."""
@@ -300,7 +313,7 @@ class ChunkReader:
             results = [e] * len(runs)
         for run, want, result in zip(runs, expected, results):
             try:
-                self._check_run(run, layer, kind, want, result)
+                self._check_run(run, layer, kind, own, want, result)
             except BaseException as e:  # noqa: BLE001
                 log.exception("chunks %d.. layer %d %s: checking the read failed", run.first_chunk, layer,
                               kvarray.KIND_NAMES[kind])
@@ -310,8 +323,8 @@ class ChunkReader:
                 if not isinstance(e, Exception):
                     raise
 
-    def _check_run(self, run: Run, layer: int, kind: int, expected: np.ndarray, arrays) -> None:
-        """`arrays`: the run's chunks as read, or the exception its read raised."""
+    def _check_run(self, run: Run, layer: int, kind: int, own: range, expected: np.ndarray, arrays) -> None:
+        """`arrays`: the run's chunks as read (head parts `own`), or the exception its read raised."""
         last = run.first_chunk + run.n_chunks - 1
         if isinstance(arrays, BaseException):  # unreadable chunks: misses, never an exception to serve
             log.warning("chunks %d..%d layer %d %s unreadable: %s", run.first_chunk, last, layer,
@@ -319,7 +332,7 @@ class ChunkReader:
             self.metrics.add(bad_chunks=run.n_chunks)
             run.verified.set_result((None, np.zeros(run.n_chunks, bool)))
             return
-        devices, own, heads = self._parts(kind), self.own_parts(kind), self.own_heads(kind)
+        devices, heads = self._parts(kind), self.own_heads(kind, own)
         nbytes = arrays.nbytes // devices * len(own)
         self.metrics.add(disk_bytes=nbytes, probe_disk_bytes=nbytes if kvarray.base_of(kind) == kvarray.PROBE else 0,
                          chunks_read=run.n_chunks, read_requests=1)

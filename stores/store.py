@@ -203,6 +203,9 @@ class KVStore:
     def own_heads(self, kind: int) -> slice:
         return self.reader.own_heads(kind)
 
+    def every_head(self):
+        return self.reader.every_head()
+
     def read_runs(self, layer: int, kind: int, chunks, *, speculative: bool = False,
                   background: bool = False) -> list[Run]:
         return self.reader.read_runs(layer, kind, chunks, speculative=speculative, background=background)

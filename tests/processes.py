@@ -41,7 +41,12 @@ def start_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str]) -> l
 def run_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str], timeout_s: float) -> list[dict]:
     """`start_workers`' reports (each one's last stdout line, a JSON object), in process order; every worker is
     killed if it outlives `timeout_s`."""
-    workers = start_workers(worker, out, args)
+    done = finish(start_workers(worker, out, args), timeout_s)
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done]
+
+
+def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
+    """Each worker's (stdout, stderr) once it exits with status 0; every one is killed if it outlives `timeout_s`."""
     try:
         done = [w.communicate(timeout=timeout_s) for w in workers]
     finally:
@@ -49,6 +54,6 @@ def run_workers(worker: pathlib.Path, out: pathlib.Path, args: list[str], timeou
             if w.poll() is None:
                 w.kill()
                 w.wait()
-    for w, (stdout, stderr) in zip(workers, done):
+    for w, (_, stderr) in zip(workers, done):
         assert w.returncode == 0, stderr[-4000:]
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done]
+    return done

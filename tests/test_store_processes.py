@@ -7,6 +7,8 @@ this process runs the same requests on one device and compares.
 """
 
 import dataclasses
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from specjax.config import from_hf_config, save_config
 from specjax.configs.models import MODEL_SHAPES
 
 import store_processes_worker as worker  # tests/ is on the path
-from processes import DEVICES_PER_PROCESS, needs_cpu_collectives, run_workers, start_workers
+from processes import DEVICES_PER_PROCESS, finish, free_port, needs_cpu_collectives, run_workers, start_workers
 
 EXACT = 1e-5  # fp32: the same computation, summed over heads in another order
 WORKER = pathlib.Path(__file__).with_name("store_processes_worker.py")
@@ -121,3 +123,41 @@ def test_a_process_killed_mid_run(tmp_path):
         fsck = subprocess.run([sys.executable, "-m", "specjax.stores.fsck", str(folder)], capture_output=True,
                               text=True)
         assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+EVAL_FLAGS = ["--init", "random", "--task", "piqa", "--limit", "4", "--prefix_tokens", "512", "--systems",
+              "as_full,spec", "--retention", "0.25", "--tensor_parallel", "4", "--noprogress"]
+
+
+@pytest.mark.slow
+@needs_cpu_collectives
+def test_the_evaluation_over_two_processes(tmp_path, shared_data_dir):
+    """`python -m specjax.eval` started once per process (--num_processes 2, --tensor_parallel 4 over both) against
+    one process with 4 devices: the same answers and log-probabilities, process 0 writes results.json, and each
+    process's disk bytes (its `processes` entry) are half of one process's."""
+    model = _model(tmp_path)
+    flags_ = [*EVAL_FLAGS, "--model", model, "--data_dir", str(shared_data_dir)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    one = subprocess.run([sys.executable, "-m", "specjax.eval", *flags_, "--store", str(tmp_path / "store1"),
+                          "--output_dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=600,
+                         env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    address = f"localhost:{free_port()}"
+    two = [subprocess.Popen([sys.executable, "-m", "specjax.eval", *flags_, "--store", str(tmp_path / "store2"),
+                             "--output_dir", str(tmp_path / "two"), "--num_processes", "2", "--process_id", str(i),
+                             "--coordinator", address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"))
+           for i in range(2)]
+    done = finish(two, 600)
+    assert "wrote" in done[0][0] and "wrote" not in done[1][0]  # process 0 writes the results, and says so
+    a = [json.loads(line) for line in (tmp_path / "one" / "requests.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "two" / "requests.jsonl").read_text().splitlines()]
+    assert [(x["system"], x["request_id"]) for x in a] == [(y["system"], y["request_id"]) for y in b]
+    for x, y in zip(a, b):
+        assert np.abs(np.subtract(x["choice_logprobs"], y["choice_logprobs"])).max() <= 1e-4, (x, y)
+    results_one = json.loads((tmp_path / "one" / "results.json").read_text())
+    results_two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert [p["process"] for p in results_two["processes"]] == [0, 1]
+    for key, system in results_one["systems"].items():
+        each = [p["io"][key]["disk_bytes"] for p in results_two["processes"]]
+        assert system["io"]["disk_bytes"] > 0 and each == [system["io"]["disk_bytes"] / 2] * 2, (key, each)

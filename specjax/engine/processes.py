@@ -68,9 +68,13 @@ def adopt_commits(store, name: str) -> None:
 
 
 def reorder(store) -> int:
-    """Process 0 repacks every radix node whose importance it observed (every process observed the same), and every
+    """Process 0 repacks every radix node whose importance it observed (every process observed the same), reading
+    every head of the chunks it copies (`KVStore.every_head`; its reads are otherwise its own heads'), and every
     process adopts the repacked store. Returns the nodes repacked (0 in the other processes)."""
-    repacked = Reorderer(store).run_once() if writes() else 0
+    repacked = 0
+    if writes():
+        with store.every_head():
+            repacked = Reorderer(store).run_once()
     adopt_commits(store, "specjax-reorder")
     return repacked
 
@@ -120,3 +124,13 @@ class SharedWriter:
         elif self.base is not None:
             self.base.close()
             self.base = None
+
+
+def opened_in_turn(open_store):
+    """`open_store()` in every process of a runtime of several (one process: just that): process 0 first, which
+    makes the store where there is none, then the others."""
+    if jax.process_count() == 1:
+        return open_store()
+    store = open_store() if writes() else None
+    distributed.barrier("specjax-open")
+    return store if store is not None else open_store()
