@@ -40,7 +40,7 @@ def _expected_default(value) -> str:
 def test_help_lists_every_flag_once_with_its_default_in_the_settings_groups(shown):
     entries = [ENTRY.match(line) for line in shown.splitlines()]
     names = [m.group(1) for m in entries if m]
-    expected = list(settings_lib.names()) + ["progress", "resume"]
+    expected = list(settings_lib.names()) + ["progress", "resume", "num_processes", "process_id", "coordinator"]
     assert names == expected  # each exactly once, in the settings tree's order, then the command's own
     for name in expected:
         assert len(re.findall(rf"^  --{name} \(", shown, re.M)) == 1
@@ -50,6 +50,7 @@ def test_help_lists_every_flag_once_with_its_default_in_the_settings_groups(show
         assert defaults[name] == _expected_default(field.default), name
     assert defaults["progress"] == _expected_default(cli.FLAGS["progress"].default) == "true"
     assert defaults["resume"] == "false"
+    assert (defaults["num_processes"], defaults["process_id"], defaults["coordinator"]) == ("1", "0", '""')
 
     flat = " ".join(shown.split())
     for name, field in fields.items():
