@@ -11,7 +11,9 @@ processes must agree on besides is agreed here, once each:
   writes and commits it, and every process waits for the commit and adopts it before its next match;
 - a bad chunk (`LayerIO.agree_on_bad_chunks`): a process that finds one goes on, and at the end of the layer loop every
   process learns whether any found one, so that all recompute the request, or none;
-- reordering the store: process 0 repacks, the others wait and adopt it (`Engine.reorder`).
+- reordering the store (`reorder`): process 0 repacks, reading every head of what it copies, and the others wait
+  and adopt it;
+- opening a store (`opened_in_turn`): process 0 first, which makes it where there is none, then the others.
 """
 
 from __future__ import annotations
