@@ -27,6 +27,7 @@ import specjax  # noqa: E402
 from specjax import distributed  # noqa: E402
 from specjax.engine import EngineConfig, Request, make_engine, make_system  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.engine import processes  # noqa: E402
 from specjax.engine.blend import blend_fingerprint  # noqa: E402
 from specjax.reuse import chunk_tokens_of, open_store  # noqa: E402
 from specjax.stores import KVStore  # noqa: E402
@@ -58,12 +59,7 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
     system = make_system(name, **OPTIONS.get(name, {}))
     store = None
     if system.reuse:
-        if jax.process_index() == 0:  # made once, then opened by the others
-            store = _open(model, location, name)
-        if jax.process_count() > 1:
-            distributed.barrier(f"open {name}")
-        if store is None:
-            store = _open(model, location, name)
+        store = processes.opened_in_turn(lambda: _open(model, location, name))  # made by process 0
     config = EngineConfig(retention=RETENTION, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
     engine = make_engine(model, system, store, config)
     reqs = requests(model.config.vocab_size)

@@ -109,9 +109,7 @@ class SharedWriter:
         try:
             if self.writer is not None:
                 node = self.writer.commit()
-            elif self.base is not None:
-                self.base.close()
-                self.base = None
+            self._let_go_of_base()
         except Exception as e:  # noqa: BLE001 -- the others wait at the barrier all the same, then it is raised
             failed = e
         adopt_commits(self.store, "specjax-commit")
@@ -123,7 +121,11 @@ class SharedWriter:
         """Drop what was written (no commit, nothing to wait for); a no-op once committed."""
         if self.writer is not None:
             self.writer.abort()
-        elif self.base is not None:
+        self._let_go_of_base()
+
+    def _let_go_of_base(self) -> None:
+        """Close the match written over, where no writer owns it (the processes that do not write)."""
+        if self.writer is None and self.base is not None:
             self.base.close()
             self.base = None
 
