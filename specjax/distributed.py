@@ -13,6 +13,8 @@ import atexit
 import inspect
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import threading
 import time
@@ -65,6 +67,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         raise SpecjaxError(f"jax {jax.__version__} cannot run collectives between CPU processes "
                            f"(no {CPU_COLLECTIVES_OPTION} option); upgrade jax")
     jax.config.update(CPU_COLLECTIVES_OPTION, cpu_collectives)
+    if num_processes > 1:
+        _runtime_log_in_one_line(process_id, num_processes)
     later = {"heartbeat_timeout_seconds": int(peer_timeout_s + 30)}
     if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
         later = {}
@@ -79,6 +83,20 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     if num_processes > 1:
         _watch_peers(process_id, num_processes, peer_timeout_s)
         _stop_on_errors(process_id, num_processes)
+
+
+def _runtime_log_in_one_line(me: int, n: int) -> None:
+    """What JAX's runtime writes to this process's stderr (file descriptor 2) passes through `specjax.runtime_log`, a
+    child process that says the runtime's fatal abort (process 0 lost) in one line. Python's own `sys.stderr` keeps
+    writing where stderr went before (a terminal stays one)."""
+    sys.stderr.flush()
+    mine = os.dup(2)
+    read, write = os.pipe()
+    script = pathlib.Path(__file__).with_name("runtime_log.py")
+    subprocess.Popen([sys.executable, "-I", str(script), str(me), str(n)], stdin=read, stdout=mine, stderr=mine)
+    os.dup2(write, 2)
+    os.close(read), os.close(write)
+    sys.stderr = os.fdopen(mine, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
 
 
 def _runtime_client():
@@ -231,6 +249,11 @@ def join_parts(own: np.ndarray, axis: int) -> np.ndarray:
 def any_process(flag: bool) -> bool:
     """Whether `flag` holds on any process (every process must call this)."""
     return bool(np.asarray(multihost_utils.process_allgather(np.asarray([bool(flag)]))).any())
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value`, in every process (every process must call this)."""
+    return int(np.asarray(multihost_utils.process_allgather(np.asarray([int(value)], np.int64))).max())
 
 
 def process_zeros(value):

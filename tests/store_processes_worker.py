@@ -36,6 +36,7 @@ RETENTION = 0.25
 PREFIX_TOKENS = (96, 128)
 # every system's options as the test runs them: without speculation, whose guesses (and bytes) follow each process's
 # measured host time
+CAKE_CHUNK_TOKENS = 64  # the store's chunks: the 96- and 128-token prefixes in 2 chunks each
 OPTIONS = {"spec": {"no_prefetch": True}, "spec_gqa": {"no_prefetch": True}, "planner": {"no_prefetch": True}}
 
 
@@ -60,12 +61,13 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
     store = None
     if system.reuse:
         store = processes.opened_in_turn(lambda: _open(model, location, name))  # made by process 0
-    config = EngineConfig(retention=RETENTION, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True)
+    config = EngineConfig(retention=RETENTION, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True,
+                          cake_chunk_tokens=CAKE_CHUNK_TOKENS)
     engine = make_engine(model, system, store, config)
     reqs = requests(model.config.vocab_size)
     if store is not None and name != "cacheblend":
         engine.warm(reqs[0].prefix)
-    arrays, counts = {}, {"disk_bytes": [], "by_device": [], "reused": []}
+    arrays, counts = {}, {"disk_bytes": [], "by_device": [], "reused": [], "split": []}
     for i, req in enumerate(reqs):
         if i == 1 and system.reorder:  # the first prefix repacked by what its first request observed
             engine.reorder()
@@ -77,6 +79,7 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
         counts["disk_bytes"].append(int(result.io.get("disk_bytes", 0)))
         counts["by_device"].append([int(n) for n in result.disk_bytes_by_device])
         counts["reused"].append(int(result.reused_tokens))
+        counts["split"].append(result.split)  # Cake's meeting point
     if store is not None:
         store.close()
     return arrays, counts

@@ -160,10 +160,29 @@ def test_corrupt_chunk_is_computed_not_served(model, tmp_path, slow_device):
 
 def test_meeting_hands_the_last_chunk_to_whoever_finishes_it_first():
     m = cake._Meeting(3)
-    assert m.next_to_compute() == 0 and m.next_to_load() == 2
+    assert m.next_to_compute(m.loaded_start()) == 0 and m.next_to_load() == 2
     assert m.publish(2, ["k"], ["v"])
     m.computed(0)
-    assert m.next_to_compute() == 1 and m.next_to_load() == 1  # both work on chunk 1
+    assert m.next_to_compute(m.loaded_start()) == 1 and m.next_to_load() == 1  # both work on chunk 1
     m.computed(1)
     assert m.unneeded(1) and not m.publish(1, [], []) and m.next_to_load() is None
-    assert m.next_to_compute() is None and m.stop() == 2 and m.published(set()) == [2]
+    assert m.next_to_compute(m.loaded_start()) is None and m.stop() == 2 and m.published(set(), 2) == [2]
+
+
+def test_processes_go_by_the_chunks_every_loader_has():
+    """Two processes' meetings agreeing as over a mesh of two (`agree`: the latest start either loader reached):
+    a chunk one loader has published still counts as the device's until the other's has it too, and both hand
+    the same chunks to their buffers."""
+    both = []
+    agree = lambda back: max(m.back for m in both)  # noqa: E731 -- distributed.max_over_processes, in one process
+    a, b = cake._Meeting(4, agree), cake._Meeting(4, agree)
+    both += [a, b]
+    assert a.publish(3, ["k3"], ["v3"]) and a.publish(2, ["k2"], ["v2"])  # a's loader is ahead
+    assert b.publish(3, ["k3"], ["v3"])
+    assert a.loaded_start() == b.loaded_start() == 3 and not a.loaded_from(2) and a.loaded_from(3)
+    assert a.next_to_compute(3) == b.next_to_compute(3) == 0
+    assert a.published(set(), 3) == b.published(set(), 3) == [3]
+    for m in both:
+        m.computed(0), m.computed(1)
+    assert b.publish(2, ["k2"], ["v2"]) and a.loaded_from(2) and b.loaded_from(2)
+    assert a.stop() == b.stop() == 2 and a.published({3}, 2) == b.published({3}, 2) == [2]

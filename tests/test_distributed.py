@@ -7,6 +7,8 @@ this process computes the same outputs on one device and compares.
 
 import dataclasses
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -118,3 +120,37 @@ def test_one_process_is_unchanged():
     np.testing.assert_array_equal(distributed.to_host(x), np.asarray(x))
     model = specjax.load_model("tiny-llama", init="random", seed=1, tensor_parallel=1)
     assert model.mesh is None and jax.process_count() == 1
+
+
+FATAL_RECORD = [  # what JAX's runtime writes before it aborts a process whose coordination service is gone
+    "W1207 06:34:03.854816   16434 preemption_sync_manager.cc:147] Failed to retrieve preemption notice from "
+    "coordination service: UNAVAILABLE: Socket closed",
+    "Additional GRPC error information from remote target coordination_service while calling GetKeyValue:",
+    "E1207 06:34:25.788940   16506 coordination_service_agent.cc:289] Polled an error from coordination service.",
+    "F1207 06:34:25.788983   16506 client.h:80] Terminating process because the JAX distributed service detected "
+    "fatal errors. This most likely indicates that another task died. absl::Status: UNAVAILABLE: Failed to send RPC "
+    "to coordination service. Either the leader task was preempted/died/restarted unexpectedly.",
+    ":UNKNOWN:Error received from peer  {grpc_status:14}",
+    "*** Check failure stack trace: ***",
+    "    @     0x7f8939c40634  absl::log_internal::LogMessage::SendToLog()",
+]
+
+
+def _runtime_log(lines: list[str]) -> list[str]:
+    script = pathlib.Path(distributed.__file__).with_name("runtime_log.py")
+    done = subprocess.run([sys.executable, "-I", str(script), "1", "2"], input="\n".join(lines) + "\n",
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_runtime_fatal_is_said_in_one_line():
+    """A process's stderr through specjax.runtime_log: everything else passes as it is; the runtime's abort when its
+    coordination service is gone (with the client's warnings before it) becomes one line."""
+    other = ["I1207 06:00:00.000000   1 cpu_client.cc:1] an ordinary record", "a Python traceback line",
+             "W1207 06:00:01.000000   2 preemption_sync_manager.cc:147] a warning with no fatal record after it",
+             "  its second line"]
+    assert _runtime_log(other) == other
+    assert _runtime_log(other[:2] + FATAL_RECORD) == other[:2] + [
+        "specjax: process 1 of 2 stops: the runtime's coordination service reports UNAVAILABLE: Failed to send RPC to "
+        "coordination service (process 0, which holds it, killed or crashed?); its uncommitted work is dropped"]

@@ -5,6 +5,10 @@ measured compute and I/O speeds put it.
 
 Device work is the engine's jitted steps: chunk j is prefilled exactly as the engine prefills new tokens over a
 stored prefix, the "stored prefix" being the chunks before j that the device computed itself.
+
+On a mesh over several processes each process's loader reads its own KV heads, and the device side goes by where
+every process's loader has reached (`_Meeting`'s `agree`: one small collective before each layer it computes), so
+that every process computes and absorbs the same chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import distributed
 from specjax import sharding as sh
 from specjax.connector import K, V
 from specjax.engine import steps as S
@@ -49,10 +54,16 @@ def _put_chunk(bufs, rows, start):
 
 class _Meeting:
     """Which cake chunks are done, and by whom. The device takes chunks from the front, the loader from the back.
-    The last chunk left may be worked on by both at once; whichever finishes it first owns it."""
+    The last chunk left may be worked on by both at once; whichever finishes it first owns it.
 
-    def __init__(self, n_chunks: int):
+    The device side goes by where the loaded chunks begin as `agree` makes it of this process's loader's progress:
+    unchanged in one process; on a mesh over several processes the latest start any process's loader has reached (a
+    chunk counts as loaded once every process holds its heads of it), so that every process computes, absorbs and
+    stops alike."""
+
+    def __init__(self, n_chunks: int, agree=lambda back: back):
         self._lock = threading.Lock()
+        self._agree = agree
         self.front = 0  # chunks [0, front) are computed on the device
         self.back = n_chunks  # chunks [back, n_chunks) are loaded; their KV is in `loaded`
         self.loaded: dict[int, tuple[list, list]] = {}  # chunk -> per-layer K and V [kv_heads, chunk, d]
@@ -61,27 +72,35 @@ class _Meeting:
         self.error: BaseException | None = None
 
     # the device's side
-    def next_to_compute(self) -> int | None:
+    def loaded_start(self) -> int:
+        """The first of the loaded chunks at the back, agreed (`agree`)."""
         with self._lock:
-            return self.front if self.front < self.back else None
+            back = self.back
+        return self._agree(back)
+
+    def next_to_compute(self, back: int) -> int | None:
+        with self._lock:
+            return self.front if self.front < back else None
 
     def loaded_from(self, chunk: int) -> bool:
-        with self._lock:
-            return self.back <= chunk
+        return self.loaded_start() <= chunk
 
     def computed(self, chunk: int) -> None:
         with self._lock:
             self.front = max(self.front, chunk + 1)
 
-    def published(self, since: set) -> list[int]:
+    def published(self, since: set, back: int) -> list[int]:
+        """The loaded chunks from `back` (a `loaded_start`) on, but those in `since`: this process's loader has
+        published every one of them (it goes from the back, and `back` is at or after its own start)."""
         with self._lock:
-            return sorted(j for j in self.loaded if j >= self.back and j not in since)
+            return sorted(j for j in self.loaded if j >= back and j not in since)
 
     def stop(self) -> int:
-        """No more loading; returns the split: chunks before it are the device's, the rest the loader's."""
+        """No more loading; returns the split, agreed: chunks before it are the device's, the rest the loader's."""
         with self._lock:
             self.stopped = True
-            return self.back
+            back = self.back
+        return self._agree(back)
 
     # the loader's side
     def next_to_load(self) -> int | None:
@@ -155,8 +174,8 @@ class _Loader(threading.Thread):
                 meeting.fail(bad_chunk=True)  # never served: the device computes this chunk and those before it
                 pf.close()
                 return False
-            keys.append(precision.decode(k_kind, k.array))
-            values.append(precision.decode(v_kind, v.array))
+            keys.append(engine.place_kv(precision.decode(k_kind, k.array)))  # each device its heads
+            values.append(engine.place_kv(precision.decode(v_kind, v.array)))
         return meeting.publish(j, keys, values) or self._give_up()
 
     def _give_up(self) -> bool:
@@ -174,9 +193,6 @@ class CakeEngine(Engine):
 
     def __init__(self, model, system, store, config: EngineConfig = EngineConfig(), **kwargs):
         super().__init__(model, system, store, config, **kwargs)
-        if self.processes:  # where its two sides meet is a race each process would run apart
-            raise SpecjaxError(f"system {system.name!r} (Cake's schedule) does not run on a mesh over several "
-                               "processes: its split of the prefix is timed by each process alone")
         system.schedule.check(config, store.layout.chunk_tokens)
         self.chunk_tokens = config.cake_chunk_tokens
         self._compiled: set[tuple[int, int]] = set()  # (prefix buffer width, tokens in the last store chunk)
@@ -213,10 +229,10 @@ class CakeEngine(Engine):
         n, new_prefix = len(tokens) - m, len(prefix) - m
         writer = None
         if new_prefix > 0:  # it owns `match` from here, and releases it when it commits or aborts
-            writer = self.store.begin_insert(prefix, base=match)
+            writer = self.begin_insert(prefix, match)
             opened.callback(writer.abort)  # a no-op once committed
         opened.callback(self.prefetcher.close)
-        meeting = _Meeting(n_chunks)
+        meeting = _Meeting(n_chunks, distributed.max_over_processes if self.processes else (lambda back: back))
         loader = _Loader(self, match, meeting, m)
         opened.callback(self._stop_loader, meeting, loader)
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
@@ -234,8 +250,9 @@ class CakeEngine(Engine):
 
         def loader_stopped() -> None:  # after the first token: what the loader did once it has stopped
             self._stop_loader(meeting, loader, raising=True)
-            prefill.bad_chunk = meeting.bad_chunk
-            prefill.split.update(loader_gave_up_chunk=loader.gave_up_chunk, bad_chunk=meeting.bad_chunk)
+            agreed = distributed.any_process if self.processes else bool  # the same record in every process
+            prefill.bad_chunk = agreed(meeting.bad_chunk)
+            prefill.split.update(loader_gave_up_chunk=agreed(loader.gave_up_chunk), bad_chunk=prefill.bad_chunk)
 
         prefill.then = [loader_stopped] + ([writer.commit] if writer is not None else [])
         return prefill
@@ -247,14 +264,17 @@ class CakeEngine(Engine):
         absorbed: set[int] = set()
         device_gave_up = False
         loader.start()
-        while (j := meeting.next_to_compute()) is not None:
-            keys, values = self._absorb(meeting, absorbed, keys, values)
+        while True:
+            back = meeting.loaded_start()
+            keys, values = self._absorb(meeting, back, absorbed, keys, values)
+            if (j := meeting.next_to_compute(back)) is None:
+                break
             if self._compute_chunk(j, prefix, m, keys, values, meeting, clock):
                 meeting.computed(j)
             else:
                 device_gave_up = True  # the loader finished this chunk first
         split = meeting.stop()
-        keys, values = clock.timed("kv_io_stall", self._absorb, meeting, absorbed, keys, values, wait=True)
+        keys, values = clock.timed("kv_io_stall", self._absorb, meeting, split, absorbed, keys, values, wait=True)
         return keys, values, split, device_gave_up
 
     def _over_prefix(self, new_tokens, m: int, keys, values, width: int, writer, new_prefix: int, clock: Clock):
@@ -309,9 +329,9 @@ class CakeEngine(Engine):
             clock.device_wait(h)  # layer by layer, so the check above follows the loader's progress
         return True
 
-    def _absorb(self, meeting: _Meeting, absorbed: set, keys: list, values: list, wait: bool = False):
-        """Write the loader's newly published chunks into the prefix buffers."""
-        for j in meeting.published(absorbed):
+    def _absorb(self, meeting: _Meeting, back: int, absorbed: set, keys: list, values: list, wait: bool = False):
+        """Write the loader's newly published chunks from `back` on into the prefix buffers."""
+        for j in meeting.published(absorbed, back):
             chunk_keys, chunk_values = meeting.loaded[j]
             start = j * self.chunk_tokens
             keys = _put_chunk(keys, chunk_keys, start)

@@ -13,7 +13,10 @@ processes must agree on besides is agreed here, once each:
   process learns whether any found one, so that all recompute the request, or none;
 - reordering the store (`reorder`): process 0 repacks, reading every head of what it copies, and the others wait
   and adopt it;
-- opening a store (`opened_in_turn`): process 0 first, which makes it where there is none, then the others.
+- opening a store (`opened_in_turn`): process 0 first, which makes it where there is none, then the others;
+- Cake's meeting point (`cake._Meeting`): before each layer of a chunk the device computes, the processes agree on
+  where the loaded chunks begin (the latest start any process's loader has reached), so all compute, absorb and
+  stop alike; each loader reads its own heads at its own pace.
 """
 
 from __future__ import annotations
