@@ -32,6 +32,7 @@ CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"
 # on stderr and this exit status, rather than wait in a collective that will never complete
 BEAT_S = 2.0
 PEER_LOST_EXIT = 3
+_runtime_log: subprocess.Popen | None = None  # `_runtime_log_in_one_line`'s child process
 
 
 def cpu_collectives_supported() -> bool:
@@ -93,7 +94,9 @@ def _runtime_log_in_one_line(me: int, n: int) -> None:
     mine = os.dup(2)
     read, write = os.pipe()
     script = pathlib.Path(__file__).with_name("runtime_log.py")
-    subprocess.Popen([sys.executable, "-I", str(script), str(me), str(n)], stdin=read, stdout=mine, stderr=mine)
+    global _runtime_log
+    _runtime_log = subprocess.Popen([sys.executable, "-I", str(script), str(me), str(n)], stdin=read, stdout=mine,
+                                    stderr=mine)  # it ends when every copy of this process's stderr is closed
     os.dup2(write, 2)
     os.close(read), os.close(write)
     sys.stderr = os.fdopen(mine, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")

@@ -25,9 +25,14 @@ def main(one: str, two: str) -> None:
         layers = {f: float(np.nanmax(np.abs(np.subtract(la[f], lb[f], dtype=float)))) for f in la
                   if isinstance(la[f], list) and la[f]}
         each = [int(p["io"][key]["disk_bytes"]) for p in b["processes"]]
+        split = ""
+        if "split" in system:  # cake: the share of the stored prefix computed (the rest loaded); process 0's bytes
+            split = (f"; computed {system['split']['computed_fraction']:.3f} / "  # by device, its own devices'
+                     f"{b['systems'][key]['split']['computed_fraction']:.3f}, process 0's bytes by device "
+                     f"{b['systems'][key]['io'].get('disk_bytes_by_device')}")
         print(f"{key}: {system['accuracy']['acc']:.4f} / {b['systems'][key]['accuracy']['acc']:.4f}; "
               f"{', '.join(f'{f} {d:.3g}' for f, d in layers.items()) or '-'}; "
-              f"{system['io']['disk_bytes']} / {each}")
+              f"{system['io']['disk_bytes']} / {each}{split}")
 
 
 if __name__ == "__main__":
