@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from specjax.compiles import CompileCounter
 from specjax.engine import EngineConfig, Request, fingerprint, make_engine, make_system
+from specjax.engine.blend import blend_fingerprint
+from specjax.engine.policies import Blend
 from specjax.errors import SpecjaxError
 from specjax.stores import KVStore, Layout
 
@@ -32,12 +34,15 @@ def open_store(model, location, *, system: str | None = None, chunk_tokens: int 
     """The KV store at `location` (a folder, or a TensorStore kvstore spec or URL) for `model`'s KV, created if it
     does not exist. It records whose KV it holds (the model's fingerprint: weights, tokenizer, shapes, dtype, chunk
     size) and a store made for another model, dtype or chunk size is refused with a message that says which.
-    `system` picks the chunk size that system needs (`chunk_tokens_of`); `kv_bits`: the low precisions (8, 4, 2) the
-    store holds K and V at too, for systems that load at them (default: what `system` loads at, its `store_bits`;
-    `prefill_engine(..., options={"kv_bits": 4})` needs kv_bits=(4,)); `options`: `KVStore`'s (direct_io,
-    read_only, disk_bandwidth, ...)."""
-    bits = kv_bits or (make_system(system).store_bits if system is not None else ())
-    return KVStore.open(location, fingerprint(model, chunk_tokens_of(system, chunk_tokens), bits), **options)
+    `system` picks the chunk size that system needs (`chunk_tokens_of`), and for cacheblend and full_reuse the
+    fingerprint of their chunks' protocol (`blend.blend_fingerprint`: the sink they are written after); `kv_bits`:
+    the low precisions (8, 4, 2) the store holds K and V at too, for systems that load at them (default: what
+    `system` loads at, its `store_bits`; `prefill_engine(..., options={"kv_bits": 4})` needs kv_bits=(4,));
+    `options`: `KVStore`'s (direct_io, read_only, disk_bandwidth, ...)."""
+    built = make_system(system) if system is not None else None
+    bits = kv_bits or (built.store_bits if built is not None else ())
+    whose = blend_fingerprint if built is not None and isinstance(built.schedule, Blend) else fingerprint
+    return KVStore.open(location, whose(model, chunk_tokens_of(system, chunk_tokens), bits), **options)
 
 
 def prefill_engine(model, system: str, store: KVStore | None = None, *, options: dict | None = None, **config):

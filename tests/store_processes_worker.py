@@ -28,9 +28,7 @@ from specjax import distributed  # noqa: E402
 from specjax.engine import EngineConfig, Request, make_engine, make_system  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.engine import processes  # noqa: E402
-from specjax.engine.blend import blend_fingerprint  # noqa: E402
-from specjax.reuse import chunk_tokens_of, open_store  # noqa: E402
-from specjax.stores import KVStore  # noqa: E402
+from specjax.reuse import open_store  # noqa: E402
 
 RETENTION = 0.25
 PREFIX_TOKENS = (96, 128)
@@ -60,7 +58,7 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
     system = make_system(name, **OPTIONS.get(name, {}))
     store = None
     if system.reuse:
-        store = processes.opened_in_turn(lambda: _open(model, location, name))  # made by process 0
+        store = processes.opened_in_turn(lambda: open_store(model, location, system=name))  # made by process 0
     config = EngineConfig(retention=RETENTION, gpu_cache_bytes=64 << 10, cpu_cache_bytes=64 << 10, trace=True,
                           cake_chunk_tokens=CAKE_CHUNK_TOKENS)
     engine = make_engine(model, system, store, config)
@@ -83,12 +81,6 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
     if store is not None:
         store.close()
     return arrays, counts
-
-
-def _open(model, location, name: str) -> KVStore:
-    if name == "cacheblend":  # its chunks are stored after a sink, which its fingerprint records
-        return KVStore.open(location, blend_fingerprint(model, chunk_tokens_of(name)))
-    return open_store(model, location, system=name)
 
 
 def location_of(store: str, name: str):

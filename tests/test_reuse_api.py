@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -69,6 +70,20 @@ def test_a_store_of_another_model_or_chunk_is_refused(model, tmp_path):
     other = specjax.load_model("tiny-llama", init="random", seed=4)
     with pytest.raises(StoreMismatchError, match="holds the KV of"):
         specjax.open_store(other, tmp_path / "kv", chunk_tokens=16)
+
+
+@pytest.mark.parametrize("name", ["cacheblend", "full_reuse"])
+def test_a_store_for_cacheblend_records_its_chunk_protocol(tmp_path, name):
+    """open_store(system=) makes the store the system runs over: CacheBlend's chunks are written after a sink token,
+    which its fingerprint names (an engine refuses a store without it)."""
+    base = specjax.load_model("tiny-llama", init="random", seed=3)
+    model = specjax.Model("tiny-llama-bos", dataclasses.replace(base.config, bos_token_id=1), base.params, "random")
+    store = specjax.open_store(model, tmp_path / "kv", system=name)
+    try:
+        assert store.fingerprint["chunk_sink"] == [1]
+        assert specjax.prefill_engine(model, name, store).store is store
+    finally:
+        store.close()
 
 
 def test_the_chunk_follows_the_system_that_needs_its_own():
