@@ -26,8 +26,8 @@ def main(one: str, two: str) -> None:
                   if isinstance(la[f], list) and la[f]}
         each = [int(p["io"][key]["disk_bytes"]) for p in b["processes"]]
         split = ""
-        if "split" in system:  # cake: the share of the stored prefix computed (the rest loaded); process 0's bytes
-            split = (f"; computed {system['split']['computed_fraction']:.3f} / "  # by device, its own devices'
+        if "split" in system:  # cake, the planner: the share of the stored prefix computed (the rest was loaded)
+            split = (f"; computed {system['split']['computed_fraction']:.3f} / "
                      f"{b['systems'][key]['split']['computed_fraction']:.3f}, process 0's bytes by device "
                      f"{b['systems'][key]['io'].get('disk_bytes_by_device')}")
         print(f"{key}: {system['accuracy']['acc']:.4f} / {b['systems'][key]['accuracy']['acc']:.4f}; "

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue 72's evaluation: PIQA 16 items, 512-token prefixes, every system, at retention 0.25: 2 processes x 2 CPU devices (--tensor_parallel 4 over both) against one process with 4 devices.
+# Issue 72's evaluation: PIQA 16 items, 512-token prefixes, every system, at retention 0.25: 2 processes x 2 CPU
+# devices (--tensor_parallel 4 over both) against one process with 4 devices.
 # The model: tiny-llama's shape with 8 query heads over 4 KV heads (one per device), random weights (model/).
 # Usage: bash benchmarks/results/cpu/processes-piqa16/run.sh   (OUT=/tmp/processes-piqa16 by default)
 cd "$(dirname "$0")/../../../.."
