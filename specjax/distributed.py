@@ -89,17 +89,24 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 def _runtime_log_in_one_line(me: int, n: int) -> None:
     """What JAX's runtime writes to this process's stderr (file descriptor 2) passes through `specjax.runtime_log`, a
     child process that says the runtime's fatal abort (process 0 lost) in one line. Python's own `sys.stderr` keeps
-    writing where stderr went before (a terminal stays one)."""
+    writing where stderr went before (a terminal stays one), where it wrote to file descriptor 2."""
+    global _runtime_log
     sys.stderr.flush()
     mine = os.dup(2)
     read, write = os.pipe()
     script = pathlib.Path(__file__).with_name("runtime_log.py")
-    global _runtime_log
     _runtime_log = subprocess.Popen([sys.executable, "-I", str(script), str(me), str(n)], stdin=read, stdout=mine,
                                     stderr=mine)  # it ends when every copy of this process's stderr is closed
     os.dup2(write, 2)
     os.close(read), os.close(write)
-    sys.stderr = os.fdopen(mine, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    try:
+        direct = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # a stream of its own (a notebook's, a test's capture)
+        direct = False
+    if direct:
+        sys.stderr = os.fdopen(mine, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    else:
+        os.close(mine)
 
 
 def _runtime_client():
@@ -164,7 +171,15 @@ def _peer_lost(me: int, n: int, why: str, status: int = PEER_LOST_EXIT,
                cause: str = " (another process killed or crashed?)") -> None:
     """Say in one line why this process stops, and stop it at once: nothing it has not committed is kept."""
     sys.stdout.flush()
-    sys.stderr.write(f"specjax: process {me} of {n} stops: {why}{cause}; its uncommitted work is dropped\n")
+    sys.stderr.flush()
+    line = f"specjax: process {me} of {n} stops: {why}{cause}; its uncommitted work is dropped\n"
+    try:
+        if _runtime_log is None:
+            sys.stderr.write(line)
+        else:  # through the runtime log, after what it holds back
+            os.write(2, line.encode())
+    except OSError:
+        sys.stderr.write(line)
     sys.stderr.flush()
     os._exit(status)
 

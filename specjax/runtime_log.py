@@ -2,13 +2,14 @@
 it is but for one case: when the runtime's coordination service is lost (process 0, which holds it, died) or
 reports a fatal error, JAX aborts the process with a log record, a stack trace and the coordination client's warnings
 before it; this says that in one line instead, in the form of `distributed`'s other stops. The process still ends
-as JAX ends it (SIGABRT).
+as JAX ends it (SIGABRT). Where `distributed` stops the process first, with its own line (written here), the client's
+warnings held back are dropped likewise.
 
     python -I specjax/runtime_log.py PROCESS_ID NUM_PROCESSES  < the process's stderr
 
 It runs as a child process (so it outlives the abort), reading the process's file descriptor 2, with the Python
-standard library only. The coordination client's warnings are held back until the next other record or for
-HOLD_S seconds: they precede the fatal record, and without one they are passed on.
+standard library only. The coordination client's warnings are held back until the next other line or for HOLD_S
+seconds: they precede the fatal record, and without one they are passed on.
 """
 
 import os
@@ -22,6 +23,8 @@ RECORD = re.compile(rb"^[IWEF]\d{4} ")  # a log record's first line; other lines
 FATAL = re.compile(rb"^F\d{4} .*\] Terminating process because the JAX distributed service detected fatal errors.*?"
                    rb"absl::Status: ([^.\n]*)")
 CLIENT = re.compile(rb"^[WE]\d{4} .*(preemption_sync_manager|coordination_service_agent)\.cc:")  # its warnings
+STOP = re.compile(rb"^specjax: process \d+ of \d+ stops: ")  # `distributed`'s own line: the process ends with it
+CONTINUES = re.compile(rb"^(\s|Additional GRPC error information|:UNKNOWN:)")  # a held record's further lines
 
 
 def stop_line(me: str, n: str, status: bytes) -> bytes:
@@ -53,6 +56,9 @@ def main(me: str, n: str) -> None:
             if fatal := FATAL.match(line):
                 os.write(1, stop_line(me, n, fatal.group(1)))
                 held, ended = [], True
+            elif STOP.match(line):  # the process says why it stops: what was held is the same loss
+                os.write(1, line)
+                held, ended = [], True
             elif RECORD.match(line):
                 holding = bool(CLIENT.match(line))
                 if holding:
@@ -60,10 +66,11 @@ def main(me: str, n: str) -> None:
                 else:
                     os.write(1, b"".join(held) + line)
                     held = []
-            elif holding:
+            elif holding and CONTINUES.match(line):
                 held.append(line)
-            else:
-                os.write(1, line)
+            else:  # a line of the process's own (Python's): after what was held
+                os.write(1, b"".join(held) + line)
+                held, holding = [], False
     if not ended:
         os.write(1, b"".join(held) + pending)
 

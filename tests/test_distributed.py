@@ -151,6 +151,9 @@ def test_runtime_fatal_is_said_in_one_line():
              "W1207 06:00:01.000000   2 preemption_sync_manager.cc:147] a warning with no fatal record after it",
              "  its second line"]
     assert _runtime_log(other) == other
+    assert _runtime_log(other[2:] + ["a line of Python's"]) == other[2:] + ["a line of Python's"]  # after the held
+    said = "specjax: process 1 of 2 stops: a step across processes failed: ..."  # distributed's own stop
+    assert _runtime_log(other[:1] + FATAL_RECORD[:3] + [said]) == other[:1] + [said]
     assert _runtime_log(other[:2] + FATAL_RECORD) == other[:2] + [
         "specjax: process 1 of 2 stops: the runtime's coordination service reports UNAVAILABLE: Failed to send RPC to "
         "coordination service (process 0, which holds it, killed or crashed?); its uncommitted work is dropped"]

@@ -61,6 +61,7 @@ def _check(reports: list[dict], out: pathlib.Path, model_path: str, store: pathl
             assert mine["reused"] == counts["reused"], (name, process)
             if name in RACED:  # every process the same meeting point (what each read is its own race's)
                 assert mine["split"] == reports[0]["systems"][name]["split"], (name, mine["split"])
+                assert any(s and s["loaded_chunks"] for s in mine["split"]), mine["split"]  # chunks of both
             else:  # its heads: half of the bytes (K and V by its own devices, the probe heads' keys split by process)
                 assert [2 * n for n in mine["disk_bytes"]] == counts["disk_bytes"], (name, process, mine, counts)
             for by_device, n in zip(mine["by_device"], mine["disk_bytes"]):

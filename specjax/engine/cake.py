@@ -82,9 +82,6 @@ class _Meeting:
         with self._lock:
             return self.front if self.front < back else None
 
-    def loaded_from(self, chunk: int) -> bool:
-        return self.loaded_start() <= chunk
-
     def computed(self, chunk: int) -> None:
         with self._lock:
             self.front = max(self.front, chunk + 1)
@@ -95,12 +92,15 @@ class _Meeting:
         with self._lock:
             return sorted(j for j in self.loaded if j >= back and j not in since)
 
-    def stop(self) -> int:
-        """No more loading; returns the split, agreed: chunks before it are the device's, the rest the loader's."""
+    def halt(self) -> None:
+        """No more loading (this process's: nothing agreed)."""
         with self._lock:
             self.stopped = True
-            back = self.back
-        return self._agree(back)
+
+    def stop(self) -> int:
+        """No more loading; returns the split, agreed: chunks before it are the device's, the rest the loader's."""
+        self.halt()
+        return self.loaded_start()
 
     # the loader's side
     def next_to_load(self) -> int | None:
@@ -249,8 +249,10 @@ class CakeEngine(Engine):
                    "loaded_chunks": n_chunks - split, "device_gave_up_chunk": device_gave_up})
 
         def loader_stopped() -> None:  # after the first token: what the loader did once it has stopped
-            self._stop_loader(meeting, loader, raising=True)
-            agreed = distributed.any_process if self.processes else bool  # the same record in every process
+            self._stop_loader(meeting, loader)
+            agreed = distributed.any_process if self.processes else bool  # the same outcome in every process
+            if agreed(meeting.error is not None):  # the loader failed: the request fails, in every process
+                raise meeting.error or SpecjaxError("cake's loader failed in another process (its error is there)")
             prefill.bad_chunk = agreed(meeting.bad_chunk)
             prefill.split.update(loader_gave_up_chunk=agreed(loader.gave_up_chunk), bad_chunk=prefill.bad_chunk)
 
@@ -269,7 +271,7 @@ class CakeEngine(Engine):
             keys, values = self._absorb(meeting, back, absorbed, keys, values)
             if (j := meeting.next_to_compute(back)) is None:
                 break
-            if self._compute_chunk(j, prefix, m, keys, values, meeting, clock):
+            if self._compute_chunk(j, prefix, m, keys, values, meeting, clock, back):
                 meeting.computed(j)
             else:
                 device_gave_up = True  # the loader finished this chunk first
@@ -299,13 +301,11 @@ class CakeEngine(Engine):
         return clock.device_wait(S.head_row(cfg, params, h, n - 1)), layers_kv
 
     @staticmethod
-    def _stop_loader(meeting: _Meeting, loader: _Loader, raising: bool = False) -> None:
-        """No more loading; once the loader has stopped, `raising`: what failed it is the request's failure."""
-        meeting.stop()
+    def _stop_loader(meeting: _Meeting, loader: _Loader) -> None:
+        """No more loading, and the loader stopped (a step of this process alone: no collective)."""
+        meeting.halt()
         if loader.ident is not None:  # started
             loader.join()
-        if raising and meeting.error is not None:
-            raise meeting.error
 
     # -- the device's side ---------------------------------------------------------------------------
 
@@ -314,15 +314,16 @@ class CakeEngine(Engine):
         before it and to itself (the engine's chunked-prefill step). Returns (next hidden, keys, values)."""
         return self._prefill_layer(lp, h, positions, rotary, keys, values, j * self.chunk_tokens, count)
 
-    def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting, clock: Clock) -> bool:
+    def _compute_chunk(self, j: int, prefix, m: int, keys: list, values: list, meeting: _Meeting, clock: Clock,
+                       back: int) -> bool:
         """Prefill chunk j through every layer, writing its K and V into the buffers; False if the loader
-        finished the chunk first (checked between layers)."""
+        finished the chunk first (checked between layers; before the first, by `back`, just agreed)."""
         cfg, params, c = self.cfg, self.model.params, self.chunk_tokens
         lo = j * c
         count = min(c, m - lo)
         h, positions, rotary = T.tokens_at(cfg, params, prefix[lo:lo + count], lo, c)
         for layer, lp in enumerate(params["layers"]):
-            if meeting.loaded_from(j):
+            if (back if layer == 0 else meeting.loaded_start()) <= j:
                 return False
             h, keys[layer], values[layer] = self._chunk_layer(j, lp, h, positions, rotary, keys[layer],
                                                               values[layer], count)
