@@ -85,7 +85,7 @@ class EngineSystem:
 
     def repair(self, store_path: str, sequences) -> int:
         """Drop what of `sequences` fails its checksum in the store at `store_path` and store it anew."""
-        store = self._open_store(store_path)
+        store = processes.opened_in_turn(lambda: self._open_store(store_path))
         try:
             engine = make_engine(self.model, self.system, store, self.config)
             dropped = engine.repair(sequences)

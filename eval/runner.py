@@ -317,8 +317,9 @@ class StoreFolder:
 
     def repair(self, base: pathlib.Path, system, sequences: list) -> None:
         """A run met chunks failing their checksum in its copy (and repaired them there as it went): repair those
-        stored sequences in the base store too, so that later runs do not meet them again."""
-        with self._locked(base, fcntl.LOCK_EX):
+        stored sequences in the base store too, so that later runs do not meet them again (every process; process 0
+        holds the lock)."""
+        with self._locked(base, fcntl.LOCK_EX) if _leads() else contextlib.nullcontext():
             system.repair(str(base), sequences)
 
     @contextlib.contextmanager

@@ -6,7 +6,7 @@
 Each process joins the runtime, loads MODEL (a registered shape or a folder with its config.json; the test's has 4 KV
 heads, one per device of 2 processes x 2 devices) with random weights (seed 1) split over every process's devices,
 and per SYSTEM runs `requests` on a store of its own under STORE (a folder, or a kvstore URL to which the system's
-name is added) that every process opens. It writes
+name is added) that every process opens; a SYSTEM named damaged-NAME runs `run_damaged` of NAME. It writes
 OUT_DIR/<system>.process<ID>.npz (`results_arrays`) and, as its last stdout line, a JSON object of what each system
 read per process. Process 0 writes the store; every process reads only its own heads.
 """
@@ -29,11 +29,13 @@ from specjax.engine import EngineConfig, Request, make_engine, make_system  # no
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.engine import processes  # noqa: E402
 from specjax.reuse import open_store  # noqa: E402
+from specjax.stores import K  # noqa: E402
 
 RETENTION = 0.25
 PREFIX_TOKENS = (96, 128)
 # every system's options as the test runs them: without speculation, whose guesses (and bytes) follow each process's
 # measured host time
+DAMAGED = "damaged-"  # a SYSTEM named so: `run_damaged` of the system after it
 CAKE_CHUNK_TOKENS = 64  # the store's chunks: the 96- and 128-token prefixes in 2 chunks each
 OPTIONS = {"spec": {"no_prefetch": True}, "spec_gqa": {"no_prefetch": True}, "planner": {"no_prefetch": True}}
 
@@ -83,6 +85,36 @@ def run_system(model, name: str, location) -> tuple[dict, dict]:
     return arrays, counts
 
 
+def run_damaged(model, name: str, location: str) -> tuple[dict, dict]:
+    """`name`'s first two requests over a store folder whose first stored chunk has a byte flipped in its last KV
+    head (process 1's, of two processes) before them, caches off: only that process finds the damage, every process
+    recomputes the first request, the prefix is stored anew, and the second reuses it."""
+    store = processes.opened_in_turn(lambda: open_store(model, location, system=name))
+    config = EngineConfig(retention=RETENTION, gpu_cache_bytes=0, cpu_cache_bytes=0, trace=True)
+    engine = make_engine(model, make_system(name, **OPTIONS.get(name, {})), store, config)
+    reqs = requests(model.config.vocab_size)[:2]
+    engine.warm(reqs[0].prefix)
+    if processes.writes():
+        key, offset = store.extent_of(1, K, sorted(store.stored_chunk_ids())[0])
+        path = pathlib.Path(location) / key
+        data = bytearray(path.read_bytes())
+        data[offset + store.layout.chunk_nbytes(K) * 7 // 8] ^= 0xFF
+        path.write_bytes(bytes(data))
+    if jax.process_count() > 1:
+        distributed.barrier("specjax-test-damage")
+    arrays, counts = {}, {"recomputed": [], "reused": [], "bad_chunks": []}
+    for i, req in enumerate(reqs):
+        result = engine.run(req)
+        arrays[f"first{i}"] = result.first_token_logits
+        arrays[f"continuations{i}"] = np.asarray([lp for lp, _ in result.continuation_logprobs])
+        counts["recomputed"].append(bool(result.recomputed_bad_chunks))
+        counts["reused"].append(int(result.reused_tokens))
+        counts["bad_chunks"].append(int(result.io.get("bad_chunks", 0)))
+    counts["repaired"] = len(engine.repaired)
+    store.close()
+    return arrays, counts
+
+
 def location_of(store: str, name: str):
     """The store of system `name` under STORE: a subfolder, or for a kvstore URL ("file:///x", "file:///x|ocdbt")
     the system's name added to its first part's path."""
@@ -100,7 +132,8 @@ def main(coordinator: str, num_processes: str, process_id: str, out: str, model:
     report = {"process_index": jax.process_index(), "systems": {}, "errors": {}}
     for name in systems:
         try:
-            arrays, counts = run_system(model, name, location_of(store, name))
+            run = run_damaged if name.startswith(DAMAGED) else run_system
+            arrays, counts = run(model, name.removeprefix(DAMAGED), location_of(store, name))
         except SpecjaxError as e:
             report["errors"][name] = str(e)
             continue

@@ -20,6 +20,7 @@ import pytest
 import specjax
 from specjax.config import from_hf_config, save_config
 from specjax.configs.models import MODEL_SHAPES
+from specjax.stores import K, KVStore
 
 import store_processes_worker as worker  # tests/ is on the path
 from processes import DEVICES_PER_PROCESS, finish, free_port, needs_cpu_collectives, run_workers, start_workers
@@ -97,6 +98,36 @@ def test_two_processes_share_one_store(tmp_path):
 
 @pytest.mark.slow
 @needs_cpu_collectives
+def test_a_chunk_damaged_in_one_process_heads(tmp_path):
+    """A stored chunk damaged in process 1's KV heads only: process 1 alone finds it, every process recomputes the
+    request (as one process does), process 0 drops the prefix and every process stores it anew, the next request
+    reuses it whole, and the store passes fsck."""
+    model = _model(tmp_path)
+    out, store = tmp_path / "out", tmp_path / "store"
+    out.mkdir()
+    names = [worker.DAMAGED + name for name in ("as_full", "spec")]
+    reports = run_workers(WORKER, out, [model, str(store), *names], TIMEOUT_S)
+    one = specjax.load_model(model, init="random", seed=1)
+    for name in names:
+        want, counts = worker.run_damaged(one, name.removeprefix(worker.DAMAGED), str(tmp_path / "one" / name))
+        assert counts["recomputed"] == [True, False] and counts["reused"] == [0, worker.PREFIX_TOKENS[0]], counts
+        for process, report in enumerate(reports):
+            assert report["errors"] == {}
+            mine = report["systems"][name]
+            assert (mine["recomputed"], mine["reused"], mine["repaired"]) == (counts["recomputed"], counts["reused"],
+                                                                              1), (name, process, mine)
+            got = np.load(out / f"{name}.process{process}.npz")
+            for key, array in want.items():
+                assert float(np.abs(got[key] - array).max()) <= EXACT, (name, process, key)
+        found = [report["systems"][name]["bad_chunks"][0] for report in reports]
+        assert found[0] == 0 and found[1] >= 1, found  # in process 1's heads: process 0 read none of it
+        fsck = subprocess.run([sys.executable, "-m", "specjax.stores.fsck", str(store / name)], capture_output=True,
+                              text=True)
+        assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+@pytest.mark.slow
+@needs_cpu_collectives
 @pytest.mark.parametrize("victim", [1, 0], ids=["process1", "process0-the-coordinator"])
 def test_a_process_killed_mid_run(tmp_path, victim):
     """A process killed once the first store is made: the other stops within 60 s with one line naming what happened
@@ -156,7 +187,9 @@ EVAL_FLAGS = ["--init", "random", "--task", "piqa", "--limit", "4", "--prefix_to
 def test_the_evaluation_over_two_processes(tmp_path, shared_data_dir):
     """`python -m specjax.eval` started once per process (--num_processes 2, --tensor_parallel 4 over both) against
     one process with 4 devices: the same answers and log-probabilities, process 0 writes results.json, and each
-    process's disk bytes (its `processes` entry) are half of one process's."""
+    process's disk bytes (its `processes` entry) are half of one process's. Then again over the same store with a
+    byte of its base flipped in process 1's heads: the requests that meet it are recomputed, the base is repaired,
+    and as_full's answers stand."""
     model = _model(tmp_path)
     flags_ = [*EVAL_FLAGS, "--model", model, "--data_dir", str(shared_data_dir)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -164,13 +197,7 @@ def test_the_evaluation_over_two_processes(tmp_path, shared_data_dir):
                           "--output_dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=600,
                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
     assert one.returncode == 0, one.stderr[-3000:]
-    address = f"localhost:{free_port()}"
-    two = [subprocess.Popen([sys.executable, "-m", "specjax.eval", *flags_, "--store", str(tmp_path / "store2"),
-                             "--output_dir", str(tmp_path / "two"), "--num_processes", "2", "--process_id", str(i),
-                             "--coordinator", address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"))
-           for i in range(2)]
-    done = finish(two, 600)
+    done = _eval_two(flags_, tmp_path / "store2", tmp_path / "two")
     assert "wrote" in done[0][0] and "wrote" not in done[1][0]  # process 0 writes the results, and says so
     a = [json.loads(line) for line in (tmp_path / "one" / "requests.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (tmp_path / "two" / "requests.jsonl").read_text().splitlines()]
@@ -183,3 +210,34 @@ def test_the_evaluation_over_two_processes(tmp_path, shared_data_dir):
     for key, system in results_one["systems"].items():
         each = [p["io"][key]["disk_bytes"] for p in results_two["processes"]]
         assert system["io"]["disk_bytes"] > 0 and each == [system["io"]["disk_bytes"] / 2] * 2, (key, each)
+    (base,) = [d for d in (tmp_path / "store2").glob("base-*") if d.is_dir()]
+    with KVStore.open(base, None) as store:
+        key, offset = store.extent_of(1, K, sorted(store.stored_chunk_ids())[0])
+        at = offset + store.layout.chunk_nbytes(K) * 7 // 8  # the last KV head's: process 1's
+    data = bytearray((base / key).read_bytes())
+    data[at] ^= 0xFF
+    (base / key).write_bytes(bytes(data))
+    _eval_two(flags_, tmp_path / "store2", tmp_path / "three")
+    results = json.loads((tmp_path / "three" / "results.json").read_text())
+    # as_full's run meets it (its copy of the base shares the damaged file; in its warm-up, whose reads are not the
+    # timed requests') and repairs its copy, then the base; spec's run then finds the base whole
+    assert results["systems"]["as_full"]["repair"]["prefixes"] >= 1, results["systems"]["as_full"]
+    assert results["stores"][base.name]["prefixes_repaired"] >= 1, results["stores"]
+    c = [json.loads(line) for line in (tmp_path / "three" / "requests.jsonl").read_text().splitlines()]
+    for x, y in zip(b, c):
+        if x["system"] == "as_full":
+            assert np.abs(np.subtract(x["choice_logprobs"], y["choice_logprobs"])).max() <= 1e-4, (x, y)
+    fsck = subprocess.run([sys.executable, "-m", "specjax.stores.fsck", str(base)], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+def _eval_two(flags_: list[str], store: pathlib.Path, out: pathlib.Path) -> list[tuple[str, str]]:
+    """`python -m specjax.eval FLAGS --store STORE --output_dir OUT` over 2 processes x 2 CPU devices (each one's
+    stdout and stderr)."""
+    address = f"localhost:{free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
+    return finish([subprocess.Popen([sys.executable, "-m", "specjax.eval", *flags_, "--store", str(store),
+                                     "--output_dir", str(out), "--num_processes", "2", "--process_id", str(i),
+                                     "--coordinator", address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env) for i in range(2)], 600)

@@ -255,8 +255,8 @@ class Engine:
             result.recomputed_bad_chunks = True
         if start is not None:
             self._measure(result, start, served_from)
-        if result.recomputed_bad_chunks and not self.store.read_only and not self.processes:
-            self._try_repair(request)  # across processes, the damage stays for fsck (`repair` is one process's)
+        if result.recomputed_bad_chunks and not self.store.read_only:
+            self._try_repair(request)
         result.repair_io = {k: self.repair_io[k] - spent[k] for k in spent}
         self.requests_run += 1
         if self.system.reorder and self.config.reorder_every and self.requests_run % self.config.reorder_every == 0:
@@ -300,13 +300,16 @@ class Engine:
         stored prefixes holding a failing chunk, with what is stored below them, and store all of those anew from
         the plain forward, so that later requests find them whole and nothing good is lost. Returns how many
         stored sequences were dropped. What it reads and writes, and the damaged chunks it finds, are counted in
-        `repair_io`."""
+        `repair_io`. On a mesh over several processes process 0 finds and drops them (`processes.drop_failing`)."""
         before = self.store.metrics.snapshot()
         dropped = 0
         for key in keys:
-            with self.store.match(key) as match:
-                failing = self.store.failing_nodes(match)
-            lost = self.store.drop_nodes(failing)
+            if self.processes:
+                lost = processes.drop_failing(self.store, key)
+            else:
+                with self.store.match(key) as match:
+                    failing = self.store.failing_nodes(match)
+                lost = self.store.drop_nodes(failing)
             for sequence in [key, *lost]:
                 self.warm(sequence)
             dropped += len(lost)

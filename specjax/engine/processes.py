@@ -12,7 +12,8 @@ processes must agree on besides is agreed here, once each:
 - a bad chunk (`LayerIO.agree_on_bad_chunks`): a process that finds one goes on, and at the end of the layer loop every
   process learns whether any found one, so that all recompute the request, or none;
 - reordering the store (`reorder`): process 0 repacks, reading every head of what it copies, and the others wait
-  and adopt it;
+  and adopt it; repairing damaged stored prefixes (`drop_failing`) likewise: process 0 checks every head and drops
+  them, and every process stores them anew (`SharedWriter`);
 - opening a store (`opened_in_turn`): process 0 first, which makes it where there is none, then the others;
 - Cake's meeting point (`cake._Meeting`): before each layer of a chunk the device computes, the processes agree on
   where the loaded chunks begin (the latest start any process's loader has reached), so all compute, absorb and
@@ -26,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax import distributed
 from specjax import sharding as sh
-from specjax.connector import Reorderer
+from specjax.connector import Reorderer, StoreError
 
 PROCESSES = "processes"  # the axis of `by_process`
 
@@ -82,6 +83,26 @@ def reorder(store) -> int:
             repacked = Reorderer(store).run_once()
     adopt_commits(store, "specjax-reorder")
     return repacked
+
+
+def drop_failing(store, key) -> list[list[int]]:
+    """Process 0 checks every head of the stored prefixes on `key`'s path (`KVStore.every_head`; a process's reads
+    are otherwise its own heads') and drops those holding a failing chunk, with what is stored below them; every
+    process adopts that and gets the token sequences dropped. A failure there is raised in every process."""
+    lost, failed = [], None
+    if writes():
+        try:
+            with store.every_head():
+                with store.match(key) as match:
+                    failing = store.failing_nodes(match)
+                lost = [[int(t) for t in sequence] for sequence in store.drop_nodes(failing)]
+        except StoreError as e:
+            failed = str(e)
+    lost, failed = distributed.gather_json([lost, failed])[0]  # process 0's
+    if failed is not None:
+        raise StoreError(f"process 0 could not drop the damaged stored prefixes: {failed}")
+    adopt_commits(store, "specjax-repair")
+    return lost
 
 
 class SharedWriter:
