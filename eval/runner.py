@@ -28,7 +28,6 @@ import shutil
 import time
 
 import jax
-import numpy as np
 
 from specjax import distributed
 from specjax.engine import shape_key
@@ -340,7 +339,7 @@ class StoreFolder:
         runs = self.root / "runs"
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
         if jax.process_count() > 1:  # process 0's, for every process
-            name = bytes(distributed.process_zeros(np.frombuffer(name.ljust(64).encode(), np.uint8))).decode().strip()
+            name = distributed.process_zeros_json(name)
             if not _leads():
                 self.private = runs / name
                 return

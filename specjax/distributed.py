@@ -264,14 +264,14 @@ def join_parts(own: np.ndarray, axis: int) -> np.ndarray:
     return np.concatenate(list(every), axis=axis)
 
 
-def any_process(flag: bool) -> bool:
-    """Whether `flag` holds on any process (every process must call this)."""
-    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([bool(flag)]))).any())
-
-
 def max_over_processes(value: int) -> int:
     """The largest of every process's `value`, in every process (every process must call this)."""
     return int(np.asarray(multihost_utils.process_allgather(np.asarray([int(value)], np.int64))).max())
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` holds on any process (every process must call this)."""
+    return max_over_processes(bool(flag)) > 0
 
 
 def process_zeros(value):
@@ -288,6 +288,11 @@ def gather_json(value) -> list:
     padded[:len(mine)] = mine
     every = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, lengths)]
+
+
+def process_zeros_json(value):
+    """Process 0's `value` (anything `json` writes), in every process (every process must call this)."""
+    return gather_json(value)[0]
 
 
 def barrier(name: str) -> None:

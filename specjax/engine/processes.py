@@ -98,7 +98,7 @@ def drop_failing(store, key) -> list[list[int]]:
                 lost = [[int(t) for t in sequence] for sequence in store.drop_nodes(failing)]
         except StoreError as e:
             failed = str(e)
-    lost, failed = distributed.gather_json([lost, failed])[0]  # process 0's
+    lost, failed = distributed.process_zeros_json([lost, failed])
     if failed is not None:
         raise StoreError(f"process 0 could not drop the damaged stored prefixes: {failed}")
     adopt_commits(store, "specjax-repair")
