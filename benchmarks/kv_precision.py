@@ -45,6 +45,9 @@ flags.DEFINE_enum("grouping", "kivi", ["kivi", "rows"], "kivi: keys per channel 
                   "scales, as a store holds them (`kernels.quant.encode_rows`).")
 flags.DEFINE_bool("rotate", False, "With --grouping rows: rotate each row by the head dim's Hadamard matrix "
                   "before encoding it (and back after decoding).")
+flags.DEFINE_bool("sort_keys", False, "With --grouping rows: order each layer's key channels, per head, by their RMS "
+                  "over the run's first prefix (kept for every later request) before grouping them, so that a "
+                  "group's channels are alike in size.")
 flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); the store's chunk is 64.")
 flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
                      "divisors.")
@@ -64,15 +67,32 @@ def hadamard(d: int) -> np.ndarray:
     return np.kron(np.eye(d // block), h / np.sqrt(block)).astype(np.float32)
 
 
-def round_trip(x, bits: int, per_channel: bool, group: int):
+_ORDER = {}
+
+
+def key_order(layer: int, x):
+    """Layer `layer`'s key channel order, per head (int [H, d]): by RMS over the first prefix it is asked for."""
+    if layer not in _ORDER:
+        rms = np.sqrt(np.mean(np.square(np.asarray(x, np.float32)), axis=1))
+        _ORDER[layer] = np.argsort(-rms, axis=-1, kind="stable")
+    return _ORDER[layer]
+
+
+def round_trip(x, bits: int, per_channel: bool, group: int, order=None):
     """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
     take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group.
     With --grouping rows, every row on its own as a store encodes it (`per_channel` and `group` unused)."""
     if FLAGS.grouping == "rows":
         h = hadamard(x.shape[-1]) if FLAGS.rotate else np.eye(x.shape[-1], dtype=np.float32)
-        rows = quant.encode_rows(np.asarray(x, np.float32) @ h, bits=bits, group=FLAGS.value_group)
-        back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1]) @ h.T
-        return back.astype(x.dtype), rows.size
+        y = np.asarray(x, np.float32) @ h
+        if order is not None:
+            y = np.take_along_axis(y, order[:, None, :], axis=-1)
+        rows = quant.encode_rows(y, bits=bits, group=FLAGS.value_group)
+        back = np.asarray(quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group,
+                                            head_dim=x.shape[-1]))
+        if order is not None:
+            back = np.take_along_axis(back, np.argsort(order, axis=-1)[:, None, :], axis=-1)
+        return jnp.asarray(back @ h.T).astype(x.dtype), rows.size
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
     parts, nbytes = [], 0
     for lo, hi in ((0, whole), (whole, x.shape[1])):
@@ -120,7 +140,9 @@ def run_task(model, name: str, precisions: list) -> dict:
             inference.extend(cfg, params, full, list(r.prefix_ids))
             caches, layer_bytes = {"full": full}, {"full": 2 * cfg.num_kv_heads * m * cfg.head_dim * itemsize}
             for p in precisions[1:]:
-                k = [round_trip(layer[:, :m], p, True, FLAGS.key_group) for layer in full.k]
+                k = [round_trip(layer[:, :m], p, True, FLAGS.key_group,
+                                key_order(i, layer[:, :m]) if FLAGS.sort_keys else None)
+                     for i, layer in enumerate(full.k)]
                 v = [round_trip(layer[:, :m], p, False, FLAGS.value_group) for layer in full.v]
                 caches[p] = inference.KVCache([layer.at[:, :m].set(x) for layer, (x, _) in zip(full.k, k)],
                                               [layer.at[:, :m].set(x) for layer, (x, _) in zip(full.v, v)], m)
@@ -162,7 +184,8 @@ def pooled(results: dict, precisions: list) -> dict:
 
 def markdown(out: dict) -> str:
     kind = out.get("grouping", "kivi")
-    rotated = ", each row rotated by the head dim's Hadamard matrix first" if kind.endswith("+hadamard") else ""
+    rotated = (", each row rotated by the head dim's Hadamard matrix first" if "+hadamard" in kind else "") + \
+        (", key channels ordered by their RMS over the first prefix" if "+sorted" in kind else "")
     grouping = (f"Keys and values per token over {out['value_group']} channels, float16 scales and zero points (a "
                 f"store's rows{rotated})" if kind.startswith("rows") else
                 f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} "
@@ -222,6 +245,8 @@ def main(argv):
     model = specjax.load_model(FLAGS.model)
     if FLAGS.rotate and FLAGS.grouping != "rows":
         raise SystemExit("--rotate applies to --grouping rows")
+    if FLAGS.sort_keys and FLAGS.grouping != "rows":
+        raise SystemExit("--sort_keys applies to --grouping rows")
     if model.config.head_dim % FLAGS.value_group:
         raise SystemExit(f"--value_group {FLAGS.value_group} does not divide the head dim {model.config.head_dim}")
     results = {}
@@ -229,7 +254,7 @@ def main(argv):
         print(f"{name}: precisions {precisions}", flush=True)
         results[name] = run_task(model, name, precisions)
     out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
-           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else ""), "key_group": FLAGS.key_group,
+           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else "") + ("+sorted" if FLAGS.sort_keys else ""), "key_group": FLAGS.key_group,
            "value_group": FLAGS.value_group,
            "kv_dtype": str(np.dtype(model.dtype)),
            "kv_itemsize": np.dtype(model.dtype).itemsize,
