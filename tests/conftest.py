@@ -35,6 +35,9 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow tests first: run over several workers (`pytest -n 2`, pytest-xdist), the longest start first instead of
+    # holding the suite's last minutes on one worker
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if _has_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs a GPU")

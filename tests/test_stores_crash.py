@@ -13,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 import toy_kv
 from toy_kv import insert, kv_for
@@ -62,6 +63,7 @@ def verify(store, tokens, exact: bool) -> bool:
         return m.length == len(tokens)
 
 
+@pytest.mark.slow
 def test_sigkill_during_inserts(tmp_path):
     from specjax.stores import KVStore
     from specjax.stores.fsck import fsck

@@ -73,6 +73,7 @@ def _check_disk_bytes(case: dict, kv_heads_split: bool) -> None:
     assert case["disk"]["spec"]["one_probe"] > 0, label  # spec's probe keys were read (and counted) too
 
 
+@pytest.mark.slow
 def test_tiny_models_match_one_device():
     """tiny-llama (4 query heads, 2 KV heads: KV replicated at tp=4, one each at tp=2) and tiny-opt (4 and 4: one
     each at tp=4)."""
@@ -101,6 +102,7 @@ STUCK_FLAGS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
                "--xla_cpu_collective_call_terminate_timeout_seconds=10")
 
 
+@pytest.mark.slow
 def test_deep_model_on_as_many_devices_as_the_mesh():
     """With exactly tensor_parallel forced devices, XLA's CPU client has no more threads than a collective needs, and
     a host far enough ahead of the devices starved an all-reduce (the process aborted, rc 134; `python -m
