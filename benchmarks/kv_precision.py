@@ -254,7 +254,8 @@ def main(argv):
         print(f"{name}: precisions {precisions}", flush=True)
         results[name] = run_task(model, name, precisions)
     out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
-           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else "") + ("+sorted" if FLAGS.sort_keys else ""), "key_group": FLAGS.key_group,
+           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else "") + ("+sorted" if FLAGS.sort_keys else ""),
+           "key_group": FLAGS.key_group,
            "value_group": FLAGS.value_group,
            "kv_dtype": str(np.dtype(model.dtype)),
            "kv_itemsize": np.dtype(model.dtype).itemsize,
