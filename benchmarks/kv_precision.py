@@ -88,11 +88,10 @@ def round_trip(x, bits: int, per_channel: bool, group: int, order=None):
         if order is not None:
             y = np.take_along_axis(y, order[:, None, :], axis=-1)
         rows = quant.encode_rows(y, bits=bits, group=FLAGS.value_group)
-        back = np.asarray(quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group,
-                                            head_dim=x.shape[-1]))
+        back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1])
         if order is not None:
-            back = np.take_along_axis(back, np.argsort(order, axis=-1)[:, None, :], axis=-1)
-        return jnp.asarray(back @ h.T).astype(x.dtype), rows.size
+            back = jnp.take_along_axis(back, jnp.asarray(np.argsort(order, axis=-1))[:, None, :], axis=-1)
+        return (back @ h.T).astype(x.dtype), rows.size
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
     parts, nbytes = [], 0
     for lo, hi in ((0, whole), (whole, x.shape[1])):
