@@ -40,14 +40,20 @@ flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default 
 flags.DEFINE_integer("limit", 150, "Requests per task (the task's first items, as the eval).")
 flags.DEFINE_integer("prefix_tokens", 1024, "Lengthen every few-shot prefix to at least this many tokens.")
 flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions to load the prefix KV at, besides full.")
-flags.DEFINE_enum("grouping", "kivi", ["kivi", "rows"], "kivi: keys per channel over --key_group tokens, values "
-                  "per token (KIVI's); rows: keys and values per token over --value_group channels with float16 "
-                  "scales, as a store holds them (`kernels.quant.encode_rows`).")
+flags.DEFINE_enum("grouping", "kivi", ["kivi", "rows", "store"], "kivi: keys per channel over --key_group tokens, "
+                  "values per token (KIVI's); rows: keys and values per token over --value_group channels with "
+                  "float16 scales (`kernels.quant.encode_rows`), as a store held them before its format 3; store: as "
+                  "a store holds them, keys per channel over each --key_group-token chunk against its float16 range "
+                  "(`encode_key_chunks`), values as rows.")
 flags.DEFINE_bool("rotate", False, "With --grouping rows: rotate each row by the head dim's Hadamard matrix "
                   "before encoding it (and back after decoding).")
 flags.DEFINE_bool("sort_keys", False, "With --grouping rows: order each layer's key channels, per head, by their RMS "
                   "over the run's first prefix (kept for every later request) before grouping them, so that a "
                   "group's channels are alike in size.")
+flags.DEFINE_enum("center_keys", "none", ["none", "model", "chunk"], "With --grouping rows: subtract a float16 "
+                  "mean from each key channel before encoding the rows (and add it back after decoding): model, "
+                  "per layer and head over the run's first prefix (kept for every later request, as a store could "
+                  "keep one per model); chunk, per --key_group tokens (data a store would keep per chunk).")
 flags.DEFINE_integer("key_group", 64, "Tokens a key scale covers (per channel); the store's chunk is 64.")
 flags.DEFINE_integer("value_group", 64, "Channels a value scale covers (per token); a multiple of the head dim's "
                      "divisors.")
@@ -78,19 +84,50 @@ def key_order(layer: int, x):
     return _ORDER[layer]
 
 
-def round_trip(x, bits: int, per_channel: bool, group: int, order=None):
+_CENTER = {}
+
+
+def key_center(layer: int, x, group: int):
+    """float32 [H, m, d]: each key channel's float16 mean, over the run's first prefix (--center_keys model) or over
+    each run of `group` tokens (chunk)."""
+    x = np.asarray(x, np.float32)
+    if FLAGS.center_keys == "model":
+        if layer not in _CENTER:
+            _CENTER[layer] = x.mean(axis=1, keepdims=True).astype(np.float16).astype(np.float32)
+        return np.broadcast_to(_CENTER[layer], x.shape)
+    starts = np.arange(0, x.shape[1], group)
+    means = np.stack([x[:, lo:lo + group].mean(axis=1) for lo in starts], axis=1).astype(np.float16)
+    return np.repeat(means.astype(np.float32), group, axis=1)[:, :x.shape[1]]
+
+
+def round_trip(x, bits: int, per_channel: bool, group: int, order=None, center=None):
     """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
     take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group.
-    With --grouping rows, every row on its own as a store encodes it (`per_channel` and `group` unused)."""
-    if FLAGS.grouping == "rows":
+    With --grouping rows, every row on its own (`per_channel` and `group` unused); with --grouping store, keys as a
+    store encodes them (the prefix in chunks of `group` tokens from its start, the last padded with zero rows) and
+    values as rows."""
+    if FLAGS.grouping == "store" and per_channel:
+        m, d = x.shape[1], x.shape[2]
+        padded = np.zeros((x.shape[0], -(-m // group) * group, d), np.float32)
+        padded[:, :m] = np.asarray(x, np.float32)
+        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=group)
+        lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=group)
+        back = quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.arange(m) // group, bits=bits,
+                                      head_dim=d)
+        return back.astype(x.dtype), codes[:, :m].size + ranges[:, :m].size
+    if FLAGS.grouping in ("rows", "store"):
         h = hadamard(x.shape[-1]) if FLAGS.rotate else np.eye(x.shape[-1], dtype=np.float32)
         y = np.asarray(x, np.float32) @ h
+        if center is not None:
+            y = y - center
         if order is not None:
             y = np.take_along_axis(y, order[:, None, :], axis=-1)
         rows = quant.encode_rows(y, bits=bits, group=FLAGS.value_group)
         back = quant.decode_rows(jnp.asarray(rows), bits=bits, group=FLAGS.value_group, head_dim=x.shape[-1])
         if order is not None:
             back = jnp.take_along_axis(back, jnp.asarray(np.argsort(order, axis=-1))[:, None, :], axis=-1)
+        if center is not None:
+            back = back + center
         return (back @ h.T).astype(x.dtype), rows.size
     whole = x.shape[1] - x.shape[1] % group if per_channel else x.shape[1]
     parts, nbytes = [], 0
@@ -140,7 +177,8 @@ def run_task(model, name: str, precisions: list) -> dict:
             caches, layer_bytes = {"full": full}, {"full": 2 * cfg.num_kv_heads * m * cfg.head_dim * itemsize}
             for p in precisions[1:]:
                 k = [round_trip(layer[:, :m], p, True, FLAGS.key_group,
-                                key_order(i, layer[:, :m]) if FLAGS.sort_keys else None)
+                                key_order(i, layer[:, :m]) if FLAGS.sort_keys else None,
+                                key_center(i, layer[:, :m], FLAGS.key_group) if FLAGS.center_keys != "none" else None)
                      for i, layer in enumerate(full.k)]
                 v = [round_trip(layer[:, :m], p, False, FLAGS.value_group) for layer in full.v]
                 caches[p] = inference.KVCache([layer.at[:, :m].set(x) for layer, (x, _) in zip(full.k, k)],
@@ -184,9 +222,14 @@ def pooled(results: dict, precisions: list) -> dict:
 def markdown(out: dict) -> str:
     kind = out.get("grouping", "kivi")
     rotated = (", each row rotated by the head dim's Hadamard matrix first" if "+hadamard" in kind else "") + \
-        (", key channels ordered by their RMS over the first prefix" if "+sorted" in kind else "")
-    grouping = (f"Keys and values per token over {out['value_group']} channels, float16 scales and zero points (a "
-                f"store's rows{rotated})" if kind.startswith("rows") else
+        (", key channels ordered by their RMS over the first prefix" if "+sorted" in kind else "") + \
+        (f", each key channel's float16 mean ({kind.split('+centered-')[1]}) taken off first" if "+centered-" in kind
+         else "")
+    grouping = (f"Keys and values per token over {out['value_group']} channels, float16 scales and zero points "
+                f"(rows{rotated})" if kind.startswith("rows") else
+                f"Keys per channel over each {out['key_group']}-token chunk against its float16 range, values per "
+                f"token over {out['value_group']} channels with float16 scales and zero points (a store's format 3)"
+                if kind == "store" else
                 f"Keys per channel over {out['key_group']} tokens, values per token over {out['value_group']} "
                 "channels, bf16 scales and zero points")
     lines = [f"# {out['model']}: the prefix's KV loaded at fewer bits", "",
@@ -244,6 +287,8 @@ def main(argv):
     model = specjax.load_model(FLAGS.model)
     if FLAGS.rotate and FLAGS.grouping != "rows":
         raise SystemExit("--rotate applies to --grouping rows")
+    if FLAGS.center_keys != "none" and (FLAGS.grouping != "rows" or FLAGS.rotate or FLAGS.sort_keys):
+        raise SystemExit("--center_keys applies to --grouping rows, unrotated and unsorted")
     if FLAGS.sort_keys and FLAGS.grouping != "rows":
         raise SystemExit("--sort_keys applies to --grouping rows")
     if model.config.head_dim % FLAGS.value_group:
@@ -253,7 +298,8 @@ def main(argv):
         print(f"{name}: precisions {precisions}", flush=True)
         results[name] = run_task(model, name, precisions)
     out = {"model": FLAGS.model, "prefix_tokens": FLAGS.prefix_tokens, "limit": FLAGS.limit,
-           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else "") + ("+sorted" if FLAGS.sort_keys else ""),
+           "grouping": FLAGS.grouping + ("+hadamard" if FLAGS.rotate else "") + ("+sorted" if FLAGS.sort_keys else "")
+           + ("" if FLAGS.center_keys == "none" else f"+centered-{FLAGS.center_keys}"),
            "key_group": FLAGS.key_group,
            "value_group": FLAGS.value_group,
            "kv_dtype": str(np.dtype(model.dtype)),

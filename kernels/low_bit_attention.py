@@ -1,5 +1,6 @@
-"""Gathered attention over low-bit prefix KV: the selected rows are read as a store holds them (each row its codes,
-then its channel groups' float16 scale and zero point, `quant.encode_rows`) and dequantised inside the attention.
+"""Gathered attention over low-bit prefix KV: the selected rows are read as rows that decode alone (each row its codes,
+then its channel groups' float16 scale and zero point, `quant.encode_rows`: a store's V rows, and its K rows before
+store format 3, which groups keys per chunk and channel) and dequantised inside the attention.
 
 The Pallas kernel never widens a row: a byte of codes holds `8 / bits` channels, read as that many planes (plane s:
 the s-th code of every byte, channels s, s + 8 / bits, ...), and the queries and the computed tokens' K/V are put in

@@ -192,3 +192,71 @@ def decode_rows(rows, *, bits: int, group: int, head_dim: int, dtype=jnp.float32
     scale, zero = scale_zero[..., :ng], scale_zero[..., ng:]
     x = codes.reshape(codes.shape[:-1] + (ng, group)) * scale[..., None] + zero[..., None]
     return x.reshape(codes.shape).astype(dtype)
+
+
+# -- key chunks: a chunk's keys per channel, as a store holds K at low precision --------------------------------------
+#
+# KIVI groups keys per channel over a run of tokens: a key's outlier channels keep a range of their own. A store's run
+# is its chunk. Each chunk's key rows are codes only (d * bits / 8 bytes), against the chunk's per-channel float16
+# minimum and maximum (its range, shared by every precision), which the store keeps as a kind of its own: a chunk's
+# range block (d minima, then d maxima, float16; zero bytes after) is spread over the chunk's token rows,
+# `key_range_width` bytes to a row, so that the chunk holds it as it holds any kind. A take of selected key rows then
+# takes the range rows of every chunk they lie in, whole (`key_ranges`).
+
+def key_range_width(head_dim: int, chunk_tokens: int) -> int:
+    """Bytes of a chunk's range block on each of its token rows: 4 * head_dim bytes over chunk_tokens rows."""
+    return -(-4 * head_dim // chunk_tokens)
+
+
+def encode_key_chunks(k, *, bits: int, chunk_tokens: int):
+    """Keys [H, T, d] (numpy, T a multiple of `chunk_tokens`) -> (codes uint8 [H, T, d * bits / 8], ranges uint8 [H,
+    T, key_range_width]): per chunk and channel, the float16 minimum and maximum (rounded outwards, so every key lies
+    inside them) and each key's code against them (off by at most half the channel's step). Host side, no
+    compilation."""
+    import numpy as np
+
+    k = np.asarray(k, np.float32)
+    heads, tokens, d = k.shape
+    if bits not in BITS or d * bits % 8 or tokens % chunk_tokens:
+        raise ValueError(f"cannot encode keys of shape {k.shape} at {bits} bits in chunks of {chunk_tokens} tokens")
+    levels = (1 << bits) - 1
+    c = k.reshape(heads, tokens // chunk_tokens, chunk_tokens, d)
+    lo, hi = c.min(axis=2), c.max(axis=2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)
+        lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
+        hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
+    if not (np.isfinite(lo16).all() and np.isfinite(hi16).all()):
+        raise ValueError("keys beyond float16's range (or not finite) cannot be stored at low precision")
+    low, scale = _range_scale(lo16.astype(np.float32), hi16.astype(np.float32), levels)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint((c - low[:, :, None]) / safe[:, :, None]), 0, levels).astype(np.uint8)
+    codes = codes.reshape(heads, tokens, d // (8 // bits), 8 // bits).astype(np.uint32)
+    packed = (codes << (np.arange(8 // bits, dtype=np.uint32) * bits)).sum(axis=-1).astype(np.uint8)
+    width = key_range_width(d, chunk_tokens)
+    block = np.zeros((heads, tokens // chunk_tokens, chunk_tokens * width), np.uint8)
+    block[..., :4 * d] = np.concatenate([lo16.view(np.uint8), hi16.view(np.uint8)], axis=-1)
+    return packed, block.reshape(heads, tokens, width)
+
+
+def _range_scale(lo, hi, levels: int):
+    """(zero point, step) of codes over [lo, hi] in float32; numpy or jnp alike, so that both sides agree."""
+    return lo, (hi - lo) / levels
+
+
+def key_ranges(ranges, *, head_dim: int, chunk_tokens: int):
+    """A take of whole chunks' range rows `[H, C * chunk_tokens, w]` (bytes) -> (minimum, maximum) float32 [H, C,
+    head_dim] of each chunk. Jittable."""
+    heads, rows, width = ranges.shape
+    block = ranges.reshape(heads, rows // chunk_tokens, chunk_tokens * width)[..., :4 * head_dim]
+    halves = jax.lax.bitcast_convert_type(block.reshape(heads, -1, 2 * head_dim, 2), jnp.float16)
+    halves = halves.astype(jnp.float32)
+    return halves[..., :head_dim], halves[..., head_dim:]
+
+
+def decode_key_codes(codes, lo, hi, chunk_of_row, *, bits: int, head_dim: int, dtype=jnp.float32):
+    """Key rows `[H, n, >= head_dim * bits / 8]` (bytes: codes only, `encode_key_chunks`) -> `dtype` [H, n, head_dim],
+    row i against the range of chunk `chunk_of_row[i]` of `lo` / `hi` [H, C, head_dim] (`key_ranges`). Jittable."""
+    c = unpack(codes[..., :head_dim * bits // 8], bits).astype(jnp.float32)
+    low, step = _range_scale(jnp.take(lo, chunk_of_row, axis=1), jnp.take(hi, chunk_of_row, axis=1), (1 << bits) - 1)
+    return (c * step + low).astype(dtype)

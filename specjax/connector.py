@@ -33,14 +33,14 @@ from specjax.shapes import bucket
 from specjax.stores import PROBE, K, Locations, V, KVStore, StoreError
 from specjax.stores.caches import POLICIES as CACHE_POLICIES
 from specjax.stores.caches import TieredCache
-from specjax.stores.kvarray import LOW_BIT_FORMAT, LOW_BITS, Layout, bits_of, low_bit
+from specjax.stores.kvarray import K_RANGE, LOW_BIT_FORMAT, LOW_BITS, Layout, bits_of, in_chunk_range, low_bit
 from specjax.stores.prefetch import Prefetcher
 from specjax.stores.reorder import Reorderer
 
 # The imports above are what the engine uses of the storage below it: the store (`KVStore`: match, locate, key
 # summaries, writes, metrics), where positions lie (`Locations`), its errors, the kinds a chunk holds (K, V, PROBE)
-# and their low-bit forms (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `LOW_BIT_FORMAT`), the device and host tiers
-# and their scoring policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
+# and their low-bit forms (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `K_RANGE`, `in_chunk_range`, `LOW_BIT_FORMAT`),
+# the device and host tiers and their scoring policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
 
 
 class CorruptPrefixError(StoreError):

@@ -30,14 +30,19 @@ LOW_BITS = (8, 4, 2)  # the low precisions a store may hold K, V and probe keys 
 # them, so that K's and V's kinds have the numbers they had in stores holding no low-bit probe keys)
 _LOW_KINDS = (tuple((base, bits) for bits in LOW_BITS for base in (K, V))
               + tuple((PROBE, bits) for bits in LOW_BITS))
-KIND_NAMES = ("k", "v", "probe") + tuple(f"{('k', 'v', 'probe')[base]}{bits}" for base, bits in _LOW_KINDS)
-# which kinds a store holding low-bit KV has at each precision (a fingerprint's `kv_format`): 2, K, V and probe keys;
-# 1 (no `kv_format`), K and V only
-LOW_BIT_FORMAT = 2
+# after them, the kind holding each chunk's per-channel key range, which low-bit K's codes are against (any bits)
+K_RANGE = 3 + len(_LOW_KINDS)
+KIND_NAMES = (("k", "v", "probe") + tuple(f"{('k', 'v', 'probe')[base]}{bits}" for base, bits in _LOW_KINDS)
+              + ("krange",))
+# what a store holding low-bit KV keeps at each precision (a fingerprint's `kv_format`): 3, K as codes against its
+# chunk's per-channel range (`K_RANGE`), V and probe keys as rows that decode alone; 2, K as such rows too; 1 (no
+# `kv_format`), K and V only
+LOW_BIT_FORMAT = 3
 
 
 def low_bit(kind: int, bits: int) -> int:
-    """The kind holding `kind`'s (K, V or probe keys) rows at `bits` bits (`kernels.quant.encode_rows`)."""
+    """The kind holding `kind`'s (K, V or probe keys) rows at `bits` bits: K's codes against its chunk's range
+    (`kernels.quant.encode_key_chunks`), V's and probe keys' rows with their own scales (`encode_rows`)."""
     if (kind, bits) not in _LOW_KINDS:
         raise ValueError(f"K, V and probe keys are stored at low precision at {LOW_BITS} bits; got "
                          f"{KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else kind} at {bits}")
@@ -45,20 +50,26 @@ def low_bit(kind: int, bits: int) -> int:
 
 
 def bits_of(kind: int) -> int | None:
-    """The bits of a low-bit kind (`low_bit`); None for K, V and probe keys, held in the store's dtype."""
-    return None if kind < 3 else _LOW_KINDS[kind - 3][1]
+    """The bits of a low-bit kind (`low_bit`); None for K, V, probe keys (held in the store's dtype) and K_RANGE."""
+    return None if kind < 3 or kind == K_RANGE else _LOW_KINDS[kind - 3][1]
 
 
 def base_of(kind: int) -> int:
-    """K, V or PROBE: what a kind holds, at whatever precision."""
-    return kind if kind < 3 else _LOW_KINDS[kind - 3][0]
+    """K, V or PROBE: what a kind holds, at whatever precision (K_RANGE: K's)."""
+    return kind if kind < 3 else K if kind == K_RANGE else _LOW_KINDS[kind - 3][0]
+
+
+def in_chunk_range(kind: int) -> bool:
+    """Whether `kind`'s rows decode only with their chunk's range (`K_RANGE`): low-bit K."""
+    return bits_of(kind) is not None and base_of(kind) == K
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What a store's chunks hold: `num_layers` layers of `kv_heads` K and V heads (and `probe_heads` probe keys) of
-    `head_dim` channels, `chunk_tokens` tokens a chunk, in `dtype`; and the same K and V again at each of `bits`
-    (`low_bit` kinds: per token, `group_channels` channels a scale and zero point, `kernels.quant.encode_rows`)."""
+    `head_dim` channels, `chunk_tokens` tokens a chunk, in `dtype`; and the same K, V (and probe keys) again at each of
+    `bits` (`low_bit` kinds: K's codes against each chunk's per-channel range, `K_RANGE`; V's and probe keys' per
+    token, `group_channels` channels a scale and zero point, `kernels.quant.encode_rows`)."""
 
     num_layers: int
     kv_heads: int
@@ -92,14 +103,19 @@ class Layout:
     def dtype_of(self, kind: int) -> np.dtype:
         """The element type of a kind's rows: the store's dtype, or bytes for a low-bit kind (which no float type
         carries intact: XLA:CPU moves bfloat16 through float32, flushing subnormal bit patterns)."""
-        return self.np_dtype if bits_of(kind) is None else np.dtype(np.uint8)
+        return self.np_dtype if kind < 3 else np.dtype(np.uint8)
 
     def width(self, kind: int) -> int:
-        """A token row's elements (`dtype_of`): head_dim, or a low-bit row's bytes (its codes, then each channel
-        group's float16 scale, then each group's float16 zero point)."""
+        """A token row's elements (`dtype_of`): head_dim; or a low-bit row's bytes: K's codes, or V's and probe
+        keys' codes, then each channel group's float16 scale, then each group's float16 zero point; or K_RANGE's
+        share of its chunk's range block."""
+        if kind == K_RANGE:
+            return quant.key_range_width(self.head_dim, self.chunk_tokens)
         bits = bits_of(kind)
         if bits is None:
             return self.head_dim
+        if base_of(kind) == K:
+            return self.head_dim * bits // 8
         return quant.row_nbytes(self.head_dim, bits, self.group_channels)
 
     def page_key(self, kind: int) -> tuple[int, int, int]:
@@ -131,7 +147,8 @@ class Layout:
 
     def kinds(self) -> tuple[int, ...]:
         base = (K, V, PROBE) if self.probe_heads else (K, V)
-        return base + tuple(low_bit(kind, bits) for bits in self.bits for kind in base)
+        low = tuple(low_bit(kind, bits) for bits in self.bits for kind in base)
+        return base + low + ((K_RANGE,) if self.bits else ())
 
     @property
     def kind_slots(self) -> int:

@@ -120,9 +120,10 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
     if stored.get("weights") != given.get("weights"):
         raise StoreMismatchError(_other_weights(described, asked, where))
     if stored.get("kv_bits") and given.get("kv_bits") and stored.get("kv_format") != given.get("kv_format"):
+        held = stored.get("kv_format", 1)
         raise StoreMismatchError(f"the KV store at {where} holds low-bit KV in an earlier format of specjax (format "
-                                 f"{stored.get('kv_format', 1)}: K and V only, no low-bit probe keys), not format "
-                                 f"{given.get('kv_format', 1)}; use another store directory")
+                                 f"{held}: {_LOW_BIT_FORMATS.get(held, 'unknown')}), not format {given.get('kv_format', 1)}; "
+                                 f"use another store directory")
     if {**stored, "kv_bits": None, "kv_format": None} == {**given, "kv_bits": None, "kv_format": None}:
         raise StoreMismatchError(f"the KV store at {where} holds K and V at {_precisions(stored)}, not at "
                                  f"{_precisions(given)} as asked; a store's precisions are fixed when it is made: "
@@ -132,6 +133,11 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
     raise StoreMismatchError(
         f"the KV store at {where} was written for another model or layout ({'; '.join(diffs)}); "
         f"use a different store directory or delete this one")
+
+
+# what the low-bit formats before `kvarray.LOW_BIT_FORMAT` held
+_LOW_BIT_FORMATS = {1: "K and V only, no low-bit probe keys",
+                    2: "K in rows that decode alone, not per channel over a chunk"}
 
 
 def _precisions(fingerprint: dict) -> str:

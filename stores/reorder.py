@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from specjax.stores.kvarray import bits_of
+from specjax.stores.kvarray import PROBE, K, V
 from specjax.stores.store import KVStore, Locations
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ def _already_in_order(store: KVStore, loc: Locations) -> bool:
 
 
 def _copy(store: KVStore, locations: list[Locations], writer) -> bool:
-    """Copy every layer's K, V (and probe keys) in its new order; False if a source chunk is bad. Their low-bit rows
-    are encoded anew from them by the writer: a row's encoding depends on that row alone, so they equal the source's."""
-    kinds = tuple(kind for kind in store.layout.kinds() if bits_of(kind) is None)
+    """Copy every layer's K, V (and probe keys) in its new order; False if a source chunk is bad. Their low-bit forms
+    are encoded anew from them by the writer: V's and probe keys' rows equal the source's (a row's encoding depends on
+    that row alone), K's codes are against the ranges of the chunks it now lies in."""
+    kinds = tuple(kind for kind in store.layout.kinds() if kind in (K, V, PROBE))
     for layer, loc in enumerate(locations):
         futures = [store.read_locations(layer, kind, loc) for kind in kinds]
         gathered = [f.result() for f in futures]

@@ -141,19 +141,26 @@ class SegmentWriter:
 def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
     """(kind, `[heads, padded_tokens, width]` of the store dtype) for every kind of the layout: the given K, V (and
     probe keys) with zero rows after their tokens, and each of them again at each of the layout's low precisions,
-    encoded from those (`kernels.quant.encode_rows`)."""
+    encoded from those: K per chunk and channel (`kernels.quant.encode_key_chunks`, its chunks' ranges once as
+    `K_RANGE`), V and probe keys per row (`encode_rows`)."""
     full = {}
     for kind, a in arrays.items():
         data = full[kind] = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
         a = np.asarray(a)
         data[:, :a.shape[1]] = a
         yield kind, data
+    ranges = None
     for bits in lay.bits:
         for kind in tuple(full):
             low = kvarray.low_bit(kind, bits)
-            rows = quant.encode_rows(full[kind], bits=bits, group=lay.group_channels,
-                                     row_bytes=lay.token_row_nbytes(low))
+            if kind == K:
+                rows, ranges = quant.encode_key_chunks(full[K], bits=bits, chunk_tokens=lay.chunk_tokens)
+            else:
+                rows = quant.encode_rows(full[kind], bits=bits, group=lay.group_channels,
+                                         row_bytes=lay.token_row_nbytes(low))
             yield low, rows
+    if ranges is not None:
+        yield kvarray.K_RANGE, ranges
 
 
 class PrefixWriter(SegmentWriter):

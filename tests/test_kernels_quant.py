@@ -83,3 +83,62 @@ def test_a_constant_group_and_values_on_the_grid_come_back_exactly():
 def test_bad_arguments_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- keys per chunk and channel, as a store holds them ------------------------------------------------------------
+
+def _key_chunks_oracle(k, bits, chunk_tokens):
+    """numpy, element by element: each chunk's per-channel float16 range (rounded outwards), the codes against it."""
+    heads, tokens, d = k.shape
+    levels = (1 << bits) - 1
+    codes = np.zeros(k.shape, np.uint8)
+    lo16 = np.zeros((heads, tokens // chunk_tokens, d), np.float16)
+    hi16 = np.zeros_like(lo16)
+    for h in range(heads):
+        for c in range(tokens // chunk_tokens):
+            for j in range(d):
+                x = k[h, c * chunk_tokens:(c + 1) * chunk_tokens, j]
+                lo, hi = np.float16(x.min()), np.float16(x.max())
+                lo = np.nextafter(lo, np.float16(-np.inf)) if np.float32(lo) > x.min() else lo
+                hi = np.nextafter(hi, np.float16(np.inf)) if np.float32(hi) < x.max() else hi
+                lo16[h, c, j], hi16[h, c, j] = lo, hi
+                step = (np.float32(hi) - np.float32(lo)) / np.float32(levels)
+                codes[h, c * chunk_tokens:(c + 1) * chunk_tokens, j] = np.clip(
+                    np.rint((x - np.float32(lo)) / (step if step > 0 else np.float32(1))), 0, levels)
+    return codes, lo16, hi16
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_key_chunks_are_codes_against_each_chunks_channel_range_spread_over_its_rows(bits):
+    """`encode_key_chunks`' codes are the oracle's, packed as `pack` packs them; each chunk's range block (d float16
+    minima, then d maxima, zero bytes after) lies over its rows, `key_range_width` bytes a row; `key_ranges` reads
+    it back and `decode_key_codes` puts every key within half its channel's step, each row against its own chunk's
+    range as `chunk_of_row` says, in any order."""
+    rng = np.random.default_rng(bits)
+    k = rng.normal(size=(2, 48, 16)).astype(np.float32) * 3
+    k[:, :, 5] += 40  # an outlier channel keeps a range of its own
+    k[1, 16:32, 2] = 0.75  # a constant channel of a chunk (float16 exact): step 0, every code 0, the value its minimum
+    codes, ranges = Q.encode_key_chunks(k, bits=bits, chunk_tokens=16)
+    want_codes, lo16, hi16 = _key_chunks_oracle(k, bits, 16)
+    np.testing.assert_array_equal(codes, np.asarray(Q.pack(jnp.asarray(want_codes), bits)))
+    width = Q.key_range_width(16, 16)
+    assert width == 4 and ranges.shape == (2, 48, 4) and ranges.dtype == np.uint8
+    block = ranges.reshape(2, 3, 16 * width)
+    np.testing.assert_array_equal(block[..., :32].view(np.float16), lo16)
+    np.testing.assert_array_equal(block[..., 32:64].view(np.float16), hi16)
+    lo, hi = Q.key_ranges(jnp.asarray(ranges), head_dim=16, chunk_tokens=16)
+    np.testing.assert_array_equal(np.asarray(lo), lo16.astype(np.float32))
+    order = rng.permutation(48)  # rows as a take may give them: any order, each with its chunk's index
+    back = np.asarray(Q.decode_key_codes(jnp.asarray(codes[:, order]), lo, hi, jnp.asarray(order // 16), bits=bits,
+                                         head_dim=16))
+    step = np.repeat((hi16.astype(np.float32) - lo16.astype(np.float32)) / ((1 << bits) - 1), 16, axis=1)[:, order]
+    assert (np.abs(back - k[:, order]) <= 0.5 * step * 1.0001 + 1e-6).all()
+    np.testing.assert_array_equal(back[1][(order >= 16) & (order < 32), 2], 0.75)
+
+
+def test_key_chunks_refuse_what_they_cannot_encode():
+    with pytest.raises(ValueError, match="in chunks of 16 tokens"):
+        Q.encode_key_chunks(np.zeros((1, 40, 16), np.float32), bits=4, chunk_tokens=16)
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        Q.encode_key_chunks(np.full((1, 16, 16), 1e6, np.float32), bits=4, chunk_tokens=16)
+    assert Q.key_range_width(128, 64) == 8 and Q.key_range_width(64, 48) == 6  # 256 bytes over 48 rows: 6 a row

@@ -62,18 +62,23 @@ def test_full_precision_is_the_plain_forward_and_fewer_bits_move_the_answers_mor
 
 
 @pytest.mark.skipif(not (DATA / "piqa").exists(), reason="needs the PIQA files of docs/data.md")
-def test_rows_grouping_measures_the_stores_own_rows(tmp_path):
-    """--grouping rows round-trips keys and values as a store encodes them: its bytes are the store's rows'."""
+@pytest.mark.parametrize("grouping", ["rows", "store"])
+def test_rows_and_store_groupings_measure_those_formats(tmp_path, grouping):
+    """--grouping rows round-trips keys and values as rows that decode alone, --grouping store keys per chunk and
+    channel as a store of format 3 holds them (its range's bytes shared by the chunk's rows): their bytes are those
+    formats'."""
     from specjax.kernels import quant
 
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_precision.py"), "--tasks", "piqa", "--limit", "1",
-                    "--prefix_tokens", "256", "--bits", "4", "--grouping", "rows", "--value_group", "32",
+                    "--prefix_tokens", "256", "--bits", "4", "--grouping", grouping, "--value_group", "32",
                     "--data_dir", str(DATA), "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
     out = json.loads((tmp_path / "kv_precision.json").read_text())
-    assert out["grouping"] == "rows" and "per token over 32 channels, float16" in (
-        tmp_path / "kv_precision.md").read_text()
+    text = (tmp_path / "kv_precision.md").read_text()
+    assert out["grouping"] == grouping
+    assert ("per token over 32 channels, float16" in text) if grouping == "rows" else ("each 64-token chunk" in text)
     piqa = out["tasks"]["piqa"]["precisions"]
     d = specjax.load_model("smollm2-135m").config.head_dim
     ratio = piqa["4"]["bytes_per_token_per_layer"] / piqa["full"]["bytes_per_token_per_layer"]
-    assert ratio == pytest.approx(quant.row_nbytes(d, 4, 32) / (d * 4))  # float32 KV on the CPU
+    keys = quant.row_nbytes(d, 4, 32) if grouping == "rows" else d * 4 // 8 + quant.key_range_width(d, 64)
+    assert ratio == pytest.approx((keys + quant.row_nbytes(d, 4, 32)) / (2 * d * 4))  # float32 KV on the CPU
     assert piqa["4"]["mean_abs_logprob_change"] > 0.0

@@ -12,7 +12,7 @@ import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine.planner import CostModel, Plan, PlannerEngine, LinearFit, prediction_errors
 from specjax.stores import K, V, KVStore
-from specjax.stores.kvarray import low_bit
+from specjax.stores.kvarray import K_RANGE, low_bit
 
 EXACT = 1e-5  # fp32, against the engine's recompute
 STORE_CHUNK = 16
@@ -305,8 +305,10 @@ def test_the_planner_weighs_loading_at_fewer_bits(model):
     assert low.plan["plan"] == "all@4b" and low.plan["bits"] == 4
     cfg = model.config
     lay = engine.store.layout
-    token = lay.token_nbytes(low_bit(K, 4)) + lay.token_nbytes(low_bit(V, 4))
-    assert token == 2 * cfg.num_kv_heads * (cfg.head_dim // 2 + 4 * (cfg.head_dim // lay.group_channels))
+    # K's codes and its chunk's range share, V's codes and its groups' scales and zero points
+    token = sum(lay.token_nbytes(kind) for kind in (low_bit(K, 4), K_RANGE, low_bit(V, 4)))
+    d = cfg.head_dim
+    assert token == cfg.num_kv_heads * (d // 2 + -(-4 * d // lay.chunk_tokens) + d // 2 + 4 * (d // lay.group_channels))
     assert low.io["disk_bytes"] == cfg.num_layers * 128 * token
     assert full.io["disk_bytes"] == cfg.num_layers * 128 * cfg.num_kv_heads * 2 * cfg.head_dim * 4
     reference = make_engine(model, make_system("as_full", kv_bits=4), _store(model, (4,)), EngineConfig())

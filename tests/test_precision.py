@@ -1,6 +1,7 @@
 """Prefix KV at low precision: the store's low-bit kinds (written, read, checked, copied by reordering), loading at
 `kv_bits` for a system, and spec_mixed, which loads what SPEC does not select at `rest_bits`, against a plain forward
-over the same KV round-tripped through the codec (`kernels.quant.encode_rows`)."""
+over the same KV round-tripped through the codec (`kernels.quant`: K per chunk and channel, `encode_key_chunks`; V per
+row, `encode_rows`)."""
 
 import dataclasses
 import time
@@ -16,9 +17,9 @@ from specjax.engine import steps as S
 from specjax.errors import SpecjaxError
 from specjax.kernels import SharedIndices, quant
 from specjax.models import transformer as T
-from specjax.stores import K, PROBE, V, KVStore
+from specjax.stores import K, PROBE, V, KVStore, Locations
 from specjax.stores.errors import StoreMismatchError
-from specjax.stores.kvarray import base_of, bits_of, low_bit
+from specjax.stores.kvarray import K_RANGE, base_of, bits_of, low_bit
 
 FP = {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "probe_heads": 1, "chunk_tokens": 16}
 
@@ -41,13 +42,17 @@ def test_layout_kinds_and_row_sizes():
     lay = st.layout
     assert lay.bits == (4, 2)
     assert lay.kinds() == (0, 1, 2, low_bit(K, 4), low_bit(V, 4), low_bit(PROBE, 4), low_bit(K, 2), low_bit(V, 2),
-                           low_bit(PROBE, 2))
-    assert [base_of(kind) for kind in lay.kinds()] == [K, V, PROBE] * 3
-    assert [bits_of(kind) for kind in lay.kinds()] == [None] * 3 + [4] * 3 + [2] * 3
-    assert len(set(map(low_bit, [K, V, PROBE] * 3, [8] * 3 + [4] * 3 + [2] * 3))) == 9  # no kind twice
-    # 64 channels at 4 bits (32 bytes) and two groups' float16 scale and zero (8 bytes): 40 bytes
-    assert lay.width(low_bit(K, 4)) == 40 and lay.width(low_bit(V, 2)) == 24 and lay.width(K) == 64
-    assert lay.dtype_of(low_bit(K, 4)) == np.uint8 and lay.dtype_of(K) == np.float32
+                           low_bit(PROBE, 2), K_RANGE)
+    assert [base_of(kind) for kind in lay.kinds()] == [K, V, PROBE] * 3 + [K]
+    assert [bits_of(kind) for kind in lay.kinds()] == [None] * 3 + [4] * 3 + [2] * 3 + [None]
+    kinds = set(map(low_bit, [K, V, PROBE] * 3, [8] * 3 + [4] * 3 + [2] * 3)) | {K_RANGE}
+    assert len(kinds) == 10 and not kinds & {K, V, PROBE}  # no kind twice
+    # V: 64 channels at 4 bits (32 bytes) and two groups' float16 scale and zero (8 bytes), 40 bytes; K: the codes,
+    # 32 bytes, and its chunk's range, 64 float16 minima and maxima over 16 rows: 16 bytes a row
+    assert lay.width(low_bit(V, 4)) == 40 and lay.width(low_bit(V, 2)) == 24 and lay.width(K) == 64
+    assert lay.width(low_bit(K, 4)) == 32 and lay.width(low_bit(K, 2)) == 16 and lay.width(K_RANGE) == 16
+    assert lay.dtype_of(low_bit(K, 4)) == np.uint8 and lay.dtype_of(K_RANGE) == np.uint8
+    assert lay.dtype_of(K) == np.float32
     assert lay.token_nbytes(low_bit(V, 4)) == 2 * 40 and lay.token_nbytes(low_bit(PROBE, 4)) == 1 * 40
     st.close()
 
@@ -55,7 +60,8 @@ def test_layout_kinds_and_row_sizes():
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
     """What a store reads back of a low-bit kind decodes to the codec's round trip of the K and V written, at the
-    codec's bound (half a group's scale), and its bytes are the codec's bytes."""
+    codec's bound (half a group's step), and its bytes are the codec's bytes: V's and probe keys' rows each on its own,
+    K's codes and ranges per chunk and channel (the last chunk's padding rows zero)."""
     rng = np.random.default_rng(bits)
     st = KVStore.open(tmp_path / "s", {**FP, "kv_bits": [bits]})
     kv = _kv(rng, 40)
@@ -64,7 +70,22 @@ def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
     with st.match(tokens) as match:
         for layer in range(2):
             loc = st.locate(match, np.arange(40), layer)
-            for kind in (K, V, PROBE):
+            padded = np.zeros((2, 48, 64), np.float32)  # 3 chunks of 16 tokens
+            padded[:, :40] = kv[layer][K]
+            codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=16)
+            got = [st.read_locations(layer, kind, loc).result() for kind in (low_bit(K, bits), K_RANGE)]
+            assert all(g.ok.all() for g in got)
+            np.testing.assert_array_equal(got[0].array, codes[:, :40])
+            np.testing.assert_array_equal(got[1].array, ranges[:, :40])
+            whole = st.read_locations(layer, K_RANGE, Locations(np.repeat(np.unique(loc.chunks), 16),
+                                                                np.tile(np.arange(16), 3))).result()
+            lo, hi = quant.key_ranges(jnp.asarray(whole.array), head_dim=64, chunk_tokens=16)
+            decoded = np.asarray(quant.decode_key_codes(jnp.asarray(got[0].array), lo, hi, jnp.arange(40) // 16,
+                                                        bits=bits, head_dim=64))
+            x = padded.reshape(2, 3, 16, 64)
+            step = np.repeat((x.max(2) - x.min(2)) / ((1 << bits) - 1), 16, axis=1)[:, :40]
+            assert (np.abs(decoded - kv[layer][K]) <= 0.5 * step * 1.01 + 1e-6).all()
+            for kind in (V, PROBE):
                 got = st.read_locations(layer, low_bit(kind, bits), loc).result()
                 assert got.ok.all()
                 want = quant.encode_rows(kv[layer][kind], bits=bits, group=32, row_bytes=st.layout.token_row_nbytes(
@@ -129,10 +150,20 @@ def _prefix_kv(engine, req):
     return out
 
 
-def _round_trip(x, bits):
-    group = min(32, x.shape[-1])  # the store's default group
+def _round_trip(x, bits, keys=False, chunk_tokens=16):
+    """V's rows, or K per chunk (`keys`: a prefix stored from position 0 in chunks of `chunk_tokens`, the last one
+    padded with zero rows), through the store's codec and back."""
+    heads, m, d = x.shape
+    if keys:
+        padded = np.zeros((heads, -(-m // chunk_tokens) * chunk_tokens, d), np.float32)
+        padded[:, :m] = x
+        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=chunk_tokens)
+        lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=chunk_tokens)
+        return np.asarray(quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.arange(m) // chunk_tokens,
+                                                 bits=bits, head_dim=d))
+    group = min(32, d)  # the store's default group
     return np.asarray(quant.decode_rows(jnp.asarray(quant.encode_rows(x, bits=bits, group=group)), bits=bits,
-                                        group=group, head_dim=x.shape[-1]))
+                                        group=group, head_dim=d))
 
 
 def test_reference_forward_is_as_full(model):
@@ -153,7 +184,7 @@ def test_kv_bits_attends_to_the_round_tripped_kv(model, name, bits):
     req = _request(model)
     engine.warm(req.prefix)
     got = engine.run(req)
-    decoded = [tuple(_round_trip(x, bits) for x in kv) for kv in _prefix_kv(engine, req)]
+    decoded = [(_round_trip(k, bits, keys=True), _round_trip(v, bits)) for k, v in _prefix_kv(engine, req)]
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, decoded), atol=1e-5, rtol=0)
     full = _logits_over(model, req, _prefix_kv(engine, req))
     assert not np.allclose(got.first_token_logits, full, atol=1e-5)  # the precision did change what it attended to
@@ -170,7 +201,7 @@ def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
     kv = _prefix_kv(engine, req)
     layer_kv = []
     for (k, v), chosen in zip(kv, got.selections):
-        mixed_k, mixed_v = np.array(_round_trip(k, 4)), np.array(_round_trip(v, 4))
+        mixed_k, mixed_v = np.array(_round_trip(k, 4, keys=True)), np.array(_round_trip(v, 4))
         union = np.unique(chosen)
         if len(chosen) > 1:  # a per-head layer: every key was taken at full precision, the union's values
             mixed_k = k
@@ -203,7 +234,7 @@ def test_a_system_needing_bits_its_store_lacks_is_refused(model):
 
 def test_reordering_copies_low_bit_rows_with_their_tokens(tmp_path):
     """A reordered segment's low-bit rows are its tokens' rows, encoded anew from the full-precision ones it copies:
-    reads in the prefix's order give what was written."""
+    reads in the prefix's order give V's rows as written, and K's codes and ranges as its new chunks encode them."""
     from specjax.stores.reorder import reorder_node
 
     rng = np.random.default_rng(3)
@@ -221,12 +252,20 @@ def test_reordering_copies_low_bit_rows_with_their_tokens(tmp_path):
             assert len(store.locate(m, important, 0).unique_chunks()) == 1  # packed together
             for layer in range(2):
                 loc = store.locate(m, np.arange(100), layer)
-                for kind in (low_bit(K, 4), low_bit(V, 4)):
-                    got = store.read_locations(layer, kind, loc).result()
-                    want = quant.encode_rows(kv[layer][kind - low_bit(K, 4)], bits=4, group=32,
-                                             row_bytes=store.layout.token_row_nbytes(kind))
-                    assert got.ok.all()
-                    np.testing.assert_array_equal(got.array.view(np.uint8), want)
+                got = {kind: store.read_locations(layer, kind, loc).result()
+                       for kind in (K, low_bit(K, 4), K_RANGE, low_bit(V, 4))}
+                assert all(g.ok.all() for g in got.values())
+                np.testing.assert_array_equal(got[K].array, kv[layer][K])
+                want = quant.encode_rows(kv[layer][V], bits=4, group=32,
+                                         row_bytes=store.layout.token_row_nbytes(low_bit(V, 4)))
+                np.testing.assert_array_equal(got[low_bit(V, 4)].array, want)
+                chunks = np.unique(loc.chunks)  # the new chunks' keys, whole (padding rows too), encoded
+                whole = Locations(np.repeat(chunks, 16), np.tile(np.arange(16), len(chunks)))
+                codes, ranges = quant.encode_key_chunks(store.read_locations(layer, K, whole).result().array, bits=4,
+                                                        chunk_tokens=16)
+                rows = np.searchsorted(chunks, loc.chunks) * 16 + loc.offsets
+                np.testing.assert_array_equal(got[low_bit(K, 4)].array, codes[:, rows])
+                np.testing.assert_array_equal(got[K_RANGE].array, ranges[:, rows])
 
 
 def test_cake_loads_its_chunks_at_kv_bits(model, monkeypatch):
@@ -249,7 +288,7 @@ def test_cake_loads_its_chunks_at_kv_bits(model, monkeypatch):
     assert got.split["loaded_prefix_tokens"] >= 50
     mixed = []
     for k, v in _prefix_kv(engine, req):
-        mk, mv = np.array(_round_trip(k, 4)), np.array(_round_trip(v, 4))
+        mk, mv = np.array(_round_trip(k, 4, keys=True)), np.array(_round_trip(v, 4))
         mk[:, :computed], mv[:, :computed] = k[:, :computed], v[:, :computed]
         mixed.append((mk, mv))
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, mixed), atol=1e-4, rtol=0)
@@ -285,8 +324,8 @@ def test_a_run_names_precision_variants_of_its_systems():
 @pytest.mark.parametrize("tiers", ["disk", "device tier", "host tier"])
 def test_a_bfloat16_stores_low_bit_rows_reach_the_device_byte_for_byte(tiers):
     """Low-bit rows are bytes all the way (no float type carries them intact: XLA:CPU gathers bfloat16 through
-    float32, flushing subnormal bit patterns): a take of a bfloat16 store's 4-bit K gives the encoded rows exactly,
-    from disk and from either cache tier."""
+    float32, flushing subnormal bit patterns): a take of a bfloat16 store's 4-bit V, K and K ranges gives the encoded
+    rows exactly, from disk and from either cache tier."""
     import ml_dtypes
 
     from specjax.stores.caches import TieredCache
@@ -298,16 +337,19 @@ def test_a_bfloat16_stores_low_bit_rows_reach_the_device_byte_for_byte(tiers):
     store.insert(np.arange(64), [(k, k)])
     budget = {"disk": (0, 0), "device tier": (1 << 20, 0), "host tier": (0, 1 << 20)}[tiers]
     prefetcher = Prefetcher(store, TieredCache(*budget, "lru", metrics=store.metrics))
-    want = quant.encode_rows(k.astype(np.float32), bits=4, group=32)
-    for _ in range(2):  # the second take finds the first one's chunks in the tier
-        with store.match(np.arange(64)) as m:
-            positions = np.arange(64)
-            taken = prefetcher.take(m, 0, low_bit(K, 4), positions, pad_to=64, loc=store.locate(m, positions, 0))
-            prefetcher.close()
-        np.testing.assert_array_equal(np.asarray(taken.array), want)
+    codes, ranges = quant.encode_key_chunks(k.astype(np.float32), bits=4, chunk_tokens=16)
+    wants = {low_bit(V, 4): quant.encode_rows(k.astype(np.float32), bits=4, group=32), low_bit(K, 4): codes,
+             K_RANGE: ranges}
+    for kind, want in wants.items():
+        for _ in range(2):  # the second take finds the first one's chunks in the tier
+            with store.match(np.arange(64)) as m:
+                positions = np.arange(64)
+                taken = prefetcher.take(m, 0, kind, positions, pad_to=64, loc=store.locate(m, positions, 0))
+                prefetcher.close()
+            np.testing.assert_array_equal(np.asarray(taken.array), want)
     counts = store.metrics.snapshot()
     hit = {"disk": 0, "device tier": counts["device_hits"], "host tier": counts["host_hits"]}[tiers]
-    assert hit == (0 if tiers == "disk" else 4)  # the second take found its 4 chunks in the tier
+    assert hit == (0 if tiers == "disk" else 3 * 4)  # each kind's second take found its 4 chunks in the tier
     store.close()
 
 
@@ -328,7 +370,7 @@ def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
 
         setattr(engine.prefetcher, name, recorded)
     assert engine.run(req).io["disk_bytes"] > 0
-    assert kinds == {low_bit(K, 8), low_bit(V, 8)}
+    assert kinds == {low_bit(K, 8), low_bit(V, 8), K_RANGE}
 
 
 @pytest.mark.parametrize("name", ["spec", "spec_mixed"])
@@ -351,7 +393,8 @@ def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys(name):
     result = engine.run(req)
     assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
     rest = {low_bit(K, 4), low_bit(V, 4)} if name == "spec_mixed" else set()
-    assert low_bit(PROBE, 8) in kinds and rest <= kinds and {bits_of(kind) for kind in kinds - rest} == {8}
+    assert low_bit(PROBE, 8) in kinds and rest | {K_RANGE} <= kinds
+    assert {bits_of(kind) for kind in kinds - rest - {K_RANGE}} == {8}
 
 
 def test_a_bfloat16_stores_host_tier_holds_every_kind():
@@ -389,12 +432,16 @@ def test_precisions_a_system_cannot_combine_are_refused():
 
 
 def test_a_low_bit_store_of_the_earlier_format_is_refused(tmp_path, model):
-    """A store whose low-bit KV is of format 1 (K and V only, no low-bit probe keys) is refused by name."""
+    """A store whose low-bit KV is of an earlier format (1: K and V only, no low-bit probe keys; 2: K in rows that
+    decode alone) is refused by name."""
     fp = fingerprint(model, 16, (4,))
-    assert fp["kv_format"] == 2
+    assert fp["kv_format"] == 3
     KVStore.open(tmp_path / "s", {k: v for k, v in fp.items() if k != "kv_format"}).close()
     with pytest.raises(StoreMismatchError, match="earlier format of specjax .format 1: K and V only"):
         KVStore.open(tmp_path / "s", fp)
+    KVStore.open(tmp_path / "s2", {**fp, "kv_format": 2}).close()
+    with pytest.raises(StoreMismatchError, match="format 2: K in rows that decode alone.*not format 3"):
+        KVStore.open(tmp_path / "s2", fp)
     KVStore.open(tmp_path / "new", fp).close()  # a store of today's format asked for none: named as before
     with pytest.raises(StoreMismatchError, match="holds K and V at float32 and 4 bits, not at float32 only"):
         KVStore.open(tmp_path / "new", fingerprint(model, 16))

@@ -59,7 +59,7 @@ def verify(store, tokens, exact: bool) -> bool:
             for kind in store.layout.kinds():
                 got = toy_kv.read(store, m, layer, kind).result()
                 assert got.ok.all()
-                np.testing.assert_array_equal(got.array, toy_kv.expected(store.layout, want[layer], kind))
+                np.testing.assert_array_equal(got.array, toy_kv.expected(store, m, layer, want[layer], kind))
         return m.length == len(tokens)
 
 

@@ -48,7 +48,7 @@ def check(store, tokens, full: bool = True) -> int:
             for kind in store.layout.kinds():
                 got = toy_kv.read(store, m, layer, kind).result()
                 assert got.ok.all(), "a chunk fails its checksum or was deleted"
-                np.testing.assert_array_equal(got.array, toy_kv.expected(store.layout, want[layer], kind))
+                np.testing.assert_array_equal(got.array, toy_kv.expected(store, m, layer, want[layer], kind))
         return m.length
 
 

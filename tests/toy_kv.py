@@ -16,17 +16,27 @@ def fingerprint(arch: str, kv_bits=()) -> dict:
     return {"arch": arch, **LAYOUT, **({"kv_bits": list(kv_bits)} if kv_bits else {})}
 
 
-def expected(layout, layer_kv, kind):
-    """What a read of `kind` gives of one layer's (K, V, probe keys): the array, or its low-bit rows' bytes as the
-    store encodes them."""
+def expected(store, match, layer: int, layer_kv, kind):
+    """What a read of `kind` gives of one layer's (K, V, probe keys) at every position of `match`: the array, or its
+    low-bit rows' bytes as the store encodes them. Low-bit K and its chunks' ranges are encoded from the chunks' keys
+    as the store reads them whole (their other rows may be other prefixes' tokens, or padding)."""
     from specjax.kernels import quant
-    from specjax.stores.kvarray import base_of, bits_of
+    from specjax.stores import Locations
+    from specjax.stores.kvarray import K, K_RANGE, base_of, bits_of, in_chunk_range
 
-    bits = bits_of(kind)
+    lay = store.layout
+    if kind == K_RANGE or in_chunk_range(kind):
+        loc = store.locate(match, np.arange(match.length), layer)
+        chunks = np.unique(loc.chunks)
+        ct = lay.chunk_tokens
+        whole = store.read_locations(layer, K, Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks))))
+        codes, ranges = quant.encode_key_chunks(whole.result().array, bits=bits_of(kind) or 8, chunk_tokens=ct)
+        rows = np.searchsorted(chunks, loc.chunks) * ct + loc.offsets
+        return (ranges if kind == K_RANGE else codes)[:, rows]
     x = layer_kv[base_of(kind)]
-    if bits is None:
+    if bits_of(kind) is None:
         return x
-    return quant.encode_rows(x, bits=bits, group=layout.group_channels)
+    return quant.encode_rows(x, bits=bits_of(kind), group=lay.group_channels)
 
 
 def kv_for(tokens) -> list:

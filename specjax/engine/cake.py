@@ -23,10 +23,11 @@ import numpy as np
 
 from specjax import distributed
 from specjax import sharding as sh
-from specjax.connector import K, V
+from specjax.connector import K_RANGE, K, V, in_chunk_range
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill
 from specjax.engine.policies import Cake, runs
+from specjax.engine.precision import take_decoded
 from specjax.engine.clock import Clock
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request
 from specjax.errors import SpecjaxError
@@ -152,10 +153,12 @@ class _Loader(threading.Thread):
         precision = engine.precision  # K and V at the system's precision, decoded on the device
         k_kind, v_kind = precision.kind(K), precision.kind(V)
 
+        ranges = (K_RANGE,) if in_chunk_range(k_kind) else ()  # low-bit K decodes with its chunk's range
+
         def ask(layer: int) -> None:
             if layer < num_layers:
-                tickets[layer] = (pf.request(self.match, layer, k_kind, positions),
-                                  pf.request(self.match, layer, v_kind, positions))
+                tickets[layer] = tuple(pf.request(self.match, layer, kind, positions)
+                                       for kind in (k_kind, v_kind) + ranges)
 
         for layer in range(LOADER_WINDOW_LAYERS):
             ask(layer)
@@ -168,14 +171,15 @@ class _Loader(threading.Thread):
             if meeting.unneeded(j):
                 return self._give_up()
             ask(layer + LOADER_WINDOW_LAYERS)
-            k = pf.take(self.match, layer, k_kind, positions, pad_to=c)
-            v = pf.take(self.match, layer, v_kind, positions, pad_to=c)
-            if not (k.ok.all() and v.ok.all()):
+            loc = engine.store.locate(self.match, positions, layer)
+            takes = [take_decoded(pf, self.match, layer, kind, positions, loc, c, precision.decode)
+                     for kind in (k_kind, v_kind)]
+            if not all(t.ok.all() for taken in takes for t in (taken[0], taken[2]) if t is not None):
                 meeting.fail(bad_chunk=True)  # never served: the device computes this chunk and those before it
                 pf.close()
                 return False
-            keys.append(engine.place_kv(precision.decode(k_kind, k.array)))  # each device its heads
-            values.append(engine.place_kv(precision.decode(v_kind, v.array)))
+            keys.append(engine.place_kv(takes[0][1]))  # each device its heads
+            values.append(engine.place_kv(takes[1][1]))
         return meeting.publish(j, keys, values) or self._give_up()
 
     def _give_up(self) -> bool:
@@ -352,7 +356,11 @@ class CakeEngine(Engine):
         self.prefetcher.compile_assembly(kind, c)
         lay = self.store.layout  # the loader's decoding of a chunk's low-bit rows, if it reads them
         rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
-        jax.block_until_ready(self.precision.decode(kind, rows))
+        ranges = None
+        if in_chunk_range(kind):  # and of its chunk's range
+            self.prefetcher.compile_assembly(K_RANGE, bucket(1) * c)
+            ranges = (jnp.zeros((lay.kv_heads, bucket(1) * c, lay.width(K_RANGE)), jnp.uint8), np.zeros(c, np.int32))
+        jax.block_until_ready(self.precision.decode(kind, rows, ranges))
         chunk = T.tokens_at(cfg, self.model.params, [], 0, c)  # a chunk of padding: only its shapes matter
         positions, rotary = chunk.positions, chunk.rotary
         shape = (cfg.num_kv_heads, width, cfg.head_dim)

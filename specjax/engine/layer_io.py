@@ -13,10 +13,11 @@ from typing import Any, Callable
 import numpy as np
 
 from specjax import distributed
-from specjax.connector import PROBE, K, KVStore, Locations, Prefetcher, TieredCache, V
+from specjax.connector import K_RANGE, PROBE, K, KVStore, Locations, Prefetcher, TieredCache, V, in_chunk_range
 from specjax.engine import events
 from specjax.engine import policy_steps as P
 from specjax.engine.clock import Clock
+from specjax.engine.precision import take_decoded
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
 
@@ -79,6 +80,8 @@ class LayerIO:
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
         self._selection_kinds = (tuple(map(path.precision.kind, path.identification.selection_reads(path.facts)))
                                  if path.speculator is not None else ())
+        if any(map(in_chunk_range, self._selection_kinds)):  # low-bit K's rows decode with their chunks' ranges
+            self._selection_kinds += (K_RANGE,)
         self._selection_disk_bytes: dict[int, int] = {}  # layer -> bytes its selection kinds' takes read from disk
         self._chosen_takes: list = []  # (Residents, rows, count) taken on the device, not yet accounted for
         self._bad_chunk = False  # a take found one, on a mesh over several processes (`agree_on_bad_chunks`)
@@ -103,10 +106,13 @@ class LayerIO:
 
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
         """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate` (kind
-        as a policy names it: K and V are read at the request's precision, `ReadPath.precision`)."""
+        as a policy names it: K and V are read at the request's precision, `ReadPath.precision`; low-bit K's chunks'
+        ranges with it)."""
         chunks = self.locate(layer, positions).unique_chunks()
-        return self.path.prefetcher.request(self.match, layer, self.path.precision.kind(kind), chunks=chunks,
-                                            speculative=speculative)
+        kind = self.path.precision.kind(kind)
+        if in_chunk_range(kind):
+            self.path.prefetcher.request(self.match, layer, K_RANGE, chunks=chunks, speculative=speculative)
+        return self.path.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
 
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
@@ -272,16 +278,20 @@ class LayerIO:
         self._wait_planned(layer)
         if not probe:
             self._kv_taken(layer, (kind,))
-        taken = self.clock.timed(phase, self.path.prefetcher.take, self.match, layer, kind, positions,
-                                 importance=importance, pad_to=pad_to, loc=self.locate(layer, positions))
-        if not taken.ok.all():
-            self.bad_chunk()
-        if taken.dispatched_at is not None:  # its gather: device work, whichever thread runs it
-            self.clock.device_work(taken.dispatched_at, taken.array)
-        if kind in self._selection_kinds:  # what a guess of this layer could have read ahead
-            self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + taken.chunks_from_disk
-                                                 * self.path.store.layout.chunk_nbytes(kind))
-        return self.path.place_kv(self.path.precision.decode(kind, taken.array))
+        taken, array, ranges = self.clock.timed(
+            phase, take_decoded, self.path.prefetcher, self.match, layer, kind, positions,
+            self.locate(layer, positions), pad_to, self.path.precision.decode, importance=importance)
+        for got, of in ((taken, kind), (ranges, K_RANGE)):
+            if got is None:
+                continue
+            if not got.ok.all():
+                self.bad_chunk()
+            if got.dispatched_at is not None:  # its gather: device work, whichever thread runs it
+                self.clock.device_work(got.dispatched_at, got.array)
+            if of in self._selection_kinds:  # what a guess of this layer could have read ahead
+                self._selection_disk_bytes[layer] = (self._selection_disk_bytes.get(layer, 0) + got.chunks_from_disk
+                                                     * self.path.store.layout.chunk_nbytes(of))
+        return self.path.place_kv(array)
 
     def bad_chunk(self) -> None:
         """A read found a bad chunk: the request's reuse is abandoned (BadChunk). On a mesh over several processes
@@ -309,6 +319,8 @@ class LayerIO:
             return None
         every = self.locate(layer, self.all_positions)
         kinds = tuple(map(self.path.precision.kind, step.kinds))
+        if any(map(in_chunk_range, kinds)):  # low-bit K decodes with its chunks' ranges: taken on the host
+            return None
         residents = []
         try:
             for kind in kinds:

@@ -1,12 +1,13 @@
 """Prefix KV loaded at a precision (docs/systems.md, "Low-bit KV").
 
-A store may hold K and V a second time at 8, 4 or 2 bits per element (`stores.Layout.bits`; each token row its codes
-and its groups' scales, `kernels.quant.encode_rows`). `Precision` says which store kind a layer's take of K or V
+A store may hold K and V a second time at 8, 4 or 2 bits per element (`stores.Layout.bits`: K's token rows codes
+against their chunk's per-channel range, `kernels.quant.encode_key_chunks`, kept as the kind `K_RANGE`; V's rows
+their codes and their groups' scales, `encode_rows`). `Precision` says which store kind a layer's take of K or V
 reads, `--kv_bits` of any system, and decodes a low-bit take's rows on the device (`decoded_dtype`) before the
-attention reads them. `WithRest` wraps an identification so that the prefix tokens it does not select are loaded at
-`rest_bits` instead of dropped (spec_mixed): every layer reads all of the prefix's low-bit K and V (a certain read,
-planned at the request's start), the selection's rows as they were taken replace theirs, and the layer attends to
-every position.
+attention reads them; a take of low-bit K takes the ranges of the chunks its rows lie in too (`take_decoded`).
+`WithRest` wraps an identification so that the prefix tokens it does not select are loaded at `rest_bits` instead of
+dropped (spec_mixed): every layer reads all of the prefix's low-bit K and V (a certain read, planned at the request's
+start), the selection's rows as they were taken replace theirs, and the layer attends to every position.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.connector import PROBE, K, Layout, V, bits_of, low_bit
+from specjax.connector import K_RANGE, PROBE, K, Layout, Locations, V, bits_of, in_chunk_range, low_bit
 from specjax.engine.identify import iota
 from specjax.engine.policy_steps import Facts, Layer, Selected, Steps, Take
 from specjax.errors import SpecjaxError
@@ -50,14 +51,38 @@ class Precision:
             return kind
         return low_bit(K if kind == PROBE and self.probe_is_k else kind, self.kv_bits)
 
-    def decode(self, kind: int, rows):
+    def decode(self, kind: int, rows, ranges=None):
         """A take's rows `[heads, n, width]` of store kind `kind` as `[heads, n, head_dim]`: decoded on the device
-        where `kind` is low-bit (`decoded_dtype`), as they are otherwise."""
+        where `kind` is low-bit (`decoded_dtype`), as they are otherwise. Low-bit K needs `ranges`: (the range rows
+        of the chunks its rows lie in, whole, `[heads, C * chunk_tokens, w]`; each row's chunk among them, int [n])."""
         bits = bits_of(kind)
         if bits is None:
             return rows
-        return _decode(rows, bits=bits, group=self.layout.group_channels, head_dim=self.layout.head_dim,
-                       dtype=decoded_dtype(self.dtype))
+        lay, dtype = self.layout, decoded_dtype(self.dtype)
+        if in_chunk_range(kind):
+            if ranges is None:
+                raise ValueError("low-bit K rows decode against their chunks' ranges: none were given")
+            return _decode_keys(rows, *ranges, bits=bits, head_dim=lay.head_dim, chunk_tokens=lay.chunk_tokens,
+                                dtype=dtype)
+        return _decode(rows, bits=bits, group=lay.group_channels, head_dim=lay.head_dim, dtype=dtype)
+
+
+def take_decoded(prefetcher, match, layer: int, kind: int, positions, loc: Locations, pad_to: int, decode,
+                 **take_args):
+    """`prefetcher.take` of `positions` (at `loc`) of store kind `kind`, decoded by `decode(kind, rows, ranges)`
+    (`Precision.decode`, perhaps wrapped): low-bit K with the range rows of every chunk it lies in, taken whole.
+    Returns (the take, the decoded array, the range take or None)."""
+    taken = prefetcher.take(match, layer, kind, positions, pad_to=pad_to, loc=loc, **take_args)
+    if not in_chunk_range(kind):
+        return taken, decode(kind, taken.array, None), None
+    chunks, chunk_of = loc.chunk_index
+    ct = prefetcher.store.layout.chunk_tokens
+    rows = Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks)))
+    ranges = prefetcher.take(match, layer, K_RANGE, np.arange(len(rows.chunks)), pad_to=bucket(len(chunks)) * ct,
+                             loc=rows)
+    chunk_of_row = np.zeros(pad_to, np.int32)
+    chunk_of_row[:len(chunk_of)] = chunk_of
+    return taken, decode(kind, taken.array, (ranges.array, chunk_of_row)), ranges
 
 
 def decoded_dtype(model_dtype) -> jnp.dtype:
@@ -82,6 +107,12 @@ def check_store(system, layout: Layout) -> None:
 @functools.partial(jax.jit, static_argnames=("bits", "group", "head_dim", "dtype"))
 def _decode(rows, *, bits, group, head_dim, dtype):
     return quant.decode_rows(rows, bits=bits, group=group, head_dim=head_dim, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "head_dim", "chunk_tokens", "dtype"))
+def _decode_keys(codes, ranges, chunk_of_row, *, bits, head_dim, chunk_tokens, dtype):
+    lo, hi = quant.key_ranges(ranges, head_dim=head_dim, chunk_tokens=chunk_tokens)
+    return quant.decode_key_codes(codes, lo, hi, chunk_of_row, bits=bits, head_dim=head_dim, dtype=dtype)
 
 
 @jax.jit
