@@ -40,7 +40,8 @@ from specjax.stores.reorder import Reorderer
 # The imports above are what the engine uses of the storage below it: the store (`KVStore`: match, locate, key
 # summaries, writes, metrics), where positions lie (`Locations`), its errors, the kinds a chunk holds (K, V, PROBE)
 # and their low-bit forms (`Layout`, `LOW_BITS`, `low_bit`, `bits_of`, `K_RANGE`, `in_chunk_range`, `LOW_BIT_FORMAT`),
-# the device and host tiers and their scoring policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading through them, and reordering.
+# the device and host tiers and their scoring policies (`TieredCache`, `CACHE_POLICIES`), the prefetcher reading
+# through them, and reordering.
 
 
 class CorruptPrefixError(StoreError):

@@ -122,8 +122,8 @@ def check_fingerprint(stored: dict, given: dict, where: str) -> None:
     if stored.get("kv_bits") and given.get("kv_bits") and stored.get("kv_format") != given.get("kv_format"):
         held = stored.get("kv_format", 1)
         raise StoreMismatchError(f"the KV store at {where} holds low-bit KV in an earlier format of specjax (format "
-                                 f"{held}: {_LOW_BIT_FORMATS.get(held, 'unknown')}), not format {given.get('kv_format', 1)}; "
-                                 f"use another store directory")
+                                 f"{held}: {_LOW_BIT_FORMATS.get(held, 'unknown')}), not format "
+                                 f"{given.get('kv_format', 1)}; use another store directory")
     if {**stored, "kv_bits": None, "kv_format": None} == {**given, "kv_bits": None, "kv_format": None}:
         raise StoreMismatchError(f"the KV store at {where} holds K and V at {_precisions(stored)}, not at "
                                  f"{_precisions(given)} as asked; a store's precisions are fixed when it is made: "
