@@ -321,19 +321,19 @@ def test_flipped_byte_is_caught_on_read_and_by_fsck(tmp_path, capsys):
     assert "bad chunks 1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("part", ["codes", "scales"])
+@pytest.mark.parametrize("part", ["codes", "scales", "key codes", "key range"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_flipped_byte_in_a_low_bit_chunk_is_caught_on_read_and_by_fsck(tmp_path, capsys, bits, part):
-    """A low-bit chunk is checksummed as every chunk is: a flipped bit in a row's codes or in its group's scale is
-    caught on read (its rows never returned) and by fsck."""
-    from specjax.stores.kvarray import low_bit
+    """A low-bit chunk is checksummed as every chunk is: a flipped bit in a V row's codes or in its group's scale, in
+    a key row's codes or in its chunk's key range is caught on read (its rows never returned) and by fsck."""
+    from specjax.stores.kvarray import K_RANGE, low_bit
 
     root, fp, tokens, kv = _stored_prefix(tmp_path, 4, kv_bits=[bits])
-    kind = low_bit(V, bits)
+    kind = {"key codes": low_bit(K, bits), "key range": K_RANGE}.get(part, low_bit(V, bits))
     with KVStore.open(root, fp) as store:
         row = store.layout.token_row_nbytes(kind)
     codes = FP["head_dim"] * bits // 8
-    offset = 3 * row + (1 if part == "codes" else codes + 1)  # token 3 of head 0: a code byte, or a scale's high byte
+    offset = 3 * row + (codes + 1 if part == "scales" else 1)  # token 3 of head 0: a code byte, a scale's high byte
     _flip_bit(_chunk_file(root, 1, kind, 1), offset, 0x10)
     with KVStore.open(root, fp) as store:
         with store.match(tokens) as m:
@@ -341,8 +341,8 @@ def test_flipped_byte_in_a_low_bit_chunk_is_caught_on_read_and_by_fsck(tmp_path,
         assert store.metrics.bad_chunks == 1
         assert not got.ok[16:32].any() and got.ok[:16].all() and got.ok[32:].all()
         assert not np.any(got.array[:, 16:32])
-        with store.match(tokens) as m:  # its full-precision V is another chunk, untouched
-            assert toy_kv.read(store, m, 1, V).result().ok.all()
+        with store.match(tokens) as m:  # its full-precision K and V are other chunks, untouched
+            assert toy_kv.read(store, m, 1, V).result().ok.all() and toy_kv.read(store, m, 1, K).result().ok.all()
     assert fsck(root).bad_chunks == 1
     capsys.readouterr()
     assert fsck_main([root]) == 1
