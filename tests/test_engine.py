@@ -17,6 +17,7 @@ from specjax.errors import SpecjaxError
 from specjax.kernels import itf_threshold
 from specjax.models import transformer as T
 from specjax.stores import K, PROBE, V, KVStore
+from specjax.stores.kvarray import low_bit
 
 TOL = 1e-4
 EXACT = 1e-5  # fp32: the same computation over the same KV, up to summation order
@@ -27,9 +28,9 @@ def model(request):
     return specjax.load_model(request.param, init="random", seed=1)
 
 
-def _store(model, chunk_tokens=16):
+def _store(model, chunk_tokens=16, kv_bits=()):
     spec = {"driver": "memory", "path": f"kv{np.random.randint(1 << 30)}/"}
-    return KVStore.open(spec, fingerprint(model, chunk_tokens), context=ts.Context())
+    return KVStore.open(spec, fingerprint(model, chunk_tokens, kv_bits), context=ts.Context())
 
 
 def _request(model, prefix_len=100, query_len=7, seed=0):
@@ -262,18 +263,20 @@ def test_a_shared_set_reads_no_keys_when_the_probe_keys_are_every_kv_head(model)
     np.testing.assert_allclose(r.first_token_logits, plain.first_token_logits, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["spec", "spec_gqa"])
+@pytest.mark.parametrize("name,bits", [("spec", None), ("spec_gqa", None), ("spec", 4)])
 @pytest.mark.parametrize("tier", ["device", "host"])
-def test_a_cached_shared_set_is_taken_on_the_device_with_the_same_kv_and_counts(model, name, tier):
+def test_a_cached_shared_set_is_taken_on_the_device_with_the_same_kv_and_counts(model, name, bits, tier):
     """Once the caches hold a prefix (after its first request), a layer's shared set is gathered by the device from
     their pages (TakeChosen, `chosen_on_device_bytes`), the host tier's in place on a CPU device: the answer is the
-    one of the same system reading every set through takes (caches off), bit for bit, and it uses what those used."""
+    one of the same system reading every set through takes (caches off), bit for bit, and it uses what those used. At
+    4 bits the keys decode with their chunks' ranges, gathered from the pages too."""
     req = _request(model, prefix_len=128, seed=7)
     budget = {"gpu_cache_bytes": 8 << 20, "cpu_cache_bytes": 0} if tier == "device" else \
         {"gpu_cache_bytes": 0, "cpu_cache_bytes": 8 << 20}
     runs = {}
     for cached in (True, False):
-        engine = Engine(model, make_system(name, alpha=50.0), _store(model),
+        system = make_system(name, alpha=50.0, kv_bits=bits)
+        engine = Engine(model, system, _store(model, kv_bits=system.store_bits),
                         EngineConfig(retention=0.25, trace=True, **(budget if cached else {})))
         engine.warm(req.prefix)
         runs[cached] = [engine.run(req) for _ in range(3)]
@@ -286,8 +289,10 @@ def test_a_cached_shared_set_is_taken_on_the_device_with_the_same_kv_and_counts(
         for a, b in zip(ours.selections, plain.selections):
             np.testing.assert_array_equal(a, b)
         assert ours.io["used_token_bytes"] == plain.io["used_token_bytes"]
+    lay = engine.store.layout
+    kinds = (K, V) if bits is None else (low_bit(K, bits), low_bit(V, bits))
     for r in warm:
-        shared = model.config.num_layers * 32 * model.config.head_dim * 4 * model.config.num_kv_heads  # a kind's rows
+        shared = model.config.num_layers * 32 * min(lay.token_nbytes(kind) for kind in kinds)  # a kind's rows
         assert r.io["chosen_on_device_bytes"] >= shared and r.io["disk_bytes"] == 0
         assert r.io["device_hits" if tier == "device" else "host_hits"] > 0 and r.io["misses"] == 0
 

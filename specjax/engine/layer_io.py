@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax import distributed
@@ -20,6 +22,7 @@ from specjax.engine.clock import Clock
 from specjax.engine.precision import take_decoded
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
+from specjax.shapes import bucket, padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,12 @@ class ReadPath:
     @property
     def num_layers(self) -> int:
         return self.facts.cfg.num_layers
+
+
+@jax.jit
+def _chunk_of_rows(chunk_of, rows):
+    """Each of `rows`' (positions, chosen on the device) chunk, from every position's (`chunk_of`)."""
+    return jnp.take(chunk_of, rows, mode="clip")
 
 
 class BadChunk(Exception):
@@ -319,15 +328,17 @@ class LayerIO:
             return None
         every = self.locate(layer, self.all_positions)
         kinds = tuple(map(self.path.precision.kind, step.kinds))
-        if any(map(in_chunk_range, kinds)):  # low-bit K decodes with its chunks' ranges: taken on the host
-            return None
-        residents = []
+        residents, ranges = [], None
         try:
             for kind in kinds:
                 resident = pf.resident(layer, kind, every, self.m_pad)
                 if resident is None:
                     return None
                 residents.append(resident)
+            if any(map(in_chunk_range, kinds)):  # low-bit K decodes with its chunks' ranges: every chunk's, whole
+                ranges = self._resident_ranges(layer, every)
+                if ranges is None:
+                    return None
             dispatched = time.monotonic()
             # the device step's choice, as this process's device that holds the pages has it
             rows, count, holds = map(distributed.local_replica, (step.rows, step.count, step.when))
@@ -335,17 +346,38 @@ class LayerIO:
             for resident in residents:
                 array, holds = pf.pool.gather_rows(resident.kind, resident.table, rows, count, holds)
                 arrays.append(array)
+            decoding = None
+            if ranges is not None:
+                resident, whole, n, chunk_of = ranges
+                array, holds = pf.pool.gather_rows(K_RANGE, resident.table, whole, n, holds)
+                decoding = (array, _chunk_of_rows(chunk_of, rows))
+                arrays.append(array)
             self.clock.device_work(dispatched, arrays)
             if not bool(self.clock.device_wait(holds)):
                 return None
             self._chosen_takes.append((residents, step.rows, step.count))
-            residents = []
+            if ranges is not None:
+                self._chosen_takes.append(([ranges[0]], ranges[1], ranges[2]))
+            residents, ranges = [], None
             self._kv_taken(layer, kinds)
-            return tuple(self.path.place_kv(self.path.precision.decode(kind, array))
+            return tuple(self.path.place_kv(self.path.precision.decode(kind, array, decoding))
                          for kind, array in zip(kinds, arrays))
         finally:
-            for resident in residents:
+            for resident in residents + ([ranges[0]] if ranges is not None else []):
                 pf.discard(resident)
+
+    def _resident_ranges(self, layer: int, every: Locations):
+        """(the block table of the range rows of every chunk of `every`, whole; the rows to gather, as many as a host
+        take pads them to; how many of them are the chunks'; each position's chunk among them, int32 [m_pad]) for a
+        take of low-bit K on the device (`take_chosen`); None where they are in no page the device reads."""
+        chunks, chunk_of = every.chunk_index
+        ct = self.path.store.layout.chunk_tokens
+        whole = Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks)))
+        size = bucket(len(chunks)) * ct
+        resident = self.path.prefetcher.resident(layer, K_RANGE, whole, size)
+        if resident is None:
+            return None
+        return resident, np.arange(size, dtype=np.int32), len(whole.chunks), padded(chunk_of, self.m_pad, 0)
 
     def _kv_taken(self, layer: int, kinds) -> None:
         """The layer's K/V of `kinds` are being taken, its guess issued by now: the speculation's window closes, and
