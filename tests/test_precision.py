@@ -221,6 +221,31 @@ def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
                                rtol=0)
 
 
+def test_spec_mixed_at_kv_bits_overlays_its_selection_at_those_bits(model):
+    """spec_mixed-kv8: the rows SPEC selected decoded from 8 bits laid over the others' 4-bit rows (keys of both
+    against their chunks' ranges); at retention 1.0 every row is selected and it equals as_full-kv8."""
+    req = _request(model)
+    engine = _engine(model, "spec_mixed", retention=0.25, kv_bits=8)
+    engine.warm(req.prefix)
+    got = engine.run(req)
+    layer_kv = []
+    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
+        mixed_k, mixed_v = np.array(_round_trip(k, 4, keys=True)), np.array(_round_trip(v, 4))
+        k8, v8 = _round_trip(k, 8, keys=True), _round_trip(v, 8)
+        union = np.unique(chosen)
+        if len(chosen) > 1:  # a per-head layer: every key taken at 8 bits, the union's values
+            mixed_k = np.array(k8)
+        mixed_k[:, union], mixed_v[:, union] = k8[:, union], v8[:, union]
+        layer_kv.append((mixed_k, mixed_v))
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
+    runs = []
+    for name in ("spec_mixed", "as_full"):
+        everything = _engine(model, name, retention=1.0, kv_bits=8)
+        everything.warm(req.prefix)
+        runs.append(everything.run(req).first_token_logits)
+    np.testing.assert_array_equal(*runs)
+
+
 def test_a_system_needing_bits_its_store_lacks_is_refused(model):
     system = make_system("as_full", kv_bits=4)
     store = KVStore.open(_memory(), fingerprint(model, 16), context=ts.Context())
