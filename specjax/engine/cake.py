@@ -352,15 +352,16 @@ class CakeEngine(Engine):
         reach an index no warm-up request reached), and the loader's assembly of whole and partial store chunks
         (compiled on the loader thread mid-request, it would hold up the device side)."""
         cfg, c, dtype = self.cfg, self.chunk_tokens, self._no_prefix.dtype
-        kind = self.precision.kind(K)
-        self.prefetcher.compile_assembly(kind, c)
-        lay = self.store.layout  # the loader's decoding of a chunk's low-bit rows, if it reads them
-        rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
-        ranges = None
-        if in_chunk_range(kind):  # and of its chunk's range
-            self.prefetcher.compile_assembly(K_RANGE, bucket(1) * c)
-            ranges = (jnp.zeros((lay.kv_heads, bucket(1) * c, lay.width(K_RANGE)), jnp.uint8), np.zeros(c, np.int32))
-        jax.block_until_ready(self.precision.decode(kind, rows, ranges))
+        lay = self.store.layout
+        for kind in (self.precision.kind(K), self.precision.kind(V)):  # and its decoding, if it reads low-bit rows
+            self.prefetcher.compile_assembly(kind, c)
+            rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
+            ranges = None
+            if in_chunk_range(kind):  # and of the ranges of the store chunks it spans, as `take_decoded` takes them
+                size = bucket(-(-c // lay.chunk_tokens)) * lay.chunk_tokens
+                self.prefetcher.compile_assembly(K_RANGE, size)
+                ranges = (jnp.zeros((lay.kv_heads, size, lay.width(K_RANGE)), jnp.uint8), np.zeros(c, np.int32))
+            jax.block_until_ready(self.precision.decode(kind, rows, ranges))
         chunk = T.tokens_at(cfg, self.model.params, [], 0, c)  # a chunk of padding: only its shapes matter
         positions, rotary = chunk.positions, chunk.rotary
         shape = (cfg.num_kv_heads, width, cfg.head_dim)
