@@ -23,3 +23,10 @@ class Locations:
 
     def unique_chunks(self) -> np.ndarray:
         return self.chunk_index[0]
+
+    @classmethod
+    def whole(cls, chunks, chunk_tokens: int) -> "Locations":
+        """Every row of each of `chunks`, in order (a chunk's padding rows too): what a take of their key ranges
+        reads (`K_RANGE`)."""
+        chunks = np.asarray(chunks)
+        return cls(np.repeat(chunks, chunk_tokens), np.tile(np.arange(chunk_tokens), len(chunks)))

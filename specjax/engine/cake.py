@@ -27,7 +27,7 @@ from specjax.connector import K_RANGE, K, V, in_chunk_range
 from specjax.engine import steps as S
 from specjax.engine.engine import Engine, Prefill
 from specjax.engine.policies import Cake, runs
-from specjax.engine.precision import take_decoded
+from specjax.engine.precision import range_rows, take_decoded
 from specjax.engine.clock import Clock
 from specjax.engine.types import EngineConfig, LayerKV, LayerRecord, Request
 from specjax.errors import SpecjaxError
@@ -358,7 +358,7 @@ class CakeEngine(Engine):
             rows = jnp.zeros((lay.kv_heads, c, lay.width(kind)), lay.dtype_of(kind))
             ranges = None
             if in_chunk_range(kind):  # and of the ranges of the store chunks it spans, as `take_decoded` takes them
-                size = bucket(-(-c // lay.chunk_tokens)) * lay.chunk_tokens
+                size = range_rows(-(-c // lay.chunk_tokens), lay.chunk_tokens)
                 self.prefetcher.compile_assembly(K_RANGE, size)
                 ranges = (jnp.zeros((lay.kv_heads, size, lay.width(K_RANGE)), jnp.uint8), np.zeros(c, np.int32))
             jax.block_until_ready(self.precision.decode(kind, rows, ranges))

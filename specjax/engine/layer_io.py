@@ -19,10 +19,10 @@ from specjax.connector import K_RANGE, PROBE, K, KVStore, Locations, Prefetcher,
 from specjax.engine import events
 from specjax.engine import policy_steps as P
 from specjax.engine.clock import Clock
-from specjax.engine.precision import take_decoded
+from specjax.engine.precision import range_rows, take_decoded
 from specjax.engine.speculation import Speculator, prefetch_report
 from specjax.engine.systems import System
-from specjax.shapes import bucket, padded
+from specjax.shapes import padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +372,8 @@ class LayerIO:
         take of low-bit K on the device (`take_chosen`); None where they are in no page the device reads."""
         chunks, chunk_of = every.chunk_index
         ct = self.path.store.layout.chunk_tokens
-        whole = Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks)))
-        size = bucket(len(chunks)) * ct
+        whole = Locations.whole(chunks, ct)
+        size = range_rows(len(chunks), ct)
         resident = self.path.prefetcher.resident(layer, K_RANGE, whole, size)
         if resident is None:
             return None

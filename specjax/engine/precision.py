@@ -77,12 +77,18 @@ def take_decoded(prefetcher, match, layer: int, kind: int, positions, loc: Locat
         return taken, decode(kind, taken.array, None), None
     chunks, chunk_of = loc.chunk_index
     ct = prefetcher.store.layout.chunk_tokens
-    rows = Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks)))
-    ranges = prefetcher.take(match, layer, K_RANGE, np.arange(len(rows.chunks)), pad_to=bucket(len(chunks)) * ct,
+    rows = Locations.whole(chunks, ct)
+    ranges = prefetcher.take(match, layer, K_RANGE, np.arange(len(rows.chunks)), pad_to=range_rows(len(chunks), ct),
                              loc=rows)
     chunk_of_row = np.zeros(pad_to, np.int32)
     chunk_of_row[:len(chunk_of)] = chunk_of
     return taken, decode(kind, taken.array, (ranges.array, chunk_of_row)), ranges
+
+
+def range_rows(n_chunks: int, chunk_tokens: int) -> int:
+    """The rows a take of `n_chunks` chunks' key ranges is padded to (a bucket of chunks, so its decoding compiles
+    once per bucket)."""
+    return bucket(n_chunks) * chunk_tokens
 
 
 def decoded_dtype(model_dtype) -> jnp.dtype:
