@@ -122,6 +122,7 @@ class ReadScheduler:
         self._busy_log: collections.deque = collections.deque(maxlen=4096)  # recent (start, end) with reads in flight
         self._delivered_bytes = 0
         self._timer = _Timer() if self.link is not None else None
+        self._local = threading.local()  # per thread: the reads landed while it delivers one (`_delivering`)
 
     # -- the queue -----------------------------------------------------------------------------
 
@@ -202,9 +203,27 @@ class ReadScheduler:
 
     def _landed(self, read: Read, disk: concurrent.futures.Future) -> None:
         if self._timer is not None and read.deliver_at > time.monotonic():
-            self._timer.at(read.deliver_at, lambda: self._deliver(read, disk))
+            self._timer.at(read.deliver_at, lambda: self._delivering(read, disk))
         else:
-            self._deliver(read, disk)
+            self._delivering(read, disk)
+
+    def _delivering(self, read: Read, disk: concurrent.futures.Future) -> None:
+        """Deliver a landed read, and every read that lands on this thread while it does, one after another: a read
+        that completes as it is issued (an in-memory store) lands inside its predecessor's delivery, and delivering
+        it there would nest one call per queued read until the stack overflows."""
+        pending = getattr(self._local, "pending", None)
+        if pending is not None:  # this thread is delivering already: its loop takes the read next
+            pending.append((read, disk))
+            return
+        self._local.pending = pending = collections.deque([(read, disk)])
+        try:
+            while pending:
+                try:
+                    self._deliver(*pending.popleft())
+                except BaseException:  # noqa: BLE001 -- the reads after it must still be delivered
+                    log.exception("read scheduler: a delivery failed")
+        finally:
+            self._local.pending = None
 
     def _deliver(self, read: Read, disk: concurrent.futures.Future) -> None:
         with self._lock:

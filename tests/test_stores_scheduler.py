@@ -99,6 +99,33 @@ def test_one_read_always_goes_out_even_past_the_bound():
     assert disk.issued == ["big", "next"] and queued.state == ISSUED
 
 
+def test_reads_that_complete_as_they_are_issued_are_delivered_in_a_loop_not_a_nested_call_each():
+    """An in-memory store's read is done when issued, so it lands inside its predecessor's delivery; thousands queued
+    behind one slow read must all reach their readers, in order, without overflowing the stack."""
+    import sys
+
+    disk = _Disk()
+    sched = ReadScheduler(max_inflight_bytes=0)  # one read at a time: each issued by the one before it landing
+    first = sched.submit(disk.read("first", 1))
+    done_order = []
+
+    def instant(i):
+        def issue():
+            done_order.append(i)
+            f = concurrent.futures.Future()
+            f.set_result(i)
+            return f
+        return Read(issue, 1, False)
+
+    n = 3 * sys.getrecursionlimit()
+    queued = [sched.submit(instant(i)) for i in range(n)]
+    assert done_order == [] and all(r.state == QUEUED for r in queued)
+    disk.finish("first")
+    assert first.future.result(timeout=1) == "first"
+    assert [r.future.result(timeout=1) for r in queued] == list(range(n))
+    assert done_order == list(range(n)) and sched.queued_bytes() == 0
+
+
 def test_measured_rate_is_bytes_over_time_with_reads_in_flight():
     disk = _Disk()
     sched = ReadScheduler()
