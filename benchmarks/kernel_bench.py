@@ -143,13 +143,15 @@ def bench_shape(config: BenchConfig, m: int, n_q: int, rng) -> list[dict]:
 
 def _low_bit_row(config: BenchConfig, bits: int, kind: str, m: int, n_q: int, retention: float, selection,
                  dense_ms: float, inputs) -> dict:
-    """The gathered attention over the prefix stored at `bits` (its rows decoded inside the kernel)."""
+    """The gathered attention over the prefix stored at `bits` as a store holds it (keys per chunk and channel, value
+    rows), decoded inside the kernel."""
     q, prefix_k, prefix_v, own_k, own_v = inputs
     group = min(32, config.head_dim)
-    k_rows, v_rows = (jnp.asarray(quant.encode_rows(np.asarray(x, np.float32), bits=bits, group=group))
-                      for x in (prefix_k, prefix_v))
+    stored = [jnp.asarray(x) for x in quant.encode_key_chunks(np.asarray(prefix_k, np.float32), bits=bits,
+                                                                chunk_tokens=config.chunk_tokens)]
+    stored.append(jnp.asarray(quant.encode_rows(np.asarray(prefix_v, np.float32), bits=bits, group=group)))
     times = {impl: time_ms(lambda impl=impl: low_bit_attention(
-        q, k_rows, v_rows, own_k, own_v, selection, bits=bits, group=group, impl=impl),
+        q, *stored, own_k, own_v, selection, bits=bits, group=group, chunk_tokens=config.chunk_tokens, impl=impl),
         warmup=config.warmup, reps=config.reps) for impl in ("pallas", "reference")}
     return dict(kernel=f"low_bit_attention {bits}-bit", selection=kind, m=m, n_q=n_q, retention=retention,
                 pallas_ms=times["pallas"], reference_ms=times["reference"], dense_full_ms=dense_ms)

@@ -172,12 +172,19 @@ def encode_rows(x, *, bits: int, group: int, row_bytes: int | None = None):
     return out
 
 
+def as_bytes(rows):
+    """Rows [..., w] of any element type -> their bytes, uint8 [..., w * itemsize] (a store's low-bit kinds arrive in
+    the store's element type). Jittable."""
+    if rows.dtype == jnp.uint8:
+        return rows
+    rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
+    return rows.reshape(rows.shape[:-2] + (rows.shape[-2] * rows.shape[-1],))
+
+
 def row_parts(rows, *, bits: int, group: int, head_dim: int):
     """Encoded rows [..., w] of any element type whose bytes they are -> (packed codes uint8 [..., head_dim * bits /
     8], float32 [..., 2 * groups]: each group's scale, then each group's zero point). Jittable."""
-    if rows.dtype != jnp.uint8:
-        rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
-        rows = rows.reshape(rows.shape[:-2] + (rows.shape[-2] * rows.shape[-1],))
+    rows = as_bytes(rows)
     cb, ng = head_dim * bits // 8, head_dim // group
     halves = rows[..., cb:cb + 4 * ng].reshape(rows.shape[:-1] + (2 * ng, 2))
     return rows[..., :cb], jax.lax.bitcast_convert_type(halves, jnp.float16).astype(jnp.float32)
@@ -228,7 +235,7 @@ def encode_key_chunks(k, *, bits: int, chunk_tokens: int):
         hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
     if not (np.isfinite(lo16).all() and np.isfinite(hi16).all()):
         raise ValueError("keys beyond float16's range (or not finite) cannot be stored at low precision")
-    low, scale = _range_scale(lo16.astype(np.float32), hi16.astype(np.float32), levels)
+    low, scale = range_scale(lo16.astype(np.float32), hi16.astype(np.float32), levels)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.clip(np.rint((c - low[:, :, None]) / safe[:, :, None]), 0, levels).astype(np.uint8)
     codes = codes.reshape(heads, tokens, d // (8 // bits), 8 // bits).astype(np.uint32)
@@ -239,7 +246,7 @@ def encode_key_chunks(k, *, bits: int, chunk_tokens: int):
     return packed, block.reshape(heads, tokens, width)
 
 
-def _range_scale(lo, hi, levels: int):
+def range_scale(lo, hi, levels: int):
     """(zero point, step) of codes over [lo, hi] in float32; numpy or jnp alike, so that both sides agree."""
     return lo, (hi - lo) / levels
 
@@ -247,6 +254,7 @@ def _range_scale(lo, hi, levels: int):
 def key_ranges(ranges, *, head_dim: int, chunk_tokens: int):
     """A take of whole chunks' range rows `[H, C * chunk_tokens, w]` (bytes) -> (minimum, maximum) float32 [H, C,
     head_dim] of each chunk. Jittable."""
+    ranges = as_bytes(ranges)
     heads, rows, width = ranges.shape
     block = ranges.reshape(heads, rows // chunk_tokens, chunk_tokens * width)[..., :4 * head_dim]
     halves = jax.lax.bitcast_convert_type(block.reshape(heads, -1, 2 * head_dim, 2), jnp.float16)
@@ -256,7 +264,10 @@ def key_ranges(ranges, *, head_dim: int, chunk_tokens: int):
 
 def decode_key_codes(codes, lo, hi, chunk_of_row, *, bits: int, head_dim: int, dtype=jnp.float32):
     """Key rows `[H, n, >= head_dim * bits / 8]` (bytes: codes only, `encode_key_chunks`) -> `dtype` [H, n, head_dim],
-    row i against the range of chunk `chunk_of_row[i]` of `lo` / `hi` [H, C, head_dim] (`key_ranges`). Jittable."""
-    c = unpack(codes[..., :head_dim * bits // 8], bits).astype(jnp.float32)
-    low, step = _range_scale(jnp.take(lo, chunk_of_row, axis=1), jnp.take(hi, chunk_of_row, axis=1), (1 << bits) - 1)
+    row i against the range of chunk `chunk_of_row[i]` of `lo` / `hi` [H, C, head_dim] (`key_ranges`); chunk_of_row
+    [n], or [H, n] where each head's rows are its own. Jittable."""
+    c = unpack(as_bytes(codes)[..., :head_dim * bits // 8], bits).astype(jnp.float32)
+    chunks = jnp.broadcast_to(chunk_of_row, c.shape[:2])[..., None]
+    low, step = range_scale(jnp.take_along_axis(lo, chunks, axis=1), jnp.take_along_axis(hi, chunks, axis=1),
+                            (1 << bits) - 1)
     return (c * step + low).astype(dtype)

@@ -91,16 +91,19 @@ def test_gathered_attention_with_a_groups_heads_packed_lowers_to_triton(layout, 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("rows", [1, 28], ids=["shared", "per_head"])
 def test_low_bit_attention_lowers_to_triton(rows, bits, dtype):
-    """Qwen2.5-7B's KV shape read as 4,096 low-bit rows per KV head (128 channels, groups of 32)."""
+    """Qwen2.5-7B's KV shape read as a store holds it at low bits: 4,096 key-code rows per KV head with their 64-token
+    chunks' ranges, and value rows (128 channels, groups of 32)."""
     from specjax.kernels.low_bit_attention import low_bit_attention_pallas
-    from specjax.kernels.quant import row_nbytes
+    from specjax.kernels.quant import key_range_width, row_nbytes
 
-    def fn(q, k_rows, v_rows, own_k, own_v, idx, count, q_len):
-        return low_bit_attention_pallas(q, k_rows, v_rows, own_k, own_v, idx, count, q_len, bits=bits, group=32,
-                                        scale=0.1, block_q=64, block_k=64, k_splits=4, interpret=False)
+    def fn(q, k_codes, k_ranges, v_rows, own_k, own_v, idx, count, q_len):
+        return low_bit_attention_pallas(q, k_codes, k_ranges, v_rows, own_k, own_v, idx, count, q_len, bits=bits,
+                                        group=32, chunk_tokens=64, scale=0.1, block_q=64, block_k=64, k_splits=4,
+                                        interpret=False)
 
-    kv = spec((4, 4096, row_nbytes(128, bits, 32)), jnp.uint8)
     own = spec((4, 100, 128), dtype)
-    text = lower_for_cuda(fn, spec((28, 100, 128), dtype), kv, kv, own, own, spec((rows, 1000), jnp.int32),
-                          spec((rows,), jnp.int32), I32)
+    text = lower_for_cuda(fn, spec((28, 100, 128), dtype), spec((4, 4096, 128 * bits // 8), jnp.uint8),
+                          spec((4, 4096, key_range_width(128, 64)), jnp.uint8),
+                          spec((4, 4096, row_nbytes(128, bits, 32)), jnp.uint8), own, own,
+                          spec((rows, 1000), jnp.int32), spec((rows,), jnp.int32), I32)
     assert text.count("xla.gpu.triton") == 1
