@@ -104,13 +104,14 @@ def round_trip(x, bits: int, per_channel: bool, group: int, order=None, center=N
     """x [H, m, d] through `bits`-bit codes and back, in x's dtype, and the bytes those codes and their bf16 scales
     take. Keys' token groups run from the prefix's start (a stored chunk's); a last partial group is its own group.
     With --grouping rows, every row on its own (`per_channel` and `group` unused); with --grouping store, keys as a
-    store encodes them (the prefix in chunks of `group` tokens from its start, the last padded with zero rows) and
-    values as rows."""
+    store encodes them (the prefix in chunks of `group` tokens from its start, the last one's padding left out of its
+    range) and values as rows."""
     if FLAGS.grouping == "store" and per_channel:
         m, d = x.shape[1], x.shape[2]
         padded = np.zeros((x.shape[0], -(-m // group) * group, d), np.float32)
         padded[:, :m] = np.asarray(x, np.float32)
-        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=group)
+        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=group,
+                                                keys=np.arange(padded.shape[1]) < m)
         lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=group)
         back = quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.arange(m) // group, bits=bits,
                                       head_dim=d)

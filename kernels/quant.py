@@ -215,20 +215,27 @@ def key_range_width(head_dim: int, chunk_tokens: int) -> int:
     return -(-4 * head_dim // chunk_tokens)
 
 
-def encode_key_chunks(k, *, bits: int, chunk_tokens: int):
+def encode_key_chunks(k, *, bits: int, chunk_tokens: int, keys=None):
     """Keys [H, T, d] (numpy, T a multiple of `chunk_tokens`) -> (codes uint8 [H, T, d * bits / 8], ranges uint8 [H,
     T, key_range_width]): per chunk and channel, the float16 minimum and maximum (rounded outwards, so every key lies
-    inside them) and each key's code against them (off by at most half the channel's step). Host side, no
-    compilation."""
+    inside them) and each key's code against them (off by at most half the channel's step). `keys` (bool [T], default
+    every row) says which rows are keys: the others, a chunk's padding, are left out of its range (a padding row of
+    zeros would stretch a channel that keeps one sign to reach 0) and coded 0. Host side, no compilation."""
     import numpy as np
 
     k = np.asarray(k, np.float32)
     heads, tokens, d = k.shape
     if bits not in BITS or d * bits % 8 or tokens % chunk_tokens:
         raise ValueError(f"cannot encode keys of shape {k.shape} at {bits} bits in chunks of {chunk_tokens} tokens")
+    keys = np.ones(tokens, bool) if keys is None else np.asarray(keys, bool)
+    if keys.shape != (tokens,):
+        raise ValueError(f"keys must say of each of the {tokens} rows whether it is a key, got shape {keys.shape}")
     levels = (1 << bits) - 1
     c = k.reshape(heads, tokens // chunk_tokens, chunk_tokens, d)
-    lo, hi = c.min(axis=2), c.max(axis=2)
+    is_key = keys.reshape(1, tokens // chunk_tokens, chunk_tokens, 1)
+    lo, hi = np.where(is_key, c, np.inf).min(axis=2), np.where(is_key, c, -np.inf).max(axis=2)
+    held = is_key.any(axis=2)  # a chunk with no keys at all: its range is 0..0
+    lo, hi = np.where(held, lo, 0), np.where(held, hi, 0)
     with np.errstate(over="ignore", invalid="ignore"):
         lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)
         lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
@@ -237,7 +244,7 @@ def encode_key_chunks(k, *, bits: int, chunk_tokens: int):
         raise ValueError("keys beyond float16's range (or not finite) cannot be stored at low precision")
     low, scale = range_scale(lo16.astype(np.float32), hi16.astype(np.float32), levels)
     safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.rint((c - low[:, :, None]) / safe[:, :, None]), 0, levels).astype(np.uint8)
+    codes = np.clip(np.rint((c - low[:, :, None]) / safe[:, :, None]), 0, levels).astype(np.uint8) * is_key
     codes = codes.reshape(heads, tokens, d // (8 // bits), 8 // bits).astype(np.uint32)
     packed = (codes << (np.arange(8 // bits, dtype=np.uint32) * bits)).sum(axis=-1).astype(np.uint8)
     width = key_range_width(d, chunk_tokens)

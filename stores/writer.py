@@ -142,7 +142,7 @@ def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
     """(kind, `[heads, padded_tokens, width]` of the store dtype) for every kind of the layout: the given K, V (and
     probe keys) with zero rows after their tokens, and each of them again at each of the layout's low precisions,
     encoded from those: K per chunk and channel (`kernels.quant.encode_key_chunks`, its chunks' ranges once as
-    `K_RANGE`), V and probe keys per row (`encode_rows`)."""
+    `K_RANGE`, over the tokens' keys, not the padding), V and probe keys per row (`encode_rows`)."""
     full = {}
     for kind, a in arrays.items():
         data = full[kind] = np.zeros((lay.heads(kind), padded_tokens, lay.head_dim), lay.np_dtype)
@@ -154,7 +154,8 @@ def _padded_kinds(lay: kvarray.Layout, arrays: dict, padded_tokens: int):
         for kind in tuple(full):
             low = kvarray.low_bit(kind, bits)
             if kind == K:
-                rows, ranges = quant.encode_key_chunks(full[K], bits=bits, chunk_tokens=lay.chunk_tokens)
+                rows, ranges = quant.encode_key_chunks(full[K], bits=bits, chunk_tokens=lay.chunk_tokens,
+                                                       keys=np.arange(padded_tokens) < np.shape(arrays[K])[1])
             else:
                 rows = quant.encode_rows(full[kind], bits=bits, group=lay.group_channels,
                                          row_bytes=lay.token_row_nbytes(low))

@@ -136,6 +136,29 @@ def test_key_chunks_are_codes_against_each_chunks_channel_range_spread_over_its_
     np.testing.assert_array_equal(back[1][(order >= 16) & (order < 32), 2], 0.75)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_chunks_padding_rows_are_left_out_of_its_range(bits):
+    """A segment's last chunk is padded after its last token: the padding (zeros) must not stretch the range of a
+    channel whose keys keep one sign, so the codes of the tokens are those of the tokens alone; padding codes 0."""
+    rng = np.random.default_rng(bits)
+    k = rng.uniform(5, 6, size=(2, 32, 16)).astype(np.float32)
+    k[:, 20:] = 0  # 12 rows of padding in the second chunk
+    keys = np.arange(32) < 20
+    codes, ranges = Q.encode_key_chunks(k, bits=bits, chunk_tokens=16, keys=keys)
+    alone, alone_ranges = Q.encode_key_chunks(np.concatenate([k[:, :20], k[:, 16:20], k[:, 16:20], k[:, 16:20]],
+                                                             axis=1), bits=bits, chunk_tokens=16)
+    np.testing.assert_array_equal(codes[:, :20], alone[:, :20])  # the second chunk's four tokens, repeated
+    np.testing.assert_array_equal(ranges, alone_ranges)
+    assert not codes[:, 20:].any()
+    lo, _ = Q.key_ranges(jnp.asarray(ranges), head_dim=16, chunk_tokens=16)
+    assert (np.asarray(lo) >= 4.99).all()  # not stretched to 0
+    empty, empty_ranges = Q.encode_key_chunks(k, bits=bits, chunk_tokens=16, keys=np.arange(32) < 16)
+    np.testing.assert_array_equal(np.asarray(Q.key_ranges(jnp.asarray(empty_ranges), head_dim=16,
+                                                          chunk_tokens=16)[1])[:, 1], 0)  # no keys: range 0..0
+    with pytest.raises(ValueError, match="whether it is a key"):
+        Q.encode_key_chunks(k, bits=bits, chunk_tokens=16, keys=keys[:20])
+
+
 def test_key_chunks_refuse_what_they_cannot_encode():
     with pytest.raises(ValueError, match="in chunks of 16 tokens"):
         Q.encode_key_chunks(np.zeros((1, 40, 16), np.float32), bits=4, chunk_tokens=16)

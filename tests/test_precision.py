@@ -12,6 +12,7 @@ import pytest
 import tensorstore as ts
 
 import specjax
+import toy_kv
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_engine, make_system
 from specjax.engine import steps as S
 from specjax.errors import SpecjaxError
@@ -72,7 +73,7 @@ def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
             loc = st.locate(match, np.arange(40), layer)
             padded = np.zeros((2, 48, 64), np.float32)  # 3 chunks of 16 tokens
             padded[:, :40] = kv[layer][K]
-            codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=16)
+            codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=16, keys=np.arange(48) < 40)
             got = [st.read_locations(layer, kind, loc).result() for kind in (low_bit(K, bits), K_RANGE)]
             assert all(g.ok.all() for g in got)
             np.testing.assert_array_equal(got[0].array, codes[:, :40])
@@ -82,8 +83,8 @@ def test_low_bit_rows_round_trip_through_the_store(tmp_path, bits):
             lo, hi = quant.key_ranges(jnp.asarray(whole.array), head_dim=64, chunk_tokens=16)
             decoded = np.asarray(quant.decode_key_codes(jnp.asarray(got[0].array), lo, hi, jnp.arange(40) // 16,
                                                         bits=bits, head_dim=64))
-            x = padded.reshape(2, 3, 16, 64)
-            step = np.repeat((x.max(2) - x.min(2)) / ((1 << bits) - 1), 16, axis=1)[:, :40]
+            x = np.where(np.arange(48)[:, None] < 40, padded, np.nan).reshape(2, 3, 16, 64)  # the keys, not padding
+            step = np.repeat((np.nanmax(x, 2) - np.nanmin(x, 2)) / ((1 << bits) - 1), 16, axis=1)[:, :40]
             assert (np.abs(decoded - kv[layer][K]) <= 0.5 * step * 1.01 + 1e-6).all()
             for kind in (V, PROBE):
                 got = st.read_locations(layer, low_bit(kind, bits), loc).result()
@@ -152,12 +153,13 @@ def _prefix_kv(engine, req):
 
 def _round_trip(x, bits, keys=False, chunk_tokens=16):
     """V's rows, or K per chunk (`keys`: a prefix stored from position 0 in chunks of `chunk_tokens`, the last one
-    padded with zero rows), through the store's codec and back."""
+    padded, its padding left out of its range), through the store's codec and back."""
     heads, m, d = x.shape
     if keys:
         padded = np.zeros((heads, -(-m // chunk_tokens) * chunk_tokens, d), np.float32)
         padded[:, :m] = x
-        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=chunk_tokens)
+        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=chunk_tokens,
+                                                keys=np.arange(padded.shape[1]) < m)
         lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=chunk_tokens)
         return np.asarray(quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.arange(m) // chunk_tokens,
                                                  bits=bits, head_dim=d))
@@ -284,10 +286,10 @@ def test_reordering_copies_low_bit_rows_with_their_tokens(tmp_path):
                 want = quant.encode_rows(kv[layer][V], bits=4, group=32,
                                          row_bytes=store.layout.token_row_nbytes(low_bit(V, 4)))
                 np.testing.assert_array_equal(got[low_bit(V, 4)].array, want)
-                chunks = np.unique(loc.chunks)  # the new chunks' keys, whole (padding rows too), encoded
+                chunks = np.unique(loc.chunks)  # the new chunks' keys, whole, encoded over their tokens' rows
                 whole = Locations(np.repeat(chunks, 16), np.tile(np.arange(16), len(chunks)))
                 codes, ranges = quant.encode_key_chunks(store.read_locations(layer, K, whole).result().array, bits=4,
-                                                        chunk_tokens=16)
+                                                        chunk_tokens=16, keys=toy_kv.key_rows(store, chunks))
                 rows = np.searchsorted(chunks, loc.chunks) * 16 + loc.offsets
                 np.testing.assert_array_equal(got[low_bit(K, 4)].array, codes[:, rows])
                 np.testing.assert_array_equal(got[K_RANGE].array, ranges[:, rows])

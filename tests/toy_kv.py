@@ -19,7 +19,8 @@ def fingerprint(arch: str, kv_bits=()) -> dict:
 def expected(store, match, layer: int, layer_kv, kind):
     """What a read of `kind` gives of one layer's (K, V, probe keys) at every position of `match`: the array, or its
     low-bit rows' bytes as the store encodes them. Low-bit K and its chunks' ranges are encoded from the chunks' keys
-    as the store reads them whole (their other rows may be other prefixes' tokens, or padding)."""
+    as the store reads them whole (their other rows may be other prefixes' tokens), ranges over the rows that hold a
+    token (`key_rows`)."""
     from specjax.kernels import quant
     from specjax.stores import Locations
     from specjax.stores.kvarray import K, K_RANGE, base_of, bits_of, in_chunk_range
@@ -30,13 +31,25 @@ def expected(store, match, layer: int, layer_kv, kind):
         chunks = np.unique(loc.chunks)
         ct = lay.chunk_tokens
         whole = store.read_locations(layer, K, Locations(np.repeat(chunks, ct), np.tile(np.arange(ct), len(chunks))))
-        codes, ranges = quant.encode_key_chunks(whole.result().array, bits=bits_of(kind) or 8, chunk_tokens=ct)
+        codes, ranges = quant.encode_key_chunks(whole.result().array, bits=bits_of(kind) or 8, chunk_tokens=ct,
+                                                keys=key_rows(store, chunks))
         rows = np.searchsorted(chunks, loc.chunks) * ct + loc.offsets
         return (ranges if kind == K_RANGE else codes)[:, rows]
     x = layer_kv[base_of(kind)]
     if bits_of(kind) is None:
         return x
     return quant.encode_rows(x, bits=bits_of(kind), group=lay.group_channels)
+
+
+def key_rows(store, chunks) -> np.ndarray:
+    """bool [len(chunks) * chunk_tokens]: which rows of `chunks`, read whole, hold a token (not its segment's
+    padding after its last token), from the store's segments."""
+    ct = store.layout.chunk_tokens
+    held = {}
+    for seg in store.index.catalog.segments.values():
+        if not seg.retired:
+            held.update((seg.first_chunk + j, min(ct, seg.n_tokens - j * ct)) for j in range(seg.n_chunks))
+    return (np.arange(ct)[None, :] < np.array([held[c] for c in chunks])[:, None]).ravel()
 
 
 def kv_for(tokens) -> list:
