@@ -13,6 +13,7 @@ from specjax.engine import Request, fingerprint, make_engine, make_system
 from specjax.engine import blend, processes, replay
 from specjax.engine import systems as engine_systems
 from specjax.engine.policies import Blend
+from specjax.engine.precision import WithRest
 from specjax.eval.systems import Outcome, SystemSettings
 from specjax.stores import KVStore
 
@@ -124,12 +125,19 @@ class EngineSystem:
     @property
     def precision(self) -> dict | None:
         """The bits of a loaded prefix token's K and V elements: the selected tokens' (or every loaded token's) and
-        the rest's (None: not loaded), and the planner's other precisions (`plan_bits`, planner-planB: which of them
-        each request loaded at is `planner.bits_counts`); None for a system that loads none."""
+        the rest's (None: not loaded; `rest_key_bits` where the rest's keys load at other bits than its values), and
+        the planner's other precisions (`plan_bits`, planner-planB: which of them each request loaded at is
+        `planner.bits_counts`); None for a system that loads none."""
         if not self.system.reuse:
             return None
         full = 8 * np.dtype(self.model.dtype).itemsize
         out = {"selected_bits": self.system.kv_bits or full, "rest_bits": self.system.rest_bits}
+        identification = getattr(self.engine, "identification", None)
+        if isinstance(identification, WithRest):
+            at_hand = identification.keys_at_hand(self.engine.facts)  # the probe keys, read once
+            keys = out["selected_bits"] if at_hand else identification.key_bits
+            if keys != out["rest_bits"]:
+                out["rest_key_bits"] = keys
         return {**out, "plan_bits": list(self.system.plan_bits)} if self.system.plan_bits else out
 
     def summary(self) -> dict | None:

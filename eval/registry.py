@@ -86,17 +86,20 @@ def resolve(spec: str) -> list[str]:
 def precision_variant(name: str) -> tuple[str, dict] | None:
     """(system, options) of a name `SYSTEM-kvB` (a system that reuses prefix KV, loading its K and V at B bits: 8, 4
     or 2), `SYSTEM-restB` (a system that loads the tokens it does not select, at B bits: spec_mixed) or
-    `SYSTEM-kvB-restC`, or `planner-planB` (the planner free to load at B bits and up), so that one run compares
-    precisions of one system (`SystemOptions.kv_bits`, `rest_bits`, `plan_bits`); None for any other name."""
+    `SYSTEM-kvB-restC`, each perhaps with `-restkD` (the rest's keys at D bits), or `planner-planB` (the planner free
+    to load at B bits and up), so that one run compares precisions of one system (`SystemOptions.kv_bits`,
+    `rest_bits`, `rest_key_bits`, `plan_bits`); None for any other name."""
     options, base = {}, name
     # the reverse of the order `SystemOptions.apply` names them in
-    for option, tag in (("plan_bits", "-plan"), ("rest_bits", "-rest"), ("kv_bits", "-kv")):
+    for option, tag in (("plan_bits", "-plan"), ("rest_key_bits", "-restk"), ("rest_bits", "-rest"),
+                        ("kv_bits", "-kv")):
         head, sep, bits = base.rpartition(tag)
         if sep and bits in ("8", "4", "2"):
             base, options[option] = head, int(bits)
     system = KNOWN_SYSTEMS.get(base)
     if not options or base not in available() or (system is not None and not system.reuse) or (
-            "rest_bits" in options and system is not None and system.rest_bits is None) or (
+            ("rest_bits" in options or "rest_key_bits" in options) and system is not None
+            and system.rest_bits is None) or (
             "plan_bits" in options and system is not None and not isinstance(system.schedule, Planner)):
         return None
     return base, options

@@ -210,11 +210,14 @@ def io_section(results: dict) -> list[str]:
 
 
 def _bits_cell(precision: dict | None) -> str:
-    """A loaded token's bits per K/V element, the selected tokens' / the rest's ("-": the rest is not loaded)."""
+    """A loaded token's bits per K/V element, the selected tokens' / the rest's ("-": the rest is not loaded; its keys'
+    where they differ)."""
     if not precision:
         return "-"
     rest, plans = precision.get("rest_bits"), precision.get("plan_bits")
     also = f" (or {', '.join(map(str, plans))} as planned)" if plans else ""
+    if precision.get("rest_key_bits", rest) != rest:
+        also += f" (its keys {precision['rest_key_bits']})"
     return f"{precision['selected_bits']} / {rest if rest is not None else '-'}{also}"
 
 

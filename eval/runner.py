@@ -54,7 +54,8 @@ class Run:
     store: dict | None = None
     # what the system measured beyond its requests (the planner's cost model: rates, compute per plan, crossover)
     model: dict | None = None
-    # the bits a loaded prefix token's K and V have: {"selected_bits", "rest_bits"} (rest None: not loaded)
+    # the bits a loaded prefix token's K and V have: {"selected_bits", "rest_bits"} (rest None: not loaded), and
+    # "rest_key_bits" where the rest's keys have others
     precision: dict | None = None
 
     @property

@@ -194,21 +194,20 @@ def test_kv_bits_attends_to_the_round_tripped_kv(model, name, bits):
 
 def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
     """spec_mixed's layers attend to every prefix position: the rows SPEC selected (and took) at full precision, the
-    others decoded from 4 bits; at retention 1.0 every row is selected and it equals as_full."""
+    others' values decoded from 4 bits; tiny-llama's probe keys are its K, so every key is the probe keys' (full
+    precision). At retention 1.0 every row is selected and it equals as_full."""
     req = _request(model)
     engine = _engine(model, "spec_mixed", retention=0.25)
-    assert engine.store.layout.bits == (4,)
+    assert engine.store.layout.bits == (8, 4)  # its rest's keys at 8 bits where it reads them (not here)
     engine.warm(req.prefix)
     got = engine.run(req)
     kv = _prefix_kv(engine, req)
     layer_kv = []
     for (k, v), chosen in zip(kv, got.selections):
-        mixed_k, mixed_v = np.array(_round_trip(k, 4, keys=True)), np.array(_round_trip(v, 4))
+        mixed_v = np.array(_round_trip(v, 4))
         union = np.unique(chosen)
-        if len(chosen) > 1:  # a per-head layer: every key was taken at full precision, the union's values
-            mixed_k = k
-        mixed_k[:, union], mixed_v[:, union] = k[:, union], v[:, union]
-        layer_kv.append((mixed_k, mixed_v))
+        mixed_v[:, union] = v[:, union]
+        layer_kv.append((k, mixed_v))
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
     spec = _engine(model, "spec", retention=0.25)
     spec.warm(req.prefix)
@@ -224,21 +223,19 @@ def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
 
 
 def test_spec_mixed_at_kv_bits_overlays_its_selection_at_those_bits(model):
-    """spec_mixed-kv8: the rows SPEC selected decoded from 8 bits laid over the others' 4-bit rows (keys of both
-    against their chunks' ranges); at retention 1.0 every row is selected and it equals as_full-kv8."""
+    """spec_mixed-kv8: the rows SPEC selected decoded from 8 bits laid over the others' 4-bit values, every key the
+    8-bit probe keys' (tiny-llama's probe keys are its K); at retention 1.0 every row is selected and it equals
+    as_full-kv8."""
     req = _request(model)
     engine = _engine(model, "spec_mixed", retention=0.25, kv_bits=8)
     engine.warm(req.prefix)
     got = engine.run(req)
     layer_kv = []
     for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
-        mixed_k, mixed_v = np.array(_round_trip(k, 4, keys=True)), np.array(_round_trip(v, 4))
-        k8, v8 = _round_trip(k, 8, keys=True), _round_trip(v, 8)
+        mixed_v, v8 = np.array(_round_trip(v, 4)), _round_trip(v, 8)
         union = np.unique(chosen)
-        if len(chosen) > 1:  # a per-head layer: every key taken at 8 bits, the union's values
-            mixed_k = np.array(k8)
-        mixed_k[:, union], mixed_v[:, union] = k8[:, union], v8[:, union]
-        layer_kv.append((mixed_k, mixed_v))
+        mixed_v[:, union] = v8[:, union]
+        layer_kv.append((_round_trip(k, 8, keys=True), mixed_v))
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
     runs = []
     for name in ("spec_mixed", "as_full"):
@@ -246,6 +243,85 @@ def test_spec_mixed_at_kv_bits_overlays_its_selection_at_those_bits(model):
         everything.warm(req.prefix)
         runs.append(everything.run(req).first_token_logits)
     np.testing.assert_array_equal(*runs)
+
+
+@pytest.mark.parametrize("key_bits", [8, 4])
+def test_spec_mixed_rests_keys_load_at_rest_key_bits(key_bits):
+    """tiny-gqa's probe heads are two of its four KV heads, so spec_mixed reads its rest's keys: at 8 bits by default
+    (`rest_key_bits`), at 4 as spec_mixed-restk4, its values at 4 either way; a shared layer's selected rows at full
+    precision over them, a per-head layer's keys all taken at full precision."""
+    model = specjax.load_model("tiny-gqa", init="random", seed=1)
+    options = {} if key_bits == 8 else {"rest_key_bits": 4}
+    engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **options)
+    assert not engine.identification.keys_at_hand(engine.facts) and engine.identification.key_bits == key_bits
+    req = _request(model)
+    engine.warm(req.prefix)
+    kinds = _kinds_taken(engine)
+    got = engine.run(req)
+    other = {8: 4, 4: 8}[key_bits]
+    assert {low_bit(K, key_bits), low_bit(V, 4)} <= kinds and low_bit(K, other) not in kinds
+    assert any(len(chosen) == 1 for chosen in got.selections)
+    layer_kv = []
+    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
+        mixed_k, mixed_v = np.array(_round_trip(k, key_bits, keys=True)), np.array(_round_trip(v, 4))
+        union = np.unique(chosen)
+        if len(chosen) > 1:  # a per-head layer: every key taken at full precision, the union's values
+            mixed_k = k
+        mixed_k[:, union], mixed_v[:, union] = k[:, union], v[:, union]
+        layer_kv.append((mixed_k, mixed_v))
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
+
+
+def _kinds_taken(engine):
+    """The store kinds the engine's takes read, recorded as they happen."""
+    kinds, original = set(), engine.prefetcher.take
+
+    def recorded(match, layer, kind, *args, **kwargs):
+        kinds.add(kind)
+        return original(match, layer, kind, *args, **kwargs)
+
+    engine.prefetcher.take = recorded
+    return kinds
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_spec_mixed_keys_are_its_probe_keys_where_those_are_every_kv_heads(model, kv_bits):
+    """tiny-llama's probe heads span both its KV heads, so its probe keys are its K: spec_mixed then reads no low-bit
+    K for its rest; a shared layer's keys are every position's probe keys, at the selection's precision, and only V's
+    rest is at 4 bits. alpha 50: the probe heads' agreement test passes, so every layer keeps a shared set."""
+    engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **({"kv_bits": kv_bits} if kv_bits else {}))
+    assert engine.facts.probe_is_k and engine.identification.keys_at_hand(engine.facts)
+    req = _request(model)
+    engine.warm(req.prefix)
+    kinds = _kinds_taken(engine)
+    got = engine.run(req)
+    assert low_bit(V, 4) in kinds and low_bit(K, 4) not in kinds
+    assert all(len(chosen) == 1 for chosen in got.selections)
+    layer_kv = []
+    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
+        keys, selected = (k, v) if kv_bits is None else (_round_trip(k, kv_bits, keys=True), _round_trip(v, kv_bits))
+        values = np.array(_round_trip(v, 4))
+        values[:, chosen[0]] = selected[:, chosen[0]]
+        layer_kv.append((keys, values))
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gqa"])
+def test_spec_gqa_with_a_rest_reads_no_low_bit_keys(name):
+    """spec_gqa scores with every KV head's keys (its probe KV heads' queries over K, or the store's probe kind where
+    that holds them all), so a rest at 4 bits is V's alone; its shared layers hand their keys over whole."""
+    model = specjax.load_model(name, init="random", seed=1)
+    system = dataclasses.replace(make_system("spec_gqa", alpha=50.0), rest_bits=4)
+    store = KVStore.open(_memory(), fingerprint(model, 16, system.store_bits), context=ts.Context())
+    engine = make_engine(model, system, store, EngineConfig(retention=0.25, trace=True))
+    assert engine.identification.keys_at_hand(engine.facts)
+    req = _request(model)
+    engine.warm(req.prefix)
+    kinds = _kinds_taken(engine)
+    got = engine.run(req)
+    assert low_bit(V, 4) in kinds and low_bit(K, 4) not in kinds
+    assert any(len(chosen) == 1 for chosen in got.selections)
+    assert np.isfinite(got.first_token_logits).all()
 
 
 def test_a_system_needing_bits_its_store_lacks_is_refused(model):
@@ -332,6 +408,9 @@ def test_a_run_names_precision_variants_of_its_systems():
         "as_full", "as_full-kv4", "spec_mixed-rest2", "cake-kv2", "spec_mixed-kv8-rest2"]
     assert registry.precision_variant("spec_mixed-rest2") == ("spec_mixed", {"rest_bits": 2})
     assert registry.precision_variant("spec_mixed-kv8-rest2") == ("spec_mixed", {"rest_bits": 2, "kv_bits": 8})
+    assert registry.precision_variant("spec_mixed-kv8-restk4") == ("spec_mixed", {"rest_key_bits": 4, "kv_bits": 8})
+    assert make_system("spec_mixed", kv_bits=8, rest_key_bits=4).name == "spec_mixed-kv8-restk4"
+    assert make_system("spec_mixed").store_bits == (8, 4) and make_system("spec", rest_key_bits=4).rest_key_bits is None
     assert registry.resolve("planner-plan4,planner-kv8-plan4") == ["planner-plan4", "planner-kv8-plan4"]
     assert registry.precision_variant("planner-kv8-plan4") == ("planner", {"plan_bits": 4, "kv_bits": 8})
     assert registry.precision_variant("as_full-plan4") is None and registry.precision_variant("spec-plan4") is None
@@ -344,6 +423,7 @@ def test_a_run_names_precision_variants_of_its_systems():
     with pytest.raises(EvalError, match="as_full and as_full-kv4 are both built as as_full-kv4"):
         registry.check_distinct(["as_full", "as_full-kv4"], SystemOptions(kv_bits=4))
     assert _bits_cell({"selected_bits": 32, "rest_bits": 2}) == "32 / 2"
+    assert _bits_cell({"selected_bits": 8, "rest_bits": 4, "rest_key_bits": 8}) == "8 / 4 (its keys 8)"
     assert _bits_cell({"selected_bits": 4, "rest_bits": None}) == "4 / -" and _bits_cell(None) == "-"
     assert _bits_cell({"selected_bits": 32, "rest_bits": None, "plan_bits": [8, 4]}) == "32 / - (or 8, 4 as planned)"
 
@@ -403,23 +483,17 @@ def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
 @pytest.mark.parametrize("name", ["spec", "spec_mixed"])
 def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys(name):
     """tiny-gqa's probe heads are two of its four KV heads: spec-kv8 reads the store's 8-bit probe keys, and every
-    read and take of its requests is of 8-bit rows; spec_mixed-kv8 reads its rest at 4 bits besides."""
+    read and take of its requests is of 8-bit rows; spec_mixed-kv8 reads its rest's values at 4 bits besides (its keys
+    at 8, as its selection's)."""
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
     engine = _engine(model, name, retention=0.25, kv_bits=8)
     assert not engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(PROBE, 8)
     req = _request(model)
     engine.warm(req.prefix)
-    kinds = set()
-    original = engine.prefetcher.take
-
-    def recorded(match, layer, kind, *args, **kwargs):
-        kinds.add(kind)
-        return original(match, layer, kind, *args, **kwargs)
-
-    engine.prefetcher.take = recorded
+    kinds = _kinds_taken(engine)
     result = engine.run(req)
     assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
-    rest = {low_bit(K, 4), low_bit(V, 4)} if name == "spec_mixed" else set()
+    rest = {low_bit(V, 4)} if name == "spec_mixed" else set()
     assert low_bit(PROBE, 8) in kinds and rest | {K_RANGE} <= kinds
     assert {bits_of(kind) for kind in kinds - rest - {K_RANGE}} == {8}
 

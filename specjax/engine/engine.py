@@ -124,7 +124,7 @@ class Engine:
         # how a layer chooses its tokens, and what it knows deciding (`LayerIO.select` carries its steps out)
         self.identification = policy(system.identify)
         if system.rest_bits is not None:  # what it does not select, loaded at low precision (spec_mixed)
-            self.identification = WithRest(self.identification, system.rest_bits)
+            self.identification = WithRest(self.identification, system.rest_bits, system.rest_key_bits)
         self.facts = Facts.of(self.cfg, system, store.layout.chunk_tokens if store is not None else None,
                               config.kernel_impl)
         if store is not None:
@@ -423,8 +423,9 @@ class Engine:
                 if head:
                     h_head, head_k, head_v = T.self_attention_layer(cfg, lp, h_head, head_positions,
                                                                     head_positions < head, head_rotary)
-                state, prefix_k, prefix_v, selection, imp, chosen, logits = io.select(
-                    self.identification, state, layer, q, own_k, n, k, k_cap)
+                got = io.select(self.identification, state, layer, q, own_k, n, k, k_cap)
+                state, prefix_k, prefix_v, selection, logits = got.state, got.keys, got.values, got.selection, got.logits
+                imp, chosen = got.importance, got.chosen
                 if head:  # rows in front of the selection that no scoring saw
                     prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
                     logits = None

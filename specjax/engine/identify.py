@@ -92,6 +92,11 @@ class H2O:
     def certain_reads(self, f: Facts) -> tuple:
         return (K,)
 
+    def takes_every_key(self, f: Facts) -> bool:
+        """Does a layer hold every position's keys whatever it selects (per-head sets: as `Selected.keys`; a shared
+        set: as `Selected.all_keys`)? A policy that does not say is taken not to (`precision.WithRest`)."""
+        return True
+
     def selection_reads(self, f: Facts) -> tuple:
         return (V,)
 
@@ -123,6 +128,9 @@ class ITF(H2O):
     def selection_reads(self, f: Facts) -> tuple:
         return (V,) if f.probe_is_k else (K, V)
 
+    def takes_every_key(self, f: Facts) -> bool:
+        return f.probe_is_k
+
     def select(self, f: Facts, layer: Layer, state) -> Steps:
         m, k, k_cap = layer.m, layer.k, layer.k_cap
         probe_k = yield Take(PROBE, phase="probe_io")
@@ -144,7 +152,8 @@ class ITF(H2O):
             keys = yield Take(K, chosen, k_cap)
             values = yield Take(V, chosen, k_cap)
         selection = SharedIndices(iota(k_cap), k)
-        return Selected(state, keys, values, selection, _importance(scores, m), chosen[None])
+        return Selected(state, keys, values, selection, _importance(scores, m), chosen[None],
+                        all_keys=probe_k if f.probe_is_k else None)
 
 
 class Chunks:
@@ -221,6 +230,11 @@ class GroupedITF:
             return (K, V)
         return (V,) if f.system.candidates is None else (self.probe_source(f), V)
 
+    def takes_every_key(self, f: Facts) -> bool:
+        """Every position a candidate, and every KV head's keys taken: as the probe keys, or for the guard."""
+        guarded = f.cfg.q_per_kv > 1 and f.system.min_head_share is not None
+        return f.system.candidates is None and (self.probe_source(f) == K or f.probe_is_k or guarded)
+
     @staticmethod
     def probe_kv(f: Facts) -> tuple[int, ...]:
         return tuple(range(min(f.system.num_probe_heads, f.cfg.num_kv_heads)))
@@ -287,6 +301,7 @@ class GroupedITF:
         if bool(use_shared):
             slots = np.asarray(shared)[:k]  # of the candidates
             chosen = cand[slots]
+            all_keys = keys if c == m else None
             if keys is not None:  # the set's keys are rows of the candidates' keys: taken on the device
                 positions = iota(layer.m_pad) if c == m else jnp.asarray(padded(cand, c_pad, -1))
                 state, keys = _shared_rows(state, layer.index, keys, shared, k, positions)
@@ -295,7 +310,8 @@ class GroupedITF:
                 keys = taken[0] if taken is not None else (yield Take(K, chosen, k_cap))
             values = taken[-1] if taken is not None else (yield Take(V, chosen, k_cap))
             selection = SharedIndices(iota(k_cap), k)
-            return Selected(state, keys, values, selection, _importance(probes, c, cand, m), chosen[None])
+            return Selected(state, keys, values, selection, _importance(probes, c, cand, m), chosen[None],
+                            all_keys=all_keys)
         if per_head is None:
             state, per_head = yield decide(st.per_head_select, state, layer.index, every, k, c, k_cap=k_cap, kept_of=m)
         per_head_np = to_host(per_head)[:, :k]

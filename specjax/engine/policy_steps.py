@@ -98,6 +98,9 @@ class Selected(NamedTuple):
     # the layer's scoring logits, where every query head scored the rows the selection indexes and the logits were
     # kept (`steps.ScoredLogits`): the attention then weighs the values by them and computes no key products
     logits: Any = None
+    # [H_kv, m_pad, d] every reused position's keys, where a shared set's layer holds them whatever it selects (its
+    # probe keys are every KV head's keys; `takes_every_key`): spec_mixed's rest then reads no keys of its own
+    all_keys: Any = None
 
 
 # -- the steps a policy yields ---------------------------------------------------------------------------------

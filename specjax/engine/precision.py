@@ -5,9 +5,11 @@ against their chunk's per-channel range, `kernels.quant.encode_key_chunks`, kept
 their codes and their groups' scales, `encode_rows`). `Precision` says which store kind a layer's take of K or V
 reads, `--kv_bits` of any system, and decodes a low-bit take's rows on the device (`decoded_dtype`) before the
 attention reads them; a take of low-bit K takes the ranges of the chunks its rows lie in too (`take_decoded`).
-`WithRest` wraps an identification so that the prefix tokens it does not select are loaded at `rest_bits` instead of
-dropped (spec_mixed): every layer reads all of the prefix's low-bit K and V (a certain read, planned at the request's
-start), the selection's rows as they were taken replace theirs, and the layer attends to every position.
+`WithRest` wraps an identification so that the prefix tokens it does not select are loaded at low precision instead
+of dropped (spec_mixed): every layer reads all of the prefix's V at `rest_bits` (a certain read, planned at the
+request's start) and its K at `rest_key_bits`, unless the identification holds every position's keys anyway (its
+probe keys are every KV head's: those are the rest's keys then, at the selection's precision); the selection's rows
+as they were taken replace theirs, and the layer attends to every position.
 """
 
 from __future__ import annotations
@@ -129,24 +131,35 @@ def _overlay(rest, rows, src, dst):
 
 
 class WithRest:
-    """An identification whose unselected prefix tokens load at `bits` (`low_bit` K and V) instead of being
-    dropped. The wrapped policy selects and reads as it does alone; this then takes every position's low-bit K and
-    V and lays the rows the selection took over theirs: a shared set's rows are its chosen positions in order, a
-    per-head layer's keys are every position's (all of them taken), its values the union's. The layer attends to
-    every position."""
+    """An identification whose unselected prefix tokens load at low precision (V at `bits`, K at `key_bits`, None:
+    `bits`) instead of being dropped. The wrapped policy selects and reads as it does alone; this then takes every
+    position's low-bit V, and K where the policy does not hold every position's keys already (`keys_at_hand`), and
+    lays the rows the selection took over theirs: a shared set's rows are its chosen positions in order, a per-head
+    layer's keys are every position's (all of them taken), its values the union's. The layer attends to every
+    position."""
 
-    def __init__(self, inner, bits: int):
-        self.inner, self.bits = inner, bits
+    def __init__(self, inner, bits: int, key_bits: int | None = None):
+        self.inner, self.bits, self.key_bits = inner, bits, bits if key_bits is None else key_bits
+
+    def keys_at_hand(self, f: Facts) -> bool:
+        """Does the wrapped policy hold every position's keys whatever it selects (its `takes_every_key`: probe keys
+        that are every KV head's, or every head scored)? Then those are the rest's keys, read once, at the
+        selection's precision, and no low-bit K is read."""
+        takes = getattr(self.inner, "takes_every_key", None)
+        return bool(takes is not None and takes(f))
 
     def certain_reads(self, f: Facts) -> tuple:
-        return tuple(self.inner.certain_reads(f)) + (low_bit(K, self.bits), low_bit(V, self.bits))
+        rest = (low_bit(V, self.bits),) if self.keys_at_hand(f) else (low_bit(K, self.key_bits),
+                                                                       low_bit(V, self.bits))
+        return tuple(self.inner.certain_reads(f)) + rest
 
     def selection_reads(self, f: Facts) -> tuple:
         return self.inner.selection_reads(f)
 
     def select(self, f: Facts, layer: Layer, state) -> Steps:
         chosen = yield from self.inner.select(f, layer, state)
-        rest_k = yield Take(low_bit(K, self.bits))
+        at_hand = self.keys_at_hand(f)
+        rest_k = None if at_hand else (yield Take(low_bit(K, self.key_bits)))
         rest_v = yield Take(low_bit(V, self.bits))
         m, m_pad = layer.m, layer.m_pad
         if isinstance(chosen.selection, PerHeadIndices):
@@ -157,5 +170,9 @@ class WithRest:
             count = int(chosen.selection.count)
             rows = padded(np.asarray(chosen.selection.idx)[:count], bucket(max(count, 1)), chosen.keys.shape[1])
             dst = padded(np.asarray(chosen.chosen)[0, :count], len(rows), m_pad)
-            keys, values = _overlay(rest_k, chosen.keys, rows, dst), _overlay(rest_v, chosen.values, rows, dst)
+            if at_hand and chosen.all_keys is None:
+                raise SpecjaxError(f"{type(self.inner).__name__} says it holds every position's keys, but its shared "
+                                   "set came without them (Selected.all_keys)")
+            keys = chosen.all_keys if at_hand else _overlay(rest_k, chosen.keys, rows, dst)
+            values = _overlay(rest_v, chosen.values, rows, dst)
         return Selected(chosen.state, keys, values, SharedIndices(iota(m_pad), m), chosen.importance, chosen.chosen)

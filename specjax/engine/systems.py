@@ -47,6 +47,8 @@ class System:
     kv_bits: int | None = None
     # the prefix tokens the identification does not select load at these bits instead of being dropped (spec_mixed)
     rest_bits: int | None = None
+    # ... and their keys at these (None: rest_bits): a key's rounding moves the answers more than a value's
+    rest_key_bits: int | None = None
     description: str = ""  # one line, for --help and the reports
 
     def __post_init__(self):
@@ -64,12 +66,16 @@ class System:
                                f"{self.candidates}")
         if self.min_head_share is not None and not 0.0 < self.min_head_share <= 1.0:
             raise SpecjaxError(f"system {self.name!r}: min_head_share must be in (0, 1], got {self.min_head_share}")
-        for field, bits in (("kv_bits", self.kv_bits), ("rest_bits", self.rest_bits)):
+        for field, bits in (("kv_bits", self.kv_bits), ("rest_bits", self.rest_bits),
+                            ("rest_key_bits", self.rest_key_bits)):
             if bits is not None and bits not in LOW_BITS:
                 raise SpecjaxError(f"system {self.name!r}: {field} must be one of {LOW_BITS}, got {bits}")
         if self.rest_bits is not None and not self.prunes:
             raise SpecjaxError(f"system {self.name!r}: rest_bits loads the tokens an identification leaves out; "
                                f"this system identifies none")
+        if self.rest_key_bits is not None and self.rest_bits is None:
+            raise SpecjaxError(f"system {self.name!r}: rest_key_bits is the bits of a rest's keys; it loads no rest "
+                               f"(rest_bits)")
         if self.rest_bits is not None and self.rest_bits == self.kv_bits:
             raise SpecjaxError(f"system {self.name!r}: its selection and the rest both at {self.kv_bits} bits load "
                                f"every token at them: run a system that loads everything at kv_bits instead")
@@ -89,9 +95,10 @@ class System:
 
     @property
     def store_bits(self) -> tuple[int, ...]:
-        """The low precisions its store must hold K and V at (`kv_bits`, `rest_bits`, `plan_bits`)."""
-        return tuple(sorted({b for b in (self.kv_bits, self.rest_bits, *self.plan_bits) if b is not None},
-                            reverse=True))
+        """The low precisions its store must hold K and V at (`kv_bits`, `rest_bits`, `rest_key_bits`,
+        `plan_bits`)."""
+        bits = (self.kv_bits, self.rest_bits, self.rest_key_bits, *self.plan_bits)
+        return tuple(sorted({b for b in bits if b is not None}, reverse=True))
 
     @property
     def plan_bits(self) -> tuple[int, ...]:
@@ -114,10 +121,12 @@ SYSTEMS: dict[str, System] = {
                description="IMPRESS: probe-head keys, important KV, score cache"),
         System("spec", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                description="SPEC: IMPRESS + layer-aware speculative prefetch"),
-        # SPEC whose unselected tokens are loaded at 4 bits instead of dropped (specjax.engine.precision)
+        # SPEC whose unselected tokens are loaded at low precision instead of dropped, their values at 4 bits and
+        # their keys at 8 (specjax.engine.precision; why 8: docs/systems.md, "Low-bit KV")
         System("spec_mixed", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
-               rest_bits=4,
-               description="SPEC loading the tokens it does not select at low precision (--rest_bits)"),
+               rest_bits=4, rest_key_bits=8,
+               description="SPEC loading the tokens it does not select at low precision (--rest_bits, "
+                           "--rest_key_bits)"),
         # grouped-query-aware identification: probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
@@ -217,8 +226,11 @@ class SystemOptions:
     kv_bits: int | None = _option(None, "Every system that reuses prefix KV: load K and V at 8, 4 or 2 bits (from a "
                                   "store holding them so, made for it) instead of the model's dtype; results name "
                                   "the system NAME-kvB.")
-    rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens load at (default "
-                                    "4); results name the system spec_mixed-restB.")
+    rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens' values load at "
+                                    "(default 4); results name the system spec_mixed-restB.")
+    rest_key_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens' keys load at "
+                                        "(default 8: a key's rounding moves the answers more than a value's, "
+                                        "docs/systems.md); results name the system spec_mixed-restkB.")
     plan_bits: int | None = _option(None, "planner: the fewest bits (8, 4 or 2) it may load a stored prefix's K and "
                                     "V at, as its cost model says per request: it then weighs loading at every "
                                     "precision from this one up beside its other plans (the accuracy each costs: "
@@ -242,18 +254,21 @@ class SystemOptions:
         if self.gqa_candidates and not self.gqa_candidates >= 1:
             raise SpecjaxError(f"gqa_candidates must be 0 (no candidate stage) or at least 1 (x the kept tokens), "
                                f"got {self.gqa_candidates}")
-        for name in ("kv_bits", "rest_bits", "plan_bits"):
+        for name in ("kv_bits", "rest_bits", "rest_key_bits", "plan_bits"):
             if getattr(self, name) is not None and getattr(self, name) not in LOW_BITS:
                 raise SpecjaxError(f"{name} must be one of {LOW_BITS}, got {getattr(self, name)}")
 
     def apply(self, system: System) -> System:
-        """`system` at the precisions asked for (`kv_bits`, `rest_bits`: named first, `NAME-kvB-restC`), then with
-        the other options (`_apply`)."""
+        """`system` at the precisions asked for (`kv_bits`, `rest_bits`, `rest_key_bits`: named first,
+        `NAME-kvB-restC-restkD`), then with the other options (`_apply`)."""
         if self.kv_bits is not None and system.reuse:
             system = dataclasses.replace(system, kv_bits=int(self.kv_bits), name=f"{system.name}-kv{self.kv_bits}")
         if self.rest_bits is not None and system.rest_bits is not None:
             system = dataclasses.replace(system, rest_bits=int(self.rest_bits),
                                          name=f"{system.name}-rest{self.rest_bits}")
+        if self.rest_key_bits is not None and system.rest_bits is not None:
+            system = dataclasses.replace(system, rest_key_bits=int(self.rest_key_bits),
+                                         name=f"{system.name}-restk{self.rest_key_bits}")
         system = system.schedule.apply(self, system)
         return self._apply(system)
 
