@@ -10,13 +10,14 @@ queries and own keys exact) is computed again with them:
 
 - `K{b}`, `V{b}`, `KV{b}`: keys, values, or both at b bits (`--bits`), every prefix row;
 - `drop`: only the selected rows, exact (spec: the rest dropped); `mixed`: the selected rows at `--selected_bits`,
-  the rest at `--rest_bits` (spec_mixed; their keys at `--rest_key_bits` where given). The selection: per KV head, the `--retention` of the prefix rows with the
-  most attention from the query (its tokens' and its group's query heads' mean softmax weight at full precision; the
-  choice's tokens do not choose, as in the engine, where a continuation attends to the set its prefill chose); or
-  (` shared`) the rows with the most over every head, one set for all as spec's shared sets are. Both are oracles,
-  which SPEC's probes estimate. ` engine`: the sets the engine itself chose for the request (`--engine_system` over
-  a store of the prefix alone in a temporary folder, caches off): a shared set, or a fallback layer's per-head sets,
-  whose keys then all load at `--selected_bits` and whose values at the union's rows (spec_mixed's `WithRest`);
+  the rest at `--rest_bits` (spec_mixed; their keys at `--rest_key_bits` where given). The selection: per KV head,
+  the `--retention` of the prefix rows with the most attention from the query (its tokens' and its group's query
+  heads' mean softmax weight at full precision; the choice's tokens do not choose, as in the engine, where a
+  continuation attends to the set its prefill chose); or (` shared`) the rows with the most over every head, one set
+  for all as spec's shared sets are. Both are oracles, which SPEC's probes estimate. ` engine`: the sets the engine
+  itself chose for the request (`--engine_system` at these bits, over a store of the prefix alone in a temporary
+  folder, caches off): a shared set, or a fallback layer's per-head sets, whose keys then all load at
+  `--selected_bits` and whose values at the union's rows (spec_mixed's `WithRest`);
 - `... -var/2`: the same with each low-bit row's score lowered by half its variance from rounding, var = scale^2 *
   sum_c q_c^2 step_c^2 / 12 (step_c: its chunk's code step in channel c). A softmax over noisy scores weighs those
   rows up by exp(var / 2) on average (Jensen), so a mix of precisions shifts weight from the exact rows to the noisy
@@ -171,8 +172,9 @@ def engine_keep(chosen, kv_heads: int, group: int, m: int):
 
 def variants(layer: Layer, codes: dict, bits: list, selected_bits: int, rest_bits: tuple, retention: float,
              chosen=None) -> dict:
-    """Every variant of one layer by name (`rest_bits`: the mixed rest's keys' and values' bits): a function giving (prefix scores, prefix values, keep or None, (the
-    low-bit rows [H_kv, m], their score variance) or None), computed when called."""
+    """Every variant of one layer by name (`rest_bits`: the mixed rest's keys' and values' bits): a function giving
+    (prefix scores, prefix values, keep or None, (the low-bit rows [H_kv, m], their score variance) or None), computed
+    when called."""
     every = np.ones(layer.k.shape[:2], bool)
     out = {}
     for b in bits:
@@ -238,16 +240,16 @@ def mean_over(x, rows):
     return float(np.sum(np.where(mask, x, 0.0)) / max(mask.sum(), 1))
 
 
-def engine_sets(model, system: str, request, selected_bits: int, rest_bits: int, retention: float,
+def engine_sets(model, system: str, request, selected_bits: int, rest_bits: tuple, retention: float,
                 chunk_tokens: int) -> list:
-    """Per layer, the positions [1 or H, k] `system` (its selection and probe keys at `selected_bits`, the rest at
-    `rest_bits`) chose for `request`, over a store of its prefix in a temporary folder, caches off."""
+    """Per layer, the positions [1 or H, k] `system` (its selection and probe keys at `selected_bits`, the rest's keys
+    and values at `rest_bits`) chose for `request`, over a store of its prefix in a temporary folder, caches off."""
+    options = {"kv_bits": selected_bits, "rest_bits": rest_bits[1], "rest_key_bits": rest_bits[0]}
     with tempfile.TemporaryDirectory() as folder:
-        store = specjax.open_store(model, folder, chunk_tokens=chunk_tokens, kv_bits=(selected_bits, rest_bits))
+        bits = tuple(sorted({selected_bits, *rest_bits}, reverse=True))
+        store = specjax.open_store(model, folder, chunk_tokens=chunk_tokens, kv_bits=bits)
         try:
-            engine = specjax.prefill_engine(model, system, store, options={"kv_bits": selected_bits,
-                                                                          "rest_bits": rest_bits},
-                                            retention=retention, trace=True)
+            engine = specjax.prefill_engine(model, system, store, options=options, retention=retention, trace=True)
             engine.warm(list(request.prefix_ids))
             got = engine.run(Request(list(request.prefix_ids), list(request.query_ids)))
         finally:
@@ -270,7 +272,7 @@ def run(model, requests, bits: list, selected_bits: int, rest_bits: tuple, reten
         tokens = T.tokens_at(cfg, params, ids)
         h, positions = tokens.hidden, tokens.positions
         valid = jnp.ones(n, bool)
-        chosen = (engine_sets(model, system, r, selected_bits, rest_bits[1], retention, chunk_tokens) if system
+        chosen = (engine_sets(model, system, r, selected_bits, rest_bits, retention, chunk_tokens) if system
                   else [None] * cfg.num_layers)
         # each chain: the computed tokens' hidden states with every layer attending through its variant
         hidden = {name: h[m:] for name in ["exact", *chains]}

@@ -97,7 +97,8 @@ def test_engine_sets_shared_and_per_head():
 
 @pytest.mark.skipif(not (DATA / "piqa").exists(), reason="needs the PIQA files of docs/data.md")
 def test_on_the_real_model_the_exact_chain_is_the_model_and_fewer_bits_err_more(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_error.py"), "--task", "piqa", "--requests", "1",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_error.py"), "--task", "piqa",
+                    "--requests", "1",
                     "--prefix_tokens", "256", "--bits", "8,4", "--chains", "KV8,KV4,mixed engine", "--data_dir",
                     str(DATA), "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=900)
     out = json.loads((tmp_path / "attention_error.json").read_text())

@@ -76,7 +76,7 @@ def fingerprint(model, chunk_tokens: int, kv_bits=()) -> dict:
     model's dtype (`kv_bits`, a system's `store_bits`, with the kinds held so, `kv_format`). `weights_source` only
     says where the weights came from (stores do not compare it), so that a refusal or fsck can name them."""
     c = model.config
-    bits = {"kv_bits": sorted(map(int, kv_bits), reverse=True), "kv_format": LOW_BIT_FORMAT} if kv_bits else {}
+    bits = {"kv_bits": sorted(set(map(int, kv_bits)), reverse=True), "kv_format": LOW_BIT_FORMAT} if kv_bits else {}
     return {**bits, "arch": c.arch, "num_layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": jnp.dtype(model.dtype).name,
             "chunk_tokens": chunk_tokens, "probe_heads": len(probe_kv_heads(c)),
@@ -424,8 +424,8 @@ class Engine:
                     h_head, head_k, head_v = T.self_attention_layer(cfg, lp, h_head, head_positions,
                                                                     head_positions < head, head_rotary)
                 got = io.select(self.identification, state, layer, q, own_k, n, k, k_cap)
-                state, prefix_k, prefix_v, selection, logits = got.state, got.keys, got.values, got.selection, got.logits
-                imp, chosen = got.importance, got.chosen
+                state, prefix_k, prefix_v, selection = got.state, got.keys, got.values, got.selection
+                imp, chosen, logits = got.importance, got.chosen, got.logits
                 if head:  # rows in front of the selection that no scoring saw
                     prefix_k, prefix_v, selection = S.with_head(head_k, head_v, head, prefix_k, prefix_v, selection)
                     logits = None
