@@ -55,26 +55,31 @@ from specjax.engine.types import Request
 from specjax.kernels import quant
 from specjax.models import transformer as T
 
-flags.DEFINE_string("model", "smollm2-135m", "Model.")
-flags.DEFINE_string("task", "needle", "Task (docs/data.md).")
-flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default $SPECJAX_DATA.")
-flags.DEFINE_integer("limit", None, "Task items the workload is built from (as the eval's --limit; default: "
-                     "--requests).")
-flags.DEFINE_integer("requests", 8, "Requests measured: the workload's first, ordered by prefix.")
-flags.DEFINE_integer("prefix_tokens", 1024, "Lengthen every few-shot prefix to at least this many tokens.")
-flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions of the K / V / KV variants.")
-flags.DEFINE_integer("selected_bits", 8, "mixed: the selected rows' bits.")
-flags.DEFINE_integer("rest_bits", 4, "mixed: the other rows' bits.")
-flags.DEFINE_integer("rest_key_bits", None, "mixed: the other rows' keys' bits (default: --rest_bits).")
-flags.DEFINE_float("retention", 0.25, "The share of the prefix's rows selected (per KV head).")
-flags.DEFINE_integer("chunk_tokens", 64, "Tokens a key range covers (the store's chunk).")
-flags.DEFINE_integer("value_group", 32, "Channels a value row's scale covers (the store's default).")
-flags.DEFINE_string("engine_system", "spec_mixed", "The system whose own sets are measured too (` engine`; "
-                    "its selection and probe keys at --selected_bits, as spec_mixed-kv8's); empty: none.")
-flags.DEFINE_list("chains", ["KV4", "KV4 -var/2", "drop engine", "mixed engine", "mixed engine -var/2",
-                                "mixed shared"],
-                  "Variants also run end to end (the gold choice's log-probability against the model's).")
-flags.DEFINE_string("out", None, "Folder for attention_error.json and attention_error.md (printed either way).")
+
+def define_flags() -> None:
+    """The script's flags (defined when it runs, not when a test imports it beside the eval's own)."""
+    flags.DEFINE_string("model", "smollm2-135m", "Model.")
+    flags.DEFINE_string("task", "needle", "Task (docs/data.md).")
+    flags.DEFINE_string("data_dir", None, "Task data folder (docs/data.md); default $SPECJAX_DATA.")
+    flags.DEFINE_integer("limit", None, "Task items the workload is built from (as the eval's --limit; default: "
+                         "--requests).")
+    flags.DEFINE_integer("requests", 8, "Requests measured: the workload's first, ordered by prefix.")
+    flags.DEFINE_integer("prefix_tokens", 1024, "Lengthen every few-shot prefix to at least this many tokens.")
+    flags.DEFINE_list("bits", ["8", "4", "2"], "Precisions of the K / V / KV variants.")
+    flags.DEFINE_integer("selected_bits", 8, "mixed: the selected rows' bits.")
+    flags.DEFINE_integer("rest_bits", 4, "mixed: the other rows' bits.")
+    flags.DEFINE_integer("rest_key_bits", None, "mixed: the other rows' keys' bits (default: --rest_bits).")
+    flags.DEFINE_float("retention", 0.25, "The share of the prefix's rows selected (per KV head).")
+    flags.DEFINE_integer("chunk_tokens", 64, "Tokens a key range covers (the store's chunk).")
+    flags.DEFINE_integer("value_group", 32, "Channels a value row's scale covers (the store's default).")
+    flags.DEFINE_string("engine_system", "spec_mixed", "The system whose own sets are measured too (` engine`; "
+                        "its selection and probe keys at --selected_bits, as spec_mixed-kv8's); empty: none.")
+    flags.DEFINE_list("chains", ["KV4", "KV4 -var/2", "drop engine", "mixed engine", "mixed engine -var/2",
+                                 "mixed shared"],
+                      "Variants also run end to end (the gold choice's log-probability against the model's).")
+    flags.DEFINE_string("out", None, "Folder for attention_error.json and attention_error.md (printed either way).")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -387,4 +392,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -1,7 +1,6 @@
 """benchmarks/attention_error.py: its attention is the reference attention, its predicted rounding bias is the measured
 one, and on the real smollm2-135m its exact chain is the model and fewer bits move the attention more."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -11,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import bench_scripts  # tests/bench_scripts.py
 from specjax.kernels import SharedIndices
 from specjax.kernels.gathered_attention import gathered_attention_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
-_spec = importlib.util.spec_from_file_location("attention_error", ROOT / "benchmarks" / "attention_error.py")
-ae = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ae)
+ae = bench_scripts.load("attention_error.py", "attention_error_bench")
 
 
 def _layer(seed=0, kv_heads=2, group=2, n=8, m=512, d=32, q_scale=1.0):
