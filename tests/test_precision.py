@@ -254,6 +254,10 @@ def test_spec_mixed_rests_keys_load_at_rest_key_bits(key_bits):
     options = {} if key_bits == 8 else {"rest_key_bits": 4}
     engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **options)
     assert not engine.identification.keys_at_hand(engine.facts) and engine.identification.key_bits == key_bits
+    assert engine.identification.selection_reads(engine.facts) == (K, V)  # what a guess reads ahead
+    at_8 = _engine(model, "spec_mixed", retention=0.25, kv_bits=8, **options)
+    # at 8 bits, every key of the rest is the selection's too: a guess reads only values (unless the keys are at 4)
+    assert at_8.identification.selection_reads(at_8.facts) == ((V,) if key_bits == 8 else (K, V))
     req = _request(model)
     engine.warm(req.prefix)
     kinds = _kinds_taken(engine)

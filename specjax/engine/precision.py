@@ -154,7 +154,12 @@ class WithRest:
         return tuple(self.inner.certain_reads(f)) + rest
 
     def selection_reads(self, f: Facts) -> tuple:
-        return self.inner.selection_reads(f)
+        """The wrapped policy's, less K where the rest's keys are every position's K at the selection's bits: the
+        certain reads bring them, and a guess reads none again."""
+        kinds = tuple(self.inner.selection_reads(f))
+        if not self.keys_at_hand(f) and self.key_bits == f.system.kv_bits:
+            kinds = tuple(kind for kind in kinds if kind != K)
+        return kinds
 
     def select(self, f: Facts, layer: Layer, state) -> Steps:
         chosen = yield from self.inner.select(f, layer, state)
