@@ -38,9 +38,9 @@ Writes DIR/attention_error.json and DIR/attention_error.md.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import pathlib
+import sys
 import tempfile
 
 import jax.numpy as jnp
@@ -54,6 +54,9 @@ from specjax.eval.observe_measure import ordered_by_prefix
 from specjax.engine.types import Request
 from specjax.kernels import quant
 from specjax.models import transformer as T
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import stored_keys, write_report  # noqa: E402  (benchmarks/_common.py)
 
 
 def define_flags() -> None:
@@ -86,18 +89,10 @@ FLAGS = flags.FLAGS
 def encoded(k, v, bits: int, chunk_tokens: int, value_group: int):
     """(keys, their rounding variance per channel, values) float64 [H_kv, m, d] of prefix k / v after a round trip
     through the store's `bits`-bit codes."""
-    heads, m, d = k.shape
-    width = -(-m // chunk_tokens) * chunk_tokens
-    padded = np.zeros((heads, width, d), np.float32)
-    padded[:, :m] = k
-    codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=chunk_tokens, keys=np.arange(width) < m)
-    lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=chunk_tokens)
-    chunk = np.arange(m) // chunk_tokens
-    keys = quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.asarray(chunk), bits=bits, head_dim=d)
-    step = np.asarray(hi - lo, np.float64)[:, chunk] / ((1 << bits) - 1)
+    keys, step, _ = stored_keys(k, bits, chunk_tokens)
     rows = quant.encode_rows(v, bits=bits, group=value_group)
-    values = quant.decode_rows(jnp.asarray(rows), bits=bits, group=value_group, head_dim=d)
-    return np.asarray(keys, np.float64), step ** 2 / 12, np.asarray(values, np.float64)
+    values = quant.decode_rows(jnp.asarray(rows), bits=bits, group=value_group, head_dim=k.shape[-1])
+    return keys.astype(np.float64), step.astype(np.float64) ** 2 / 12, np.asarray(values, np.float64)
 
 
 def logsumexp(x, axis=-1):
@@ -382,13 +377,7 @@ def main(argv):
            "chunk_tokens": FLAGS.chunk_tokens, "value_group": FLAGS.value_group, "retention": FLAGS.retention,
            "selected_bits": FLAGS.selected_bits, "rest_bits": FLAGS.rest_bits, "rest_key_bits": rest[0],
            "engine_system": FLAGS.engine_system or None, "variants": variants}
-    text = markdown(out)
-    print(text)
-    if FLAGS.out:
-        folder = pathlib.Path(FLAGS.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "attention_error.json").write_text(json.dumps(out, indent=1))
-        (folder / "attention_error.md").write_text(text)
+    write_report(FLAGS.out, "attention_error", out, markdown(out))
 
 
 if __name__ == "__main__":

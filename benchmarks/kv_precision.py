@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import time
 
 import jax
@@ -33,6 +34,9 @@ from specjax.eval.observe_measure import ordered_by_prefix
 from specjax.kernels import quant
 from specjax.models import inference
 from specjax.shapes import bucket
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import stored_keys, write_report  # noqa: E402  (benchmarks/_common.py)
 
 flags.DEFINE_string("model", "smollm2-135m", "Model.")
 flags.DEFINE_list("tasks", ["piqa"], "Tasks (docs/data.md).")
@@ -107,15 +111,8 @@ def round_trip(x, bits: int, per_channel: bool, group: int, order=None, center=N
     store encodes them (the prefix in chunks of `group` tokens from its start, the last one's padding left out of its
     range) and values as rows."""
     if FLAGS.grouping == "store" and per_channel:
-        m, d = x.shape[1], x.shape[2]
-        padded = np.zeros((x.shape[0], -(-m // group) * group, d), np.float32)
-        padded[:, :m] = np.asarray(x, np.float32)
-        codes, ranges = quant.encode_key_chunks(padded, bits=bits, chunk_tokens=group,
-                                                keys=np.arange(padded.shape[1]) < m)
-        lo, hi = quant.key_ranges(jnp.asarray(ranges), head_dim=d, chunk_tokens=group)
-        back = quant.decode_key_codes(jnp.asarray(codes[:, :m]), lo, hi, jnp.arange(m) // group, bits=bits,
-                                      head_dim=d)
-        return back.astype(x.dtype), codes[:, :m].size + ranges[:, :m].size
+        back, _, nbytes = stored_keys(x, bits, group)
+        return jnp.asarray(back, x.dtype), nbytes
     if FLAGS.grouping in ("rows", "store"):
         h = hadamard(x.shape[-1]) if FLAGS.rotate else np.eye(x.shape[-1], dtype=np.float32)
         y = np.asarray(x, np.float32) @ h
@@ -271,13 +268,7 @@ def pooled_runs(folders: list[str]) -> dict:
 
 
 def write(out: dict) -> None:
-    text = markdown(out)
-    print(text)
-    if FLAGS.out:
-        folder = pathlib.Path(FLAGS.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "kv_precision.json").write_text(json.dumps(out, indent=1))
-        (folder / "kv_precision.md").write_text(text)
+    write_report(FLAGS.out, "kv_precision", out, markdown(out))
 
 
 def main(argv):

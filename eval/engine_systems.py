@@ -134,8 +134,7 @@ class EngineSystem:
         out = {"selected_bits": self.system.kv_bits or full, "rest_bits": self.system.rest_bits}
         identification = getattr(self.engine, "identification", None)
         if isinstance(identification, WithRest):
-            at_hand = identification.keys_at_hand(self.engine.facts)  # the probe keys, read once
-            keys = out["selected_bits"] if at_hand else identification.key_bits
+            keys = identification.rest_key_bits(self.engine.facts) or out["selected_bits"]  # None: the selection's
             if keys != out["rest_bits"]:
                 out["rest_key_bits"] = keys
         return {**out, "plan_bits": list(self.system.plan_bits)} if self.system.plan_bits else out

@@ -259,9 +259,7 @@ def test_spec_mixed_rests_keys_load_at_rest_key_bits(key_bits):
     # at 8 bits, every key of the rest is the selection's too: a guess reads only values (unless the keys are at 4)
     assert at_8.identification.selection_reads(at_8.facts) == ((V,) if key_bits == 8 else (K, V))
     req = _request(model)
-    engine.warm(req.prefix)
-    kinds = _kinds_taken(engine)
-    got = engine.run(req)
+    got, kinds = _run_taking(engine, req)
     other = {8: 4, 4: 8}[key_bits]
     assert {low_bit(K, key_bits), low_bit(V, 4)} <= kinds and low_bit(K, other) not in kinds
     assert any(len(chosen) == 1 for chosen in got.selections)
@@ -276,8 +274,10 @@ def test_spec_mixed_rests_keys_load_at_rest_key_bits(key_bits):
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
 
 
-def _kinds_taken(engine):
-    """The store kinds the engine's takes read, recorded as they happen."""
+def _run_taking(engine, req):
+    """`req` run by `engine` over its stored prefix (stored first, unrecorded): (the result, the store kinds its takes
+    read)."""
+    engine.warm(req.prefix)
     kinds, original = set(), engine.prefetcher.take
 
     def recorded(match, layer, kind, *args, **kwargs):
@@ -285,7 +285,7 @@ def _kinds_taken(engine):
         return original(match, layer, kind, *args, **kwargs)
 
     engine.prefetcher.take = recorded
-    return kinds
+    return engine.run(req), kinds
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
@@ -296,9 +296,7 @@ def test_spec_mixed_keys_are_its_probe_keys_where_those_are_every_kv_heads(model
     engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **({"kv_bits": kv_bits} if kv_bits else {}))
     assert engine.facts.probe_is_k and engine.identification.keys_at_hand(engine.facts)
     req = _request(model)
-    engine.warm(req.prefix)
-    kinds = _kinds_taken(engine)
-    got = engine.run(req)
+    got, kinds = _run_taking(engine, req)
     assert low_bit(V, 4) in kinds and low_bit(K, 4) not in kinds
     assert all(len(chosen) == 1 for chosen in got.selections)
     layer_kv = []
@@ -320,9 +318,7 @@ def test_spec_gqa_with_a_rest_reads_no_low_bit_keys(name):
     engine = make_engine(model, system, store, EngineConfig(retention=0.25, trace=True))
     assert engine.identification.keys_at_hand(engine.facts)
     req = _request(model)
-    engine.warm(req.prefix)
-    kinds = _kinds_taken(engine)
-    got = engine.run(req)
+    got, kinds = _run_taking(engine, req)
     assert low_bit(V, 4) in kinds and low_bit(K, 4) not in kinds
     assert any(len(chosen) == 1 for chosen in got.selections)
     assert np.isfinite(got.first_token_logits).all()
@@ -493,9 +489,7 @@ def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys(name):
     engine = _engine(model, name, retention=0.25, kv_bits=8)
     assert not engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(PROBE, 8)
     req = _request(model)
-    engine.warm(req.prefix)
-    kinds = _kinds_taken(engine)
-    result = engine.run(req)
+    result, kinds = _run_taking(engine, req)
     assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
     rest = {low_bit(V, 4)} if name == "spec_mixed" else set()
     assert low_bit(PROBE, 8) in kinds and rest | {K_RANGE} <= kinds

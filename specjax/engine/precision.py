@@ -148,23 +148,30 @@ class WithRest:
         takes = getattr(self.inner, "takes_every_key", None)
         return bool(takes is not None and takes(f))
 
+    def rest_key_bits(self, f: Facts) -> int | None:
+        """The bits the rest's keys load at: None where they are the policy's own (`keys_at_hand`), at the
+        selection's precision."""
+        return None if self.keys_at_hand(f) else self.key_bits
+
     def certain_reads(self, f: Facts) -> tuple:
-        rest = (low_bit(V, self.bits),) if self.keys_at_hand(f) else (low_bit(K, self.key_bits),
-                                                                       low_bit(V, self.bits))
+        key_bits = self.rest_key_bits(f)
+        rest = (low_bit(V, self.bits),) if key_bits is None else (low_bit(K, key_bits), low_bit(V, self.bits))
         return tuple(self.inner.certain_reads(f)) + rest
 
     def selection_reads(self, f: Facts) -> tuple:
         """The wrapped policy's, less K where the rest's keys are every position's K at the selection's bits: the
         certain reads bring them, and a guess reads none again."""
         kinds = tuple(self.inner.selection_reads(f))
-        if not self.keys_at_hand(f) and self.key_bits == f.system.kv_bits:
+        key_bits = self.rest_key_bits(f)
+        if key_bits is not None and key_bits == f.system.kv_bits:
             kinds = tuple(kind for kind in kinds if kind != K)
         return kinds
 
     def select(self, f: Facts, layer: Layer, state) -> Steps:
         chosen = yield from self.inner.select(f, layer, state)
-        at_hand = self.keys_at_hand(f)
-        rest_k = None if at_hand else (yield Take(low_bit(K, self.key_bits)))
+        key_bits = self.rest_key_bits(f)
+        at_hand = key_bits is None
+        rest_k = None if at_hand else (yield Take(low_bit(K, key_bits)))
         rest_v = yield Take(low_bit(V, self.bits))
         m, m_pad = layer.m, layer.m_pad
         if isinstance(chosen.selection, PerHeadIndices):
