@@ -85,7 +85,7 @@ def resolve(spec: str) -> list[str]:
 
 def precision_variant(name: str) -> tuple[str, dict] | None:
     """(system, options) of a name `SYSTEM-kvB` (a system that reuses prefix KV, loading its K and V at B bits: 8, 4
-    or 2), `SYSTEM-restB` (a system that loads the tokens it does not select, at B bits: spec_mixed) or
+    or 2), `SYSTEM-restB` (a system that loads what its selection leaves out at B bits: spec_mixed) or
     `SYSTEM-kvB-restC`, each perhaps with `-restkD` (the rest's keys at D bits), or `planner-planB` (the planner free
     to load at B bits and up), so that one run compares precisions of one system (`SystemOptions.kv_bits`,
     `rest_bits`, `rest_key_bits`, `plan_bits`); None for any other name."""

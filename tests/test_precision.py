@@ -192,24 +192,46 @@ def test_kv_bits_attends_to_the_round_tripped_kv(model, name, bits):
     assert not np.allclose(got.first_token_logits, full, atol=1e-5)  # the precision did change what it attended to
 
 
-def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
-    """spec_mixed's layers attend to every prefix position: the rows SPEC selected (and took) at full precision, the
-    others' values decoded from 4 bits; tiny-llama's probe keys are its K, so every key is the probe keys' (full
-    precision). At retention 1.0 every row is selected and it equals as_full."""
-    req = _request(model)
-    engine = _engine(model, "spec_mixed", retention=0.25)
+def _touched(engine, req, selections):
+    """Per layer, bool [m]: the positions in a chunk the layer's selection (any head's) touches, which spec_mixed loads
+    whole at the selection's precision."""
+    store, m = engine.store, len(req.prefix)
+    with store.match(req.prefix) as match:
+        out = []
+        for layer, chosen in enumerate(selections):
+            chunks = store.locate(match, np.arange(m), layer).chunks
+            out.append(np.isin(chunks, chunks[np.unique(chosen)]))
+    assert all(t[np.unique(c)].all() for t, c in zip(out, selections))
+    return out
+
+
+def _mixed(low, high, touched):
+    """`low` [heads, m, d] with `high`'s rows where `touched`."""
+    out = np.array(low)
+    out[:, touched] = high[:, touched]
+    return out
+
+
+def _a_mix(touched):
+    """Some layer's selection left some chunks untouched (and touched others): the rest's precision shows."""
+    assert any(0 < t.mean() < 1 for t in touched), [t.mean() for t in touched]
+
+
+def test_spec_mixed_loads_the_selections_chunks_whole_over_the_low_bit_rest(model):
+    """spec_mixed's layers attend to every prefix position: the chunks SPEC's selection touches at full precision,
+    whole, the other positions' values decoded from 4 bits; tiny-llama's probe keys are its K, so every key is the
+    probe keys' (full precision). At retention 1.0 every row is selected and it equals as_full."""
+    req = _request(model, prefix_len=320)
+    engine = _engine(model, "spec_mixed", retention=0.05)
     assert engine.store.layout.bits == (8, 4)  # its rest's keys at 8 bits where it reads them (not here)
     engine.warm(req.prefix)
     got = engine.run(req)
     kv = _prefix_kv(engine, req)
-    layer_kv = []
-    for (k, v), chosen in zip(kv, got.selections):
-        mixed_v = np.array(_round_trip(v, 4))
-        union = np.unique(chosen)
-        mixed_v[:, union] = v[:, union]
-        layer_kv.append((k, mixed_v))
+    touched = _touched(engine, req, got.selections)
+    _a_mix(touched)
+    layer_kv = [(k, _mixed(_round_trip(v, 4), v, t)) for (k, v), t in zip(kv, touched)]
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
-    spec = _engine(model, "spec", retention=0.25)
+    spec = _engine(model, "spec", retention=0.05)
     spec.warm(req.prefix)
     dropped = spec.run(req)
     # the first layer sees the same inputs and selects as SPEC does (later ones see hidden states that attended more)
@@ -222,20 +244,18 @@ def test_spec_mixed_overlays_the_selection_on_the_low_bit_rest(model):
                                rtol=0)
 
 
-def test_spec_mixed_at_kv_bits_overlays_its_selection_at_those_bits(model):
-    """spec_mixed-kv8: the rows SPEC selected decoded from 8 bits laid over the others' 4-bit values, every key the
-    8-bit probe keys' (tiny-llama's probe keys are its K); at retention 1.0 every row is selected and it equals
-    as_full-kv8."""
-    req = _request(model)
-    engine = _engine(model, "spec_mixed", retention=0.25, kv_bits=8)
+def test_spec_mixed_at_kv_bits_loads_its_selections_chunks_at_those_bits(model):
+    """spec_mixed-kv8: the chunks SPEC's selection touches decoded from 8 bits, the other positions' values from 4,
+    every key the 8-bit probe keys' (tiny-llama's probe keys are its K); at retention 1.0 every row is selected and it
+    equals as_full-kv8."""
+    req = _request(model, prefix_len=320)
+    engine = _engine(model, "spec_mixed", retention=0.05, kv_bits=8)
     engine.warm(req.prefix)
     got = engine.run(req)
-    layer_kv = []
-    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
-        mixed_v, v8 = np.array(_round_trip(v, 4)), _round_trip(v, 8)
-        union = np.unique(chosen)
-        mixed_v[:, union] = v8[:, union]
-        layer_kv.append((_round_trip(k, 8, keys=True), mixed_v))
+    touched = _touched(engine, req, got.selections)
+    _a_mix(touched)
+    layer_kv = [(_round_trip(k, 8, keys=True), _mixed(_round_trip(v, 4), _round_trip(v, 8), t))
+                for (k, v), t in zip(_prefix_kv(engine, req), touched)]
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
     runs = []
     for name in ("spec_mixed", "as_full"):
@@ -248,29 +268,28 @@ def test_spec_mixed_at_kv_bits_overlays_its_selection_at_those_bits(model):
 @pytest.mark.parametrize("key_bits", [8, 4])
 def test_spec_mixed_rests_keys_load_at_rest_key_bits(key_bits):
     """tiny-gqa's probe heads are two of its four KV heads, so spec_mixed reads its rest's keys: at 8 bits by default
-    (`rest_key_bits`), at 4 as spec_mixed-restk4, its values at 4 either way; a shared layer's selected rows at full
+    (`rest_key_bits`), at 4 as spec_mixed-restk4, its values at 4 either way; a shared layer's touched chunks at full
     precision over them, a per-head layer's keys all taken at full precision."""
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
     options = {} if key_bits == 8 else {"rest_key_bits": 4}
-    engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **options)
+    engine = _engine(model, "spec_mixed", retention=0.05, alpha=50.0, **options)
     assert not engine.identification.keys_at_hand(engine.facts) and engine.identification.key_bits == key_bits
     assert engine.identification.selection_reads(engine.facts) == (K, V)  # what a guess reads ahead
-    at_8 = _engine(model, "spec_mixed", retention=0.25, kv_bits=8, **options)
+    at_8 = _engine(model, "spec_mixed", retention=0.05, kv_bits=8, **options)
     # at 8 bits, every key of the rest is the selection's too: a guess reads only values (unless the keys are at 4)
     assert at_8.identification.selection_reads(at_8.facts) == ((V,) if key_bits == 8 else (K, V))
-    req = _request(model)
+    req = _request(model, prefix_len=320)
     got, kinds = _run_taking(engine, req)
     other = {8: 4, 4: 8}[key_bits]
     assert {low_bit(K, key_bits), low_bit(V, 4)} <= kinds and low_bit(K, other) not in kinds
     assert any(len(chosen) == 1 for chosen in got.selections)
+    touched = _touched(engine, req, got.selections)
+    _a_mix([t for t, chosen in zip(touched, got.selections) if len(chosen) == 1])
     layer_kv = []
-    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
-        mixed_k, mixed_v = np.array(_round_trip(k, key_bits, keys=True)), np.array(_round_trip(v, 4))
-        union = np.unique(chosen)
-        if len(chosen) > 1:  # a per-head layer: every key taken at full precision, the union's values
-            mixed_k = k
-        mixed_k[:, union], mixed_v[:, union] = k[:, union], v[:, union]
-        layer_kv.append((mixed_k, mixed_v))
+    for (k, v), chosen, t in zip(_prefix_kv(engine, req), got.selections, touched):
+        # a per-head layer: every key taken at full precision
+        keys = k if len(chosen) > 1 else _mixed(_round_trip(k, key_bits, keys=True), k, t)
+        layer_kv.append((keys, _mixed(_round_trip(v, 4), v, t)))
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
 
 
@@ -293,19 +312,52 @@ def test_spec_mixed_keys_are_its_probe_keys_where_those_are_every_kv_heads(model
     """tiny-llama's probe heads span both its KV heads, so its probe keys are its K: spec_mixed then reads no low-bit
     K for its rest; a shared layer's keys are every position's probe keys, at the selection's precision, and only V's
     rest is at 4 bits. alpha 50: the probe heads' agreement test passes, so every layer keeps a shared set."""
-    engine = _engine(model, "spec_mixed", retention=0.25, alpha=50.0, **({"kv_bits": kv_bits} if kv_bits else {}))
+    engine = _engine(model, "spec_mixed", retention=0.05, alpha=50.0, **({"kv_bits": kv_bits} if kv_bits else {}))
     assert engine.facts.probe_is_k and engine.identification.keys_at_hand(engine.facts)
-    req = _request(model)
+    req = _request(model, prefix_len=320)
     got, kinds = _run_taking(engine, req)
     assert low_bit(V, 4) in kinds and low_bit(K, 4) not in kinds
     assert all(len(chosen) == 1 for chosen in got.selections)
+    touched = _touched(engine, req, got.selections)
+    _a_mix(touched)
     layer_kv = []
-    for (k, v), chosen in zip(_prefix_kv(engine, req), got.selections):
+    for (k, v), t in zip(_prefix_kv(engine, req), touched):
         keys, selected = (k, v) if kv_bits is None else (_round_trip(k, kv_bits, keys=True), _round_trip(v, kv_bits))
-        values = np.array(_round_trip(v, 4))
-        values[:, chosen[0]] = selected[:, chosen[0]]
-        layer_kv.append((keys, values))
+        layer_kv.append((keys, _mixed(_round_trip(v, 4), selected, t)))
     np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
+
+
+def test_spec_mixed_reads_each_chunk_once_at_one_precision():
+    """Caches off, spec_mixed-kv8 on tiny-gqa (its rest's keys at 8 bits, as its selection's): each layer reads every
+    chunk's 8-bit K once, and each chunk's V once, at 8 bits where the selection touches it and at 4 elsewhere; the
+    probe keys and the key ranges once. The store reads whole chunks: nothing it read is read again."""
+    model = specjax.load_model("tiny-gqa", init="random", seed=1)
+    system = make_system("spec_mixed", kv_bits=8, alpha=50.0)
+    store = KVStore.open(_memory(), fingerprint(model, 16, system.store_bits), context=ts.Context())
+    engine = make_engine(model, system, store, EngineConfig(retention=0.05, trace=True))
+    req = _request(model, prefix_len=320)
+    engine.warm(req.prefix)
+    reads, original = [], store.read_runs
+
+    def recorded(layer, kind, chunks, **kwargs):
+        reads.extend((layer, kind, int(c)) for c in chunks)
+        return original(layer, kind, chunks, **kwargs)
+
+    store.read_runs = recorded
+    got = engine.run(req)
+    assert len(reads) == len(set(reads))  # no chunk of a kind read twice in a layer
+    touched = _touched(engine, req, got.selections)
+    _a_mix(touched)
+    with store.match(req.prefix) as match:
+        for layer, t in enumerate(touched):
+            chunks = store.locate(match, np.arange(len(req.prefix)), layer).chunks
+            read = {kind: {c for lay, kd, c in reads if lay == layer and kd == kind} for kind in
+                    (low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), low_bit(PROBE, 8), K_RANGE)}
+            every = set(chunks.tolist())
+            assert read[low_bit(K, 8)] == read[K_RANGE] == read[low_bit(PROBE, 8)] == every
+            assert read[low_bit(V, 8)] >= set(chunks[t].tolist())  # and any a guess read ahead
+            assert read[low_bit(V, 4)] == set(chunks[~t].tolist())
+    assert {kind for _, kind, _ in reads} == {low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), low_bit(PROBE, 8), K_RANGE}
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gqa"])
@@ -486,9 +538,10 @@ def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys(name):
     read and take of its requests is of 8-bit rows; spec_mixed-kv8 reads its rest's values at 4 bits besides (its keys
     at 8, as its selection's)."""
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    engine = _engine(model, name, retention=0.25, kv_bits=8)
+    # shared sets (alpha 50) of a longer prefix leave chunks untouched: spec_mixed's rest reads their 4-bit values
+    engine = _engine(model, name, retention=0.05, kv_bits=8, alpha=50.0)
     assert not engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(PROBE, 8)
-    req = _request(model)
+    req = _request(model, prefix_len=320)
     result, kinds = _run_taking(engine, req)
     assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
     rest = {low_bit(V, 4)} if name == "spec_mixed" else set()

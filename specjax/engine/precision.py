@@ -5,11 +5,11 @@ against their chunk's per-channel range, `kernels.quant.encode_key_chunks`, kept
 their codes and their groups' scales, `encode_rows`). `Precision` says which store kind a layer's take of K or V
 reads, `--kv_bits` of any system, and decodes a low-bit take's rows on the device (`decoded_dtype`) before the
 attention reads them; a take of low-bit K takes the ranges of the chunks its rows lie in too (`take_decoded`).
-`WithRest` wraps an identification so that the prefix tokens it does not select are loaded at low precision instead
-of dropped (spec_mixed): every layer reads all of the prefix's V at `rest_bits` (a certain read, planned at the
-request's start) and its K at `rest_key_bits`, unless the identification holds every position's keys anyway (its
-probe keys are every KV head's: those are the rest's keys then, at the selection's precision); the selection's rows
-as they were taken replace theirs, and the layer attends to every position.
+`WithRest` wraps an identification so that what it leaves out is loaded at low precision instead of dropped, chunk by
+chunk (spec_mixed): every chunk a layer's selection touches is taken whole at the selection's precision, the other
+chunks' positions with V at `rest_bits` and K at `rest_key_bits` (one take of every position's K where those are the
+selection's bits; none where the identification holds every position's keys anyway: its probe keys are every KV
+head's), and the layer attends to every position.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import numpy as np
 
 from specjax.connector import K_RANGE, PROBE, K, Layout, Locations, V, bits_of, in_chunk_range, low_bit
 from specjax.engine.identify import iota
-from specjax.engine.policy_steps import Facts, Layer, Selected, Steps, Take
+from specjax.engine.policy_steps import Facts, Layer, Locate, Selected, Steps, Take, TakeChosen
 from specjax.errors import SpecjaxError
-from specjax.idsets import distinct
-from specjax.kernels import PerHeadIndices, SharedIndices, quant
+from specjax.kernels import SharedIndices, quant
 from specjax.shapes import bucket, padded
 
 
@@ -123,20 +122,59 @@ def _decode_keys(codes, ranges, chunk_of_row, *, bits, head_dim, chunk_tokens, d
     return quant.decode_key_codes(codes, lo, hi, chunk_of_row, bits=bits, head_dim=head_dim, dtype=dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
+def _laid(rows, src, dst, *, size):
+    """[heads, size, d] zeros with rows[:, src[i]] at row dst[i] (dst >= size is padding, dropped)."""
+    out = jnp.zeros((rows.shape[0], size, rows.shape[2]), rows.dtype)
+    return out.at[:, dst].set(jnp.take(rows, src, axis=1), mode="drop")
+
+
 @jax.jit
-def _overlay(rest, rows, src, dst):
-    """`rest` [heads, M, d] with rows[:, src[i]] at token dst[i] (dst >= M is padding, dropped)."""
-    taken = jnp.take(rows, src, axis=1, mode="fill", fill_value=0).astype(rest.dtype)
-    return rest.at[:, dst].set(taken, mode="drop")
+def _overlay(base, rows, src, dst):
+    """`base` [heads, M, d] with rows[:, src[i]] at row dst[i] (dst >= M is padding, dropped)."""
+    taken = jnp.take(rows, src, axis=1, mode="fill", fill_value=0).astype(base.dtype)
+    return base.at[:, dst].set(taken, mode="drop")
+
+
+@jax.jit
+def _rows_of(held, index):
+    """held[:, index], zeros where index is past its rows (padding)."""
+    return jnp.take(held, index, axis=1, mode="fill", fill_value=0)
+
+
+class _Held:
+    """A layer's rows of one kind taken so far, laid at their positions in [heads, m_pad, d] (`array`, None until
+    the first take), and which positions they are (`has`)."""
+
+    def __init__(self, m: int, m_pad: int):
+        self.m_pad, self.array, self.has = m_pad, None, np.zeros(m, bool)
+
+    def missing(self, positions) -> np.ndarray:
+        return positions[~self.has[positions]]
+
+    def lay(self, rows, positions) -> None:
+        """`rows` [heads, >= len(positions), d] of a take of `positions` (in order), laid at them."""
+        src = np.arange(rows.shape[1], dtype=np.int32)
+        dst = padded(positions, rows.shape[1], self.m_pad)
+        self.array = _laid(rows, src, dst, size=self.m_pad) if self.array is None else \
+            _overlay(self.array, rows, src, dst)
+        self.has[positions] = True
+
+    def rows(self, positions, pad_to: int):
+        """The rows of `positions` [heads, pad_to, d], zeros after them: as a take of them gives them."""
+        return _rows_of(self.array, jnp.asarray(padded(positions, pad_to, self.m_pad)))
 
 
 class WithRest:
     """An identification whose unselected prefix tokens load at low precision (V at `bits`, K at `key_bits`, None:
-    `bits`) instead of being dropped. The wrapped policy selects and reads as it does alone; this then takes every
-    position's low-bit V, and K where the policy does not hold every position's keys already (`keys_at_hand`), and
-    lays the rows the selection took over theirs: a shared set's rows are its chosen positions in order, a per-head
-    layer's keys are every position's (all of them taken), its values the union's. The layer attends to every
-    position."""
+    `bits`) instead of being dropped, chunk by chunk: the store reads whole chunks, so every chunk a layer's
+    selection touches is taken whole at the selection's precision (the rows of its chunks the selection did not
+    choose come free with it), and only the positions in the chunks it does not touch at the rest's. The wrapped
+    policy selects as it does alone; its takes of K and V are answered from those whole-chunk takes, its takes on
+    the device (`TakeChosen`) declined. Where the rest's keys are at the selection's precision (spec_mixed-kv8's, at
+    8 bits) every position's K is one take, planned at the request's start, and the selection's keys are rows of
+    it; where the policy holds every position's keys anyway (`keys_at_hand`), those are the keys and no other K is
+    read. The layer attends to every position."""
 
     def __init__(self, inner, bits: int, key_bits: int | None = None):
         self.inner, self.bits, self.key_bits = inner, bits, bits if key_bits is None else key_bits
@@ -153,38 +191,68 @@ class WithRest:
         selection's precision."""
         return None if self.keys_at_hand(f) else self.key_bits
 
-    def certain_reads(self, f: Facts) -> tuple:
+    def keys_once(self, f: Facts) -> bool:
+        """Are the rest's keys read at the selection's precision (not at hand)? Then every position's K is one
+        take, whatever the layer selects."""
         key_bits = self.rest_key_bits(f)
-        rest = (low_bit(V, self.bits),) if key_bits is None else (low_bit(K, key_bits), low_bit(V, self.bits))
-        return tuple(self.inner.certain_reads(f)) + rest
+        return key_bits is not None and key_bits == f.system.kv_bits
+
+    def certain_reads(self, f: Facts) -> tuple:
+        """The wrapped policy's, and every position's K where it is one take (`keys_once`); the rest's other rows lie
+        in the chunks the selection does not touch, known once it has chosen."""
+        return tuple(self.inner.certain_reads(f)) + ((K,) if self.keys_once(f) else ())
 
     def selection_reads(self, f: Facts) -> tuple:
-        """The wrapped policy's, less K where the rest's keys are every position's K at the selection's bits: the
-        certain reads bring them, and a guess reads none again."""
+        """The wrapped policy's, less K where every position's K is one certain read: a guess reads none again."""
         kinds = tuple(self.inner.selection_reads(f))
-        key_bits = self.rest_key_bits(f)
-        if key_bits is not None and key_bits == f.system.kv_bits:
-            kinds = tuple(kind for kind in kinds if kind != K)
-        return kinds
+        return tuple(kind for kind in kinds if kind != K) if self.keys_once(f) else kinds
 
     def select(self, f: Facts, layer: Layer, state) -> Steps:
-        chosen = yield from self.inner.select(f, layer, state)
-        key_bits = self.rest_key_bits(f)
-        at_hand = key_bits is None
-        rest_k = None if at_hand else (yield Take(low_bit(K, key_bits)))
-        rest_v = yield Take(low_bit(V, self.bits))
         m, m_pad = layer.m, layer.m_pad
-        if isinstance(chosen.selection, PerHeadIndices):
-            union = distinct(np.asarray(chosen.chosen))
-            slots = padded(union, bucket(len(union)), m_pad)
-            keys, values = chosen.keys, _overlay(rest_v, chosen.values, slots, slots)
-        else:
-            count = int(chosen.selection.count)
-            rows = padded(np.asarray(chosen.selection.idx)[:count], bucket(max(count, 1)), chosen.keys.shape[1])
-            dst = padded(np.asarray(chosen.chosen)[0, :count], len(rows), m_pad)
-            if at_hand and chosen.all_keys is None:
+        every = np.arange(m)
+        chunk_of = (yield Locate(layer.positions)).chunks
+        once = self.keys_once(f)
+        held = {K: _Held(m, m_pad), V: _Held(m, m_pad)}  # rows taken at the selection's precision
+        steps, result = self.inner.select(f, layer, state), None
+        try:
+            while True:
+                step = steps.send(result)
+                if isinstance(step, TakeChosen):
+                    result = None  # taken as whole chunks instead, below
+                elif isinstance(step, Take) and step.kind in held:
+                    wanted = every if step.positions is None else np.asarray(step.positions, np.int64)
+                    rows = held[step.kind]
+                    need = rows.missing(every if once and step.kind == K else
+                                        every[np.isin(chunk_of, chunk_of[wanted])])
+                    if len(need):
+                        importance = None
+                        if step.importance is not None:  # the chosen rows' importance; none for the others
+                            importance = np.zeros(m, np.float32)
+                            importance[wanted] = step.importance
+                            importance = importance[need]
+                        rows.lay((yield Take(step.kind, need, min(bucket(len(need)), m_pad), step.phase,
+                                             importance)), need)
+                    result = rows.rows(wanted, m_pad if step.pad_to is None else step.pad_to)
+                else:
+                    result = yield step
+        except StopIteration as done:
+            chosen = done.value
+        finally:
+            steps.close()
+        if self.keys_at_hand(f):
+            if isinstance(chosen.selection, SharedIndices) and chosen.all_keys is None:
                 raise SpecjaxError(f"{type(self.inner).__name__} says it holds every position's keys, but its shared "
                                    "set came without them (Selected.all_keys)")
-            keys = chosen.all_keys if at_hand else _overlay(rest_k, chosen.keys, rows, dst)
-            values = _overlay(rest_v, chosen.values, rows, dst)
+            keys = chosen.keys if chosen.all_keys is None else chosen.all_keys
+        else:
+            keys = yield from self._rest(held[K], K if once else low_bit(K, self.key_bits), m_pad)
+        values = yield from self._rest(held[V], low_bit(V, self.bits), m_pad)
         return Selected(chosen.state, keys, values, SharedIndices(iota(m_pad), m), chosen.importance, chosen.chosen)
+
+    @staticmethod
+    def _rest(held: _Held, kind: int, m_pad: int) -> Steps:
+        """Every position's rows: those taken at the selection's precision, the others' taken as store kind `kind`."""
+        rest = held.missing(np.arange(len(held.has)))
+        if len(rest):
+            held.lay((yield Take(kind, rest, min(bucket(len(rest)), m_pad))), rest)
+        return held.array

@@ -121,12 +121,12 @@ SYSTEMS: dict[str, System] = {
                description="IMPRESS: probe-head keys, important KV, score cache"),
         System("spec", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                description="SPEC: IMPRESS + layer-aware speculative prefetch"),
-        # SPEC whose unselected tokens are loaded at low precision instead of dropped, their values at 4 bits and
-        # their keys at 8 (specjax.engine.precision; why 8: docs/systems.md, "Low-bit KV")
+        # SPEC whose selection's chunks are loaded whole and the other chunks' tokens at low precision instead of
+        # dropped, their values at 4 bits and their keys at 8 (specjax.engine.precision; why 8: docs/systems.md)
         System("spec_mixed", identify="itf", prefetch=SPECULATIVE, cache_policy="spec_score", reorder=True,
                rest_bits=4, rest_key_bits=8,
-               description="SPEC loading the tokens it does not select at low precision (--rest_bits, "
-                           "--rest_key_bits)"),
+               description="SPEC loading the chunks its selection touches whole and the others at low precision "
+                           "(--rest_bits, --rest_key_bits)"),
         # grouped-query-aware identification: probes are KV heads, every query head keeps 90% of its
         # own top-k's attention under a shared set; candidates from key summaries of 16-token chunks (Quest's
         # pages; its own store) only when asked for (`candidates`)
@@ -226,10 +226,10 @@ class SystemOptions:
     kv_bits: int | None = _option(None, "Every system that reuses prefix KV: load K and V at 8, 4 or 2 bits (from a "
                                   "store holding them so, made for it) instead of the model's dtype; results name "
                                   "the system NAME-kvB.")
-    rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens' values load at "
-                                    "(default 4); results name the system spec_mixed-restB.")
-    rest_key_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) its unselected tokens' keys load at "
-                                        "(default 8: a key's rounding moves the answers more than a value's, "
+    rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) the values of the chunks its "
+                                    "selection does not touch load at (default 4); results name the system spec_mixed-restB.")
+    rest_key_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) the keys of the chunks its "
+                                        "selection does not touch load at (default 8: a key's rounding moves the answers more than a value's, "
                                         "docs/systems.md); results name the system spec_mixed-restkB.")
     plan_bits: int | None = _option(None, "planner: the fewest bits (8, 4 or 2) it may load a stored prefix's K and "
                                     "V at, as its cost model says per request: it then weighs loading at every "
