@@ -329,8 +329,9 @@ def test_spec_mixed_keys_are_its_probe_keys_where_those_are_every_kv_heads(model
 
 def test_spec_mixed_reads_each_chunk_once_at_one_precision():
     """Caches off, spec_mixed-kv8 on tiny-gqa (its rest's keys at 8 bits, as its selection's): each layer reads every
-    chunk's 8-bit K once, and each chunk's V once, at 8 bits where the selection touches it and at 4 elsewhere; the
-    probe keys and the key ranges once. The store reads whole chunks: nothing it read is read again."""
+    chunk's 8-bit K and key ranges once, its probe keys as rows of them, and each chunk's V once, at 8 bits where the
+    selection touches it and at 4 elsewhere. The store reads whole chunks: nothing it read is read again. It attends
+    to that KV."""
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
     system = make_system("spec_mixed", kv_bits=8, alpha=50.0)
     store = KVStore.open(_memory(), fingerprint(model, 16, system.store_bits), context=ts.Context())
@@ -346,18 +347,21 @@ def test_spec_mixed_reads_each_chunk_once_at_one_precision():
     store.read_runs = recorded
     got = engine.run(req)
     assert len(reads) == len(set(reads))  # no chunk of a kind read twice in a layer
+    assert {kind for _, kind, _ in reads} == {low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), K_RANGE}
+    assert got.io["probe_disk_bytes"] == 0
     touched = _touched(engine, req, got.selections)
     _a_mix(touched)
     with store.match(req.prefix) as match:
         for layer, t in enumerate(touched):
             chunks = store.locate(match, np.arange(len(req.prefix)), layer).chunks
             read = {kind: {c for lay, kd, c in reads if lay == layer and kd == kind} for kind in
-                    (low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), low_bit(PROBE, 8), K_RANGE)}
-            every = set(chunks.tolist())
-            assert read[low_bit(K, 8)] == read[K_RANGE] == read[low_bit(PROBE, 8)] == every
+                    (low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), K_RANGE)}
+            assert read[low_bit(K, 8)] == read[K_RANGE] == set(chunks.tolist())
             assert read[low_bit(V, 8)] >= set(chunks[t].tolist())  # and any a guess read ahead
             assert read[low_bit(V, 4)] == set(chunks[~t].tolist())
-    assert {kind for _, kind, _ in reads} == {low_bit(K, 8), low_bit(V, 8), low_bit(V, 4), low_bit(PROBE, 8), K_RANGE}
+    layer_kv = [(_round_trip(k, 8, keys=True), _mixed(_round_trip(v, 4), _round_trip(v, 8), t))
+                for (k, v), t in zip(_prefix_kv(engine, req), touched)]
+    np.testing.assert_allclose(got.first_token_logits, _logits_over(model, req, layer_kv), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gqa"])
@@ -532,21 +536,16 @@ def test_spec_at_kv_bits_reads_its_probe_keys_at_them_where_they_are_k(model):
     assert kinds == {low_bit(K, 8), low_bit(V, 8), K_RANGE}
 
 
-@pytest.mark.parametrize("name", ["spec", "spec_mixed"])
-def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys(name):
+def test_spec_at_kv_bits_reads_the_stores_low_bit_probe_keys():
     """tiny-gqa's probe heads are two of its four KV heads: spec-kv8 reads the store's 8-bit probe keys, and every
-    read and take of its requests is of 8-bit rows; spec_mixed-kv8 reads its rest's values at 4 bits besides (its keys
-    at 8, as its selection's)."""
+    read and take of its requests is of 8-bit rows."""
     model = specjax.load_model("tiny-gqa", init="random", seed=1)
-    # shared sets (alpha 50) of a longer prefix leave chunks untouched: spec_mixed's rest reads their 4-bit values
-    engine = _engine(model, name, retention=0.05, kv_bits=8, alpha=50.0)
+    engine = _engine(model, "spec", retention=0.25, kv_bits=8)
     assert not engine.facts.probe_is_k and engine.precision.kind(PROBE) == low_bit(PROBE, 8)
-    req = _request(model, prefix_len=320)
-    result, kinds = _run_taking(engine, req)
+    result, kinds = _run_taking(engine, _request(model))
     assert result.io["disk_bytes"] > 0 and result.io["probe_disk_bytes"] > 0
-    rest = {low_bit(V, 4)} if name == "spec_mixed" else set()
-    assert low_bit(PROBE, 8) in kinds and rest | {K_RANGE} <= kinds
-    assert {bits_of(kind) for kind in kinds - rest - {K_RANGE}} == {8}
+    assert low_bit(PROBE, 8) in kinds and K_RANGE in kinds
+    assert {bits_of(kind) for kind in kinds - {K_RANGE}} == {8}
 
 
 def test_a_bfloat16_stores_host_tier_holds_every_kind():

@@ -8,8 +8,8 @@ attention reads them; a take of low-bit K takes the ranges of the chunks its row
 `WithRest` wraps an identification so that what it leaves out is loaded at low precision instead of dropped, chunk by
 chunk (spec_mixed): every chunk a layer's selection touches is taken whole at the selection's precision, the other
 chunks' positions with V at `rest_bits` and K at `rest_key_bits` (one take of every position's K where those are the
-selection's bits; none where the identification holds every position's keys anyway: its probe keys are every KV
-head's), and the layer attends to every position.
+selection's bits, the probe keys rows of it; none where the identification holds every position's keys anyway: its
+probe keys are every KV head's), and the layer attends to every position.
 """
 
 from __future__ import annotations
@@ -136,10 +136,11 @@ def _overlay(base, rows, src, dst):
     return base.at[:, dst].set(taken, mode="drop")
 
 
-@jax.jit
-def _rows_of(held, index):
-    """held[:, index], zeros where index is past its rows (padding)."""
-    return jnp.take(held, index, axis=1, mode="fill", fill_value=0)
+@functools.partial(jax.jit, static_argnames=("heads",))
+def _rows_of(held, index, *, heads=None):
+    """held[heads, index] (every head: None), zeros where index is past its rows (padding)."""
+    rows = jnp.take(held, index, axis=1, mode="fill", fill_value=0)
+    return rows if heads is None else rows[jnp.asarray(heads)]
 
 
 class _Held:
@@ -160,9 +161,10 @@ class _Held:
             _overlay(self.array, rows, src, dst)
         self.has[positions] = True
 
-    def rows(self, positions, pad_to: int):
-        """The rows of `positions` [heads, pad_to, d], zeros after them: as a take of them gives them."""
-        return _rows_of(self.array, jnp.asarray(padded(positions, pad_to, self.m_pad)))
+    def rows(self, positions, pad_to: int, heads: tuple | None = None):
+        """The rows of `positions` [heads, pad_to, d] (of `heads` only, if given), zeros after them: as a take of
+        them gives them."""
+        return _rows_of(self.array, jnp.asarray(padded(positions, pad_to, self.m_pad)), heads=heads)
 
 
 class WithRest:
@@ -172,9 +174,9 @@ class WithRest:
     choose come free with it), and only the positions in the chunks it does not touch at the rest's. The wrapped
     policy selects as it does alone; its takes of K and V are answered from those whole-chunk takes, its takes on
     the device (`TakeChosen`) declined. Where the rest's keys are at the selection's precision (spec_mixed-kv8's, at
-    8 bits) every position's K is one take, planned at the request's start, and the selection's keys are rows of
-    it; where the policy holds every position's keys anyway (`keys_at_hand`), those are the keys and no other K is
-    read. The layer attends to every position."""
+    8 bits) every position's K is one take, planned at the request's start, and the probe keys and the selection's
+    keys are rows of it; where the policy holds every position's keys anyway (`keys_at_hand`), those are the keys and
+    no other K is read. The layer attends to every position."""
 
     def __init__(self, inner, bits: int, key_bits: int | None = None):
         self.inner, self.bits, self.key_bits = inner, bits, bits if key_bits is None else key_bits
@@ -198,9 +200,12 @@ class WithRest:
         return key_bits is not None and key_bits == f.system.kv_bits
 
     def certain_reads(self, f: Facts) -> tuple:
-        """The wrapped policy's, and every position's K where it is one take (`keys_once`); the rest's other rows lie
-        in the chunks the selection does not touch, known once it has chosen."""
-        return tuple(self.inner.certain_reads(f)) + ((K,) if self.keys_once(f) else ())
+        """The wrapped policy's, and every position's K where it is one take (`keys_once`: then the probe keys are
+        its rows, not read apart); the rest's other rows lie in the chunks the selection does not touch, known once it
+        has chosen."""
+        if not self.keys_once(f):
+            return tuple(self.inner.certain_reads(f))
+        return tuple(kind for kind in self.inner.certain_reads(f) if kind != PROBE) + (K,)
 
     def selection_reads(self, f: Facts) -> tuple:
         """The wrapped policy's, less K where every position's K is one certain read: a guess reads none again."""
@@ -219,20 +224,21 @@ class WithRest:
                 step = steps.send(result)
                 if isinstance(step, TakeChosen):
                     result = None  # taken as whole chunks instead, below
-                elif isinstance(step, Take) and step.kind in held:
+                elif isinstance(step, Take) and (step.kind in held or once and step.kind == PROBE):
                     wanted = every if step.positions is None else np.asarray(step.positions, np.int64)
-                    rows = held[step.kind]
-                    need = rows.missing(every if once and step.kind == K else
-                                        every[np.isin(chunk_of, chunk_of[wanted])])
+                    kind = K if step.kind == PROBE else step.kind  # probe keys: rows of the probe heads' K
+                    rows = held[kind]
+                    need = rows.missing(every if once and kind == K else every[np.isin(chunk_of, chunk_of[wanted])])
                     if len(need):
                         importance = None
                         if step.importance is not None:  # the chosen rows' importance; none for the others
                             importance = np.zeros(m, np.float32)
                             importance[wanted] = step.importance
                             importance = importance[need]
-                        rows.lay((yield Take(step.kind, need, min(bucket(len(need)), m_pad), step.phase,
-                                             importance)), need)
-                    result = rows.rows(wanted, m_pad if step.pad_to is None else step.pad_to)
+                        rows.lay((yield Take(kind, need, min(bucket(len(need)), m_pad), step.phase, importance)),
+                                 need)
+                    result = rows.rows(wanted, m_pad if step.pad_to is None else step.pad_to,
+                                       f.probe_kv if step.kind == PROBE else None)
                 else:
                     result = yield step
         except StopIteration as done:
