@@ -168,7 +168,7 @@ class _Held:
 
 
 class WithRest:
-    """An identification whose unselected prefix tokens load at low precision (V at `bits`, K at `key_bits`, None:
+    """An identification whose left-out prefix tokens load at low precision (V at `bits`, K at `key_bits`, None:
     `bits`) instead of being dropped, chunk by chunk: the store reads whole chunks, so every chunk a layer's
     selection touches is taken whole at the selection's precision (the rows of its chunks the selection did not
     choose come free with it), and only the positions in the chunks it does not touch at the rest's. The wrapped

@@ -227,10 +227,12 @@ class SystemOptions:
                                   "store holding them so, made for it) instead of the model's dtype; results name "
                                   "the system NAME-kvB.")
     rest_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) the values of the chunks its "
-                                    "selection does not touch load at (default 4); results name the system spec_mixed-restB.")
+                                    "selection does not touch load at (default 4); results name the system "
+                                    "spec_mixed-restB.")
     rest_key_bits: int | None = _option(None, "spec_mixed: the bits (8, 4 or 2) the keys of the chunks its "
-                                        "selection does not touch load at (default 8: a key's rounding moves the answers more than a value's, "
-                                        "docs/systems.md); results name the system spec_mixed-restkB.")
+                                        "selection does not touch load at (default 8: a key's rounding moves the "
+                                        "answers more than a value's, docs/systems.md); results name the system "
+                                        "spec_mixed-restkB.")
     plan_bits: int | None = _option(None, "planner: the fewest bits (8, 4 or 2) it may load a stored prefix's K and "
                                     "V at, as its cost model says per request: it then weighs loading at every "
                                     "precision from this one up beside its other plans (the accuracy each costs: "
