@@ -17,7 +17,8 @@ queries and own keys exact) is computed again with them:
   for all as spec's shared sets are. Both are oracles, which SPEC's probes estimate. ` engine`: the sets the engine
   itself chose for the request (`--engine_system` at these bits, over a store of the prefix alone in a temporary
   folder, caches off): a shared set, or a fallback layer's per-head sets, whose keys then all load at
-  `--selected_bits` and whose values at the union's rows (spec_mixed's `WithRest`);
+  `--selected_bits`; in `mixed engine` the rows at `--selected_bits` are every row of the chunks the set (or the
+  per-head sets' union) touches, as spec_mixed's `WithRest` loads them;
 - `... -var/2`: the same with each low-bit row's score lowered by half its variance from rounding, var = scale^2 *
   sum_c q_c^2 step_c^2 / 12 (step_c: its chunk's code step in channel c). A softmax over noisy scores weighs those
   rows up by exp(var / 2) on average (Jensen), so a mix of precisions shifts weight from the exact rows to the noisy
@@ -156,22 +157,26 @@ class Layer:
         return keep[:, None]
 
 
-def engine_keep(chosen, kv_heads: int, group: int, m: int):
-    """The engine's chosen positions [1 or H, k] of a layer as (keep [H_kv, 1 or G, m], every key at the selected
-    bits, the rows whose values are: [H_kv, m]): a shared set for every head, or per-head sets."""
+def engine_keep(chosen, kv_heads: int, group: int, m: int, chunk_tokens: int):
+    """The engine's chosen positions [1 or H, k] of a layer as (keep [H_kv, 1 or G, m], the rows whose keys are at
+    the selected bits, the rows whose values are: [H_kv, m]): a shared set for every head, or per-head sets. Rows at
+    the selected bits are whole chunks (`chunk_tokens`, from the prefix's start), every chunk the set or the
+    per-head sets' union touches; a per-head layer's keys are all at them."""
     chosen = np.asarray(chosen)
+    chunk = np.arange(m) // chunk_tokens
     if chosen.shape[0] == 1:
         keep = np.zeros((kv_heads, 1, m), bool)
         keep[:, :, chosen[0]] = True
-        return keep, keep[:, 0], keep[:, 0]
+        whole = np.broadcast_to(np.isin(chunk, chunk[chosen[0]]), (kv_heads, m))
+        return keep, whole, whole
     keep = np.zeros((chosen.shape[0], m), bool)
     np.put_along_axis(keep, chosen, True, axis=-1)
-    union = np.broadcast_to(keep.any(axis=0), (kv_heads, m))
-    return keep.reshape(kv_heads, group, m), np.ones((kv_heads, m), bool), union
+    whole = np.broadcast_to(np.isin(chunk, chunk[keep.any(axis=0)]), (kv_heads, m))
+    return keep.reshape(kv_heads, group, m), np.ones((kv_heads, m), bool), whole
 
 
 def variants(layer: Layer, codes: dict, bits: list, selected_bits: int, rest_bits: tuple, retention: float,
-             chosen=None) -> dict:
+             chosen=None, chunk_tokens: int = 64) -> dict:
     """Every variant of one layer by name (`rest_bits`: the mixed rest's keys' and values' bits): a function giving
     (prefix scores, prefix values, keep or None, (the low-bit rows [H_kv, m], their score variance) or None), computed
     when called."""
@@ -200,7 +205,7 @@ def variants(layer: Layer, codes: dict, bits: list, selected_bits: int, rest_bit
     if chosen is not None:
         @functools.cache
         def engine():
-            keep, keys_at, values_at = engine_keep(chosen, *layer.q.shape[:2], layer.k.shape[1])
+            keep, keys_at, values_at = engine_keep(chosen, *layer.q.shape[:2], layer.k.shape[1], chunk_tokens)
             return keep, keys_at[:, None], values_at
         sets[" engine"] = engine
     for name, make in sets.items():
@@ -287,7 +292,7 @@ def run(model, requests, bits: list, selected_bits: int, rest_bits: tuple, reten
                 return Layer(grouped, prefix_k, prefix_v, own_k, own_v, scale, asked)
 
             def made_of(layer):
-                return variants(layer, codes, bits, selected_bits, rest_bits, retention, layer_chosen)
+                return variants(layer, codes, bits, selected_bits, rest_bits, retention, layer_chosen, chunk_tokens)
 
             layer = layer_of(q[:, m:], k[:, m:], v[:, m:])
             measure_layer(layer, made_of(layer), into)

@@ -83,14 +83,17 @@ def test_fewer_bits_and_dropping_err_more_and_every_row_kept_is_exact():
 
 
 def test_engine_sets_shared_and_per_head():
-    keep, keys_at, values_at = ae.engine_keep(np.array([[3, 1]]), kv_heads=2, group=3, m=5)
-    assert keep.shape == (2, 1, 5) and keep[:, 0].tolist() == [[False, True, False, True, False]] * 2
-    assert (keys_at == keep[:, 0]).all() and (values_at == keep[:, 0]).all()
-    per_head = np.array([[0], [1], [1], [2], [2], [4]])  # 6 query heads over 2 KV heads, one row each
-    keep, keys_at, values_at = ae.engine_keep(per_head, kv_heads=2, group=3, m=5)
-    assert keep.shape == (2, 3, 5) and keep[1, 2].tolist() == [False, False, False, False, True]
+    """spec_mixed's rows at the selection's bits are whole chunks (here of 2 tokens): those its set touches."""
+    keep, keys_at, values_at = ae.engine_keep(np.array([[3, 1]]), kv_heads=2, group=3, m=7, chunk_tokens=2)
+    assert keep.shape == (2, 1, 7) and keep[:, 0].tolist() == [[False, True, False, True, False, False, False]] * 2
+    whole = [True, True, True, True, False, False, False]
+    assert keys_at.tolist() == values_at.tolist() == [whole] * 2
+    per_head = np.array([[0], [1], [1], [2], [2], [6]])  # 6 query heads over 2 KV heads, one row each
+    keep, keys_at, values_at = ae.engine_keep(per_head, kv_heads=2, group=3, m=7, chunk_tokens=2)
+    assert keep.shape == (2, 3, 7) and keep[1, 2].tolist() == [False] * 6 + [True]
     assert keys_at.all()  # a fallback layer loads every key at the selection's bits
-    assert values_at[0].tolist() == values_at[1].tolist() == [True, True, True, False, True]  # the union's values
+    # the union's values' chunks: rows 0-3 and 6
+    assert values_at[0].tolist() == values_at[1].tolist() == [True, True, True, True, False, False, True]
 
 
 @pytest.mark.skipif(not (DATA / "piqa").exists(), reason="needs the PIQA files of docs/data.md")
