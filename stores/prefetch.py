@@ -40,6 +40,9 @@ class Ticket:
     speculative: bool
     table: HeldReads | None = None
     released: bool = False
+    # held until the caller cancels it (or the prefetcher closes), not let go of when its (layer, kind) is taken: a
+    # read that several takes of one layer use (`request(held=True)`)
+    held: bool = False
 
     @property
     def keys(self) -> list:
@@ -164,13 +167,17 @@ class Prefetcher:
             self.cache.admit_later([(layer, kind, c) for c in kept], [arrays[c - first].copy() for c in kept])
 
     def request(self, match: Match, layer: int, kind: int, positions=None, *, chunks=None,
-                speculative: bool = False, background=()) -> Ticket:
+                speculative: bool = False, background=(), held: bool = False) -> Ticket:
         """Start reading the chunks of `positions` (or the chunk ids `chunks`, already located) not already cached;
         returns immediately. With `speculative`, the chunk ids `background` are read too, but only while the disk
         has nothing else to do (stores.scheduler). A new request for the same (layer, kind) supersedes earlier
-        speculative ones (their unshared reads are dropped)."""
+        speculative ones (their unshared reads are dropped). A take of (layer, kind) lets go of its open tickets,
+        except `held` ones: the caller cancels those (`cancel`) once every take that uses them is made, so that a
+        second take of the kind in the layer finds their chunks still read."""
         if len(background) and not speculative:
             raise ValueError("background reads are speculative")
+        if held and speculative:
+            raise ValueError("a held read is a demand read")
         if chunks is None:
             chunks = self.store.locate(match, positions, layer).unique_chunks()
         if self.caching:
@@ -183,7 +190,7 @@ class Prefetcher:
             holds = [self._hold(layer, kind, chunks, demand=not speculative)]
             if len(background):
                 holds.append(self._hold(layer, kind, background, demand=False, background=True))
-            ticket = Ticket(layer, kind, holds, speculative, self._table(layer, kind))
+            ticket = Ticket(layer, kind, holds, speculative, self._table(layer, kind), held=held)
             open_tickets = self._tickets.setdefault((layer, kind), [])
             for old in [t for t in open_tickets if t.speculative]:
                 self._cancel_locked(old)
@@ -315,9 +322,10 @@ class Prefetcher:
             self._cancel_tickets_locked(layer, kind)
 
     def _cancel_tickets_locked(self, layer: int, kind: int) -> None:
-        """The layer's `kind` is taken: its open tickets (a guess's reads among them) are let go."""
+        """The layer's `kind` is taken: its open tickets (a guess's reads among them) are let go, but for held ones."""
         for ticket in list(self._tickets.get((layer, kind), [])):
-            self._cancel_locked(ticket)
+            if not ticket.held:
+                self._cancel_locked(ticket)
 
     def discard(self, resident: Resident) -> None:
         """`resident`'s take did not happen (or is accounted for): unpin its slots."""

@@ -11,7 +11,8 @@ import tensorstore as ts
 
 import specjax
 from specjax.engine import Engine, EngineConfig, Request, fingerprint, make_system
-from specjax.engine import speculation
+from specjax.engine import identify, speculation
+from specjax.engine.policy_steps import Take
 from specjax.engine import state as st
 from specjax.errors import SpecjaxError
 from specjax.kernels import itf_threshold
@@ -392,6 +393,37 @@ def test_every_layers_certain_reads_are_planned_at_the_request_start(model, name
         of_layer = [c for c in calls if c[0] == layer]
         assert of_layer[:len(certain)] == [(layer, kind, False) for kind in certain]
     assert max(layer for layer, _, _ in calls) == num_layers - 1
+
+
+class _TakesKTwice(identify.LoadAll):
+    """as_full's policy, taking a set's keys (the first half of the prefix) before every position's."""
+
+    def select(self, f, layer, state):
+        half = np.arange(layer.m // 2)
+        yield Take(K, half, len(half))
+        return (yield from super().select(f, layer, state))
+
+
+def test_a_layer_taking_a_kind_twice_reads_each_chunk_once(model):
+    """A certain read stays held until its layer's identification is done: a policy that takes a kind twice in a
+    layer (a set's rows, then every position's) reads each chunk once, caches off, and attends to the same KV."""
+    req = _request(model, prefix_len=96, seed=5)
+    config = EngineConfig(retention=1.0, gpu_cache_bytes=0, cpu_cache_bytes=0, trace=True)
+    engine = Engine(model, make_system("as_full"), _store(model), config)
+    engine.warm(req.prefix)
+    plain = engine.run(req)
+    engine.identification = _TakesKTwice()
+    reads, read_runs = [], engine.store.read_runs
+
+    def recording(layer, kind, chunks, **kw):
+        reads.extend((layer, kind, int(c)) for c in chunks)
+        return read_runs(layer, kind, chunks, **kw)
+
+    engine.store.read_runs = recording
+    twice = engine.run(req)
+    assert reads and len(reads) == len(set(reads))
+    assert twice.io["disk_bytes"] == plain.io["disk_bytes"]
+    np.testing.assert_array_equal(twice.first_token_logits, plain.first_token_logits)
 
 
 def test_the_plan_is_issued_beside_the_first_layers_and_a_take_waits_for_its_layers_plan(model, monkeypatch):

@@ -84,6 +84,8 @@ class LayerIO:
         self._every_position: dict = {}  # layer -> Locations of every match position from `first` on
         self._ahead = None  # the reads the last `after_selection` queues on the engine's I/O worker (a future)
         self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
+        self._certain: dict[int, list] = {}  # layer -> the held tickets of its certain reads (`_request_certain`)
+        self._certain_lock = threading.Lock()
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
@@ -113,23 +115,37 @@ class LayerIO:
             loc = self._locations[key] = Locations(every.chunks[positions], every.offsets[positions])
         return loc
 
-    def _request(self, layer: int, kind: int, positions, *, speculative: bool = False):
+    def _request(self, layer: int, kind: int, positions, *, speculative: bool = False, held: bool = False):
         """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate` (kind
         as a policy names it: K and V are read at the request's precision, `ReadPath.precision`; low-bit K's chunks'
-        ranges with it)."""
+        ranges with it). `held`: the reads stay held until the layer's identification is done (`_let_go_certain`),
+        whatever its takes of the kind."""
         chunks = self.locate(layer, positions).unique_chunks()
         kind = self.path.precision.kind(kind)
-        if in_chunk_range(kind):
-            self.path.prefetcher.request(self.match, layer, K_RANGE, chunks=chunks, speculative=speculative)
-        return self.path.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative)
+        tickets = [self.path.prefetcher.request(self.match, layer, of, chunks=chunks, speculative=speculative,
+                                                held=held)
+                   for of in ((K_RANGE, kind) if in_chunk_range(kind) else (kind,))]
+        if held:
+            with self._certain_lock:
+                self._certain.setdefault(layer, []).extend(tickets)
+        return tickets[-1]
 
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
-        that prefetch them."""
+        that prefetch them, held until its identification is done: a policy may take a kind more than once (a set's
+        rows, then every position's), and each chunk is read once."""
         if not self.path.system.prefetch.ahead:
             return
         for kind in self.path.identification.certain_reads(self.path.facts):
-            self._request(layer, kind, self.all_positions)
+            self._request(layer, kind, self.all_positions, held=True)
+
+    def _let_go_certain(self, layer: int) -> None:
+        """The layer's identification is done: let go of its certain reads (once they are issued)."""
+        self._wait_planned(layer)
+        with self._certain_lock:
+            tickets = self._certain.pop(layer, [])
+        for ticket in tickets:
+            self.path.prefetcher.cancel(ticket)
 
     def plan_reads(self, layers) -> None:
         """The request's read plan: what each of `layers` reads whatever it selects (as_full: all K and V; H2O: all
@@ -443,6 +459,7 @@ class LayerIO:
             return done.value
         finally:
             steps.close()
+            self._let_go_certain(layer)
 
     def _carry_out(self, layer: int, step):
         """One step of a layer's identification: a read, a device step of the decision (timed and paced, as
