@@ -172,7 +172,7 @@ class Prefetcher:
         returns immediately. With `speculative`, the chunk ids `background` are read too, but only while the disk
         has nothing else to do (stores.scheduler). A new request for the same (layer, kind) supersedes earlier
         speculative ones (their unshared reads are dropped). A take of (layer, kind) lets go of its open tickets,
-        except `held` ones: the caller cancels those (`cancel`) once every take that uses them is made, so that a
+        except `held` ones: the caller lets go of those (`let_go`) once every take that uses them is made, so that a
         second take of the kind in the layer finds their chunks still read."""
         if len(background) and not speculative:
             raise ValueError("background reads are speculative")
@@ -209,6 +209,13 @@ class Prefetcher:
     def cancel(self, ticket: Ticket) -> None:
         with self._lock:
             self._cancel_locked(ticket)
+
+    def let_go(self, layer: int) -> None:
+        """Cancel the layer's held tickets (`request(held=True)`), of every kind."""
+        with self._lock:
+            held = [t for (of, _), tickets in self._tickets.items() if of == layer for t in tickets if t.held]
+            for ticket in held:
+                self._cancel_locked(ticket)
 
     def ahead(self, layer: int, kind: int, chunks) -> np.ndarray:
         """Per chunk of (layer, kind): is it on its way already, held by a cache tier or its read asked of the disk?

@@ -84,8 +84,6 @@ class LayerIO:
         self._every_position: dict = {}  # layer -> Locations of every match position from `first` on
         self._ahead = None  # the reads the last `after_selection` queues on the engine's I/O worker (a future)
         self._plan = None  # the read plan being issued on the engine's I/O worker (a future; `plan_reads`)
-        self._certain: dict[int, list] = {}  # layer -> the held tickets of its certain reads (`_request_certain`)
-        self._certain_lock = threading.Lock()
         self._planned = -1  # the last layer whose planned reads are issued
         self._planned_cv = threading.Condition()
         # what a guess reads ahead, and what tells whether one pays (`Speculator.pays`): only with a speculator
@@ -122,13 +120,11 @@ class LayerIO:
         whatever its takes of the kind."""
         chunks = self.locate(layer, positions).unique_chunks()
         kind = self.path.precision.kind(kind)
-        tickets = [self.path.prefetcher.request(self.match, layer, of, chunks=chunks, speculative=speculative,
-                                                held=held)
-                   for of in ((K_RANGE, kind) if in_chunk_range(kind) else (kind,))]
-        if held:
-            with self._certain_lock:
-                self._certain.setdefault(layer, []).extend(tickets)
-        return tickets[-1]
+        if in_chunk_range(kind):
+            self.path.prefetcher.request(self.match, layer, K_RANGE, chunks=chunks, speculative=speculative,
+                                         held=held)
+        return self.path.prefetcher.request(self.match, layer, kind, chunks=chunks, speculative=speculative,
+                                            held=held)
 
     def _request_certain(self, layer: int) -> None:
         """Request on demand what `layer` reads whatever it selects (the identification's certain reads), for systems
@@ -141,11 +137,9 @@ class LayerIO:
 
     def _let_go_certain(self, layer: int) -> None:
         """The layer's identification is done: let go of its certain reads (once they are issued)."""
-        self._wait_planned(layer)
-        with self._certain_lock:
-            tickets = self._certain.pop(layer, [])
-        for ticket in tickets:
-            self.path.prefetcher.cancel(ticket)
+        if self.path.prefetcher is not None:
+            self._wait_planned(layer)
+            self.path.prefetcher.let_go(layer)
 
     def plan_reads(self, layers) -> None:
         """The request's read plan: what each of `layers` reads whatever it selects (as_full: all K and V; H2O: all

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.connector import K_RANGE, PROBE, K, Layout, Locations, V, bits_of, in_chunk_range, low_bit
+from specjax.engine import steps as S
 from specjax.engine.identify import iota
 from specjax.engine.policy_steps import Facts, Layer, Locate, Selected, Steps, Take, TakeChosen
 from specjax.errors import SpecjaxError
@@ -136,13 +137,6 @@ def _overlay(base, rows, src, dst):
     return base.at[:, dst].set(taken, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("heads",))
-def _rows_of(held, index, *, heads=None):
-    """held[heads, index] (every head: None), zeros where index is past its rows (padding)."""
-    rows = jnp.take(held, index, axis=1, mode="fill", fill_value=0)
-    return rows if heads is None else rows[jnp.asarray(heads)]
-
-
 class _Held:
     """A layer's rows of one kind taken so far, laid at their positions in [heads, m_pad, d] (`array`, None until
     the first take), and which positions they are (`has`)."""
@@ -164,7 +158,8 @@ class _Held:
     def rows(self, positions, pad_to: int, heads: tuple | None = None):
         """The rows of `positions` [heads, pad_to, d] (of `heads` only, if given), zeros after them: as a take of
         them gives them."""
-        return _rows_of(self.array, jnp.asarray(padded(positions, pad_to, self.m_pad)), heads=heads)
+        rows = S.gather_tokens(self.array, jnp.asarray(padded(positions, pad_to, self.m_pad)))
+        return rows if heads is None else rows[np.asarray(heads)]
 
 
 class WithRest:
