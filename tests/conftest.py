@@ -76,3 +76,21 @@ def conversions(monkeypatch) -> list:
 
     monkeypatch.setattr(convert, "convert_hf_dir", counting)
     return calls
+
+
+@pytest.fixture
+def held_behind(monkeypatch) -> list:
+    """The layers found still holding certain reads (`Prefetcher.request(held=True)`) when a later layer's take
+    begins: a request's held reads are let go layer by layer, not at its end."""
+    from specjax.stores import prefetch
+
+    take, behind = prefetch.Prefetcher.take, []
+
+    def taking(self, match, layer, *args, **kwargs):
+        with self._lock:
+            behind.extend(of for (of, _), tickets in self._tickets.items()
+                          if of < layer and any(t.held for t in tickets))
+        return take(self, match, layer, *args, **kwargs)
+
+    monkeypatch.setattr(prefetch.Prefetcher, "take", taking)
+    return behind

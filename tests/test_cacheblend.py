@@ -113,6 +113,13 @@ def test_full_blend_ratio_equals_recompute(model):
     assert r.io["disk_bytes"] == 0  # nothing reused, so nothing read
 
 
+def test_a_blend_layers_reads_are_let_go_once_taken(model, held_behind):
+    """A loaded layer's K/V reads are held only until the layer has taken them, not to the request's end."""
+    req = _request(model)
+    r = _engine(model, "cacheblend", 0.15, req.chunks).run(req)
+    assert r.reused_tokens and not held_behind
+
+
 def test_full_reuse_of_the_first_segment_alone_equals_recompute(model):
     """The first segment is stored whole (computed from position 0, no sink), as recompute computes it."""
     req = _request(model)

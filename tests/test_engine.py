@@ -426,6 +426,46 @@ def test_a_layer_taking_a_kind_twice_reads_each_chunk_once(model):
     np.testing.assert_array_equal(twice.first_token_logits, plain.first_token_logits)
 
 
+class _Fails(identify.LoadAll):
+    """as_full's policy, failing once it has taken a layer's keys."""
+
+    def select(self, f, layer, state):
+        yield Take(K)
+        raise ValueError("the layer's own error")
+
+
+def test_a_layers_own_error_is_not_replaced_by_letting_go_of_its_reads(model, monkeypatch):
+    """A layer's identification that fails lets go of its held reads, and what letting go raises (the read plan's
+    error, which it re-raises) does not replace the layer's own: a bad chunk found there is recomputed, not fatal."""
+    from specjax.engine import layer_io
+
+    req = _request(model, prefix_len=96, seed=5)
+    engine = _engine(model, "as_full")
+    engine.warm(req.prefix)
+    engine.identification = _Fails()
+    let_go = []
+
+    def failing(self, layer):
+        let_go.append(layer)
+        raise RuntimeError("the read plan's error")
+
+    monkeypatch.setattr(layer_io.LayerIO, "let_go_certain", failing)
+    with pytest.raises(ValueError, match="the layer's own error"):
+        engine.run(req)
+    assert let_go == [0]
+
+
+@pytest.mark.parametrize("name", ["as_full", "spec"])
+def test_a_layers_held_reads_are_let_go_once_it_has_identified(model, held_behind, name):
+    """A layer's certain reads are held only until its identification is done, not to the request's end (their
+    landing buffers would pile up over the layers)."""
+    req = _request(model, prefix_len=96, seed=6)
+    engine = _engine(model, name, retention=0.5)
+    engine.warm(req.prefix)
+    engine.run(req)
+    assert not held_behind
+
+
 def test_the_plan_is_issued_beside_the_first_layers_and_a_take_waits_for_its_layers_plan(model, monkeypatch):
     """Issuing the read plan (host work per layer) runs on the engine's I/O worker: the request's thread takes layer
     0 while later layers' reads are still being issued, and never takes a layer before its planned reads are."""

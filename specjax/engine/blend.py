@@ -266,6 +266,7 @@ class BlendEngine(Engine):
             traced.append(recomputed)
             if loads[layer]:
                 reused_k, reused_v = io.take_all(layer, K), io.take_all(layer, V)
+                io.let_go_certain(layer)
             else:
                 reused_k = reused_v = zeros
             dispatched = time.monotonic()

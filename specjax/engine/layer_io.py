@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import distributed
-from specjax.connector import K_RANGE, PROBE, K, KVStore, Locations, Prefetcher, TieredCache, V, in_chunk_range
+from specjax.connector import K_RANGE, K, KVStore, Locations, Prefetcher, TieredCache, V, in_chunk_range
 from specjax.engine import events
 from specjax.engine import policy_steps as P
 from specjax.engine.clock import Clock
@@ -116,7 +116,7 @@ class LayerIO:
     def _request(self, layer: int, kind: int, positions, *, speculative: bool = False, held: bool = False):
         """Start reading `positions`' chunks of (layer, kind) through the prefetcher, located through `locate` (kind
         as a policy names it: K and V are read at the request's precision, `ReadPath.precision`; low-bit K's chunks'
-        ranges with it). `held`: the reads stay held until the layer's identification is done (`_let_go_certain`),
+        ranges with it). `held`: the reads stay held until the layer's identification is done (`let_go_certain`),
         whatever its takes of the kind."""
         chunks = self.locate(layer, positions).unique_chunks()
         kind = self.path.precision.kind(kind)
@@ -135,8 +135,8 @@ class LayerIO:
         for kind in self.path.identification.certain_reads(self.path.facts):
             self._request(layer, kind, self.all_positions, held=True)
 
-    def _let_go_certain(self, layer: int) -> None:
-        """The layer's identification is done: let go of its certain reads (once they are issued)."""
+    def let_go_certain(self, layer: int) -> None:
+        """The layer's identification is done, or its takes made: let go of its certain reads (once issued)."""
         if self.path.prefetcher is not None:
             self._wait_planned(layer)
             self.path.prefetcher.let_go(layer)
@@ -293,9 +293,9 @@ class LayerIO:
         """Vectors [heads, pad_to, d] of `positions` (zeros after them), waiting only for what is missing;
         `importance` (per position) feeds the attention-score cache. K and V are read at the request's precision
         and a low-bit kind's rows decoded on the device (`ReadPath.precision`)."""
-        probe, kind = kind == PROBE, self.path.precision.kind(kind)
+        kind = self.path.precision.kind(kind)
         self._wait_planned(layer)
-        if not probe:
+        if kind in self._selection_kinds:  # not probe keys, nor every key taken whatever the layer selects
             self._kv_taken(layer, (kind,))
         taken, array, ranges = self.clock.timed(
             phase, take_decoded, self.path.prefetcher, self.match, layer, kind, positions,
@@ -445,15 +445,20 @@ class LayerIO:
         order it yields them, each one's result sent back, until it returns the layer's selection."""
         steps = policy.select(self.path.facts, P.Layer(layer, q, own_k, n, k, k_cap, self.m, self.m_pad,
                                                        self.all_positions), state)
-        result = None
+        result, failed = None, True
         try:
             while True:
                 result = self._carry_out(layer, steps.send(result))
         except StopIteration as done:
+            failed = False
             return done.value
         finally:
             steps.close()
-            self._let_go_certain(layer)
+            try:
+                self.let_go_certain(layer)
+            except Exception:
+                if not failed:  # else the layer's own error goes on (a bad chunk, recomputed), not the plan's
+                    raise
 
     def _carry_out(self, layer: int, step):
         """One step of a layer's identification: a read, a device step of the decision (timed and paced, as

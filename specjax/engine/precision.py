@@ -210,6 +210,8 @@ class WithRest:
     def select(self, f: Facts, layer: Layer, state) -> Steps:
         m, m_pad = layer.m, layer.m_pad
         every = np.arange(m)
+        if not np.array_equal(layer.positions, every):  # its rows are positions: a layer over the prefix from 0
+            raise SpecjaxError(f"{f.system.name}'s rest is taken over a whole prefix, positions 0..m-1")
         chunk_of = (yield Locate(layer.positions)).chunks
         once = self.keys_once(f)
         held = {K: _Held(m, m_pad), V: _Held(m, m_pad)}  # rows taken at the selection's precision
