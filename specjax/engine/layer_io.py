@@ -295,8 +295,7 @@ class LayerIO:
         and a low-bit kind's rows decoded on the device (`ReadPath.precision`)."""
         kind = self.path.precision.kind(kind)
         self._wait_planned(layer)
-        if kind in self._selection_kinds:  # not probe keys, nor every key taken whatever the layer selects
-            self._kv_taken(layer, (kind,))
+        self._kv_taken(layer, (kind,))
         taken, array, ranges = self.clock.timed(
             phase, take_decoded, self.path.prefetcher, self.match, layer, kind, positions,
             self.locate(layer, positions), pad_to, self.path.precision.decode, importance=importance)
@@ -390,16 +389,19 @@ class LayerIO:
         return resident, np.arange(size, dtype=np.int32), len(whole.chunks), padded(chunk_of, self.m_pad, 0)
 
     def _kv_taken(self, layer: int, kinds) -> None:
-        """The layer's K/V of `kinds` are being taken, its guess issued by now: the speculation's window closes, and
-        what the guess had not got on its way is noted (`_note_behind`)."""
+        """The layer's `kinds` are being taken. Of them, those a guess reads (the selection's kinds; not probe keys,
+        keys taken whatever the layer selects, or spec_mixed's rest): the guess is issued by now, the speculation's
+        window closes, and what the guess had not got on its way is noted (`_note_behind`)."""
+        kinds = [kind for kind in kinds if kind in self._selection_kinds]
+        if not kinds:
+            return
         self._join_ahead()
         opened = self._window_opened.pop(layer, None)
         if opened is not None:
             self.path.speculator.observe_window(opened)
         if layer in self.prefetched:
             for kind in kinds:
-                if kind in (self.path.precision.kind(K), self.path.precision.kind(V)):  # not spec_mixed's rest
-                    self._note_behind(layer, kind)
+                self._note_behind(layer, kind)
 
     def _account_chosen(self) -> None:
         """What the takes made on the device (`take_chosen`) would have counted as takes: the uses and hits of the
